@@ -1,0 +1,43 @@
+"""What every generating subcommand does first: read the preset, merge settings
+(flag > preset > defaults) and load the model once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from genlib.config import GenerationSettings, resolve_settings
+from genlib.presets import Preset, load_preset
+
+if TYPE_CHECKING:
+    from genlib.models import LoadedModel
+
+
+@dataclass
+class ModelFlags:
+    model: str | None
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "none"
+    trust_remote_code: bool = False
+
+
+def settings_for(preset_ref: str | None, flags: dict[str, Any]
+                 ) -> tuple[GenerationSettings, Preset | None]:
+    preset = load_preset(preset_ref) if preset_ref else None
+    settings = resolve_settings(flags, preset.settings if preset else None)
+    if settings.unused:
+        from cli.render import warn
+
+        warn(f"{', '.join(settings.unused)} only apply when sampling; strategy is "
+             f"{settings.strategy}")
+    return settings, preset
+
+
+def load(flags: ModelFlags, preset: Preset | None = None) -> LoadedModel:
+    from genlib.models import ModelSpec, load_model, resolve_model_ref
+
+    ref = resolve_model_ref(flags.model, preset.model if preset else None)
+    return load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
+                                quantize=flags.quantize,
+                                trust_remote_code=flags.trust_remote_code))

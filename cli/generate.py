@@ -1,0 +1,190 @@
+"""`genlab generate`: stream a completion for a prompt given as an argument or on stdin."""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.context import ModelFlags, load, settings_for
+from cli.errors import fail, user_errors
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
+    from genlib.events import Finish
+    from genlib.models import LoadedModel
+
+INTERRUPTED = 130
+
+
+def read_prompt(prompt: str | None) -> str:
+    """The prompt argument, or stdin for `-` / no argument with piped input."""
+    if prompt is not None and prompt != "-":
+        return prompt
+    if prompt is None and sys.stdin.isatty():
+        raise fail("no prompt: pass one as an argument, pipe it on stdin, or use -i")
+    text = sys.stdin.read()
+    if text.endswith("\n"):
+        text = text[:-1]
+    if not text:
+        raise fail("the prompt read from stdin is empty")
+    return text
+
+
+def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
+                  truncate: bool, max_new_tokens: int) -> list[int]:
+    if chat:
+        messages = ([{"role": "system", "content": system}] if system else []) + \
+            [{"role": "user", "content": prompt}]
+        ids = lm.encode_chat(messages)
+    else:
+        if system:
+            raise fail("--system needs --chat")
+        ids = lm.encode(prompt)
+    if truncate and lm.max_positions is not None:
+        room = lm.max_positions - max_new_tokens
+        if room < 1:
+            lm.check_fits(1, max_new_tokens)
+        if len(ids) > room:
+            ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
+                else ids[len(ids) - room:]
+    return ids
+
+
+def with_seed(settings: GenerationSettings) -> GenerationSettings:
+    """Fix a fresh seed for sampling runs without one, so --json can report it."""
+    if settings.do_sample and settings.seed is None:
+        from genlib.sampling import fresh_seed
+
+        return settings.replace(seed=fresh_seed())
+    return settings
+
+
+def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
+                settings: GenerationSettings) -> dict[str, Any]:
+    return {
+        "model": lm.ref,
+        "prompt": prompt,
+        "sequence": finish.row,
+        "text": finish.text,
+        "finish_reason": finish.reason,
+        "prompt_tokens": finish.prompt_tokens,
+        "new_tokens": finish.new_tokens,
+        "token_ids": list(finish.token_ids),
+        "timings": {
+            "prefill_s": round(prefill_s, 6),
+            "ttft_s": None if finish.ttft is None else round(finish.ttft, 6),
+            "total_s": round(finish.end - finish.start, 6),
+            "tokens_per_s": round(finish.tokens_per_second, 3),
+        },
+        "settings": settings.to_dict(),
+    }
+
+
+def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
+                   settings: GenerationSettings, as_json: bool, show_stats: bool) -> int:
+    """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
+    from cli import render
+    from genlib.decode import interrupt, stream
+    from genlib.events import Finish, Prefill, Token
+
+    live = not as_json and settings.num_return_sequences == 1
+    prefill_s = 0.0
+    finished: list[Finish] = []
+    interrupted = False
+
+    def handle(event: Any) -> None:
+        nonlocal prefill_s
+        if isinstance(event, Prefill):
+            prefill_s = event.seconds
+        elif isinstance(event, Token) and live:
+            render.stream_text(event.text)
+        elif isinstance(event, Finish):
+            finished.append(event)
+            if live:
+                render.stream_text(event.tail)
+
+    events = stream(lm, [ids], settings)
+    try:
+        for event in events:
+            handle(event)
+    except KeyboardInterrupt:
+        interrupted = True
+        for event in interrupt(events):
+            handle(event)
+    interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
+    for finish in sorted(finished, key=lambda f: f.row):
+        if as_json:
+            render.json_line(result_json(lm, finish, prompt, prefill_s, settings))
+        elif not live:
+            if finish.row:
+                render.stream_text("\n")
+            render.stream_text(finish.text + "\n")
+        if show_stats:
+            render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
+    if live:
+        render.end_line()
+    return INTERRUPTED if interrupted else 0
+
+
+@user_errors
+def generate(
+    prompt: Annotated[str | None, typer.Argument(
+        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    model: opt.Model = None,
+    preset: opt.Preset = None,
+    strategy: opt.Strategy = None,
+    max_new_tokens: opt.MaxNewTokens = None,
+    min_new_tokens: opt.MinNewTokens = None,
+    temperature: opt.Temperature = None,
+    top_k: opt.TopK = None,
+    top_p: opt.TopP = None,
+    min_p: opt.MinP = None,
+    typical_p: opt.TypicalP = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
+    no_repeat_ngram_size: opt.NoRepeatNgram = None,
+    stop: opt.Stop = None,
+    seed: opt.Seed = None,
+    num_return_sequences: opt.NumReturn = None,
+    max_time: opt.MaxTime = None,
+    ignore_eos: opt.IgnoreEos = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="System message (with --chat).")] = None,
+    truncate_prompt: Annotated[bool, typer.Option(
+        "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit "
+        "in the model's context (default: refuse).")] = False,
+    as_json: opt.Json = False,
+    show_stats: Annotated[bool, typer.Option(
+        "--stats", help="Print tokens, time to first token and tokens/s to stderr.")] = False,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    quantize: opt.Quantize = "none",
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Generate text for a prompt, streamed token by token.
+
+    Examples:\n
+      genlab generate "def fibonacci(n):"\n
+      echo "Once upon a time" | genlab generate -m ../shared/models/stories260K -p creative\n
+      genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
+    """
+    flags = opt.setting_flags(
+        strategy=strategy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+        stop_strings=stop, seed=seed, num_return_sequences=num_return_sequences,
+        max_time=max_time, ignore_eos=ignore_eos)
+    settings, loaded_preset = settings_for(preset, flags)
+    if settings.strategy == "beam":
+        raise fail("beam search has its own command: genlab beam PROMPT (same options)")
+    settings = with_seed(settings)
+    text = read_prompt(prompt)
+    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
+    ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    code = run_generation(lm, ids, text, settings, as_json, show_stats)
+    if code:
+        raise typer.Exit(code)

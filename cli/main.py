@@ -1,0 +1,30 @@
+"""The `genlab` command: a Typer app with one module per subcommand.
+
+Nothing here imports torch or transformers; subcommands import them when they run.
+"""
+
+from __future__ import annotations
+
+import typer
+
+from cli import generate as generate_cmd
+from cli import presets as presets_cmd
+
+app = typer.Typer(
+    name="genlab",
+    help="Generate text with language models and see how decoding strategies behave.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+app.command("generate")(generate_cmd.generate)
+app.add_typer(presets_cmd.app, name="presets")
+
+
+def run() -> None:
+    """Console-script entry point."""
+    app()
+
+
+if __name__ == "__main__":
+    run()

@@ -1,0 +1,80 @@
+"""Options shared by several subcommands, defined once.
+
+Setting flags default to None, meaning "not given", so `resolve_settings` can apply
+the precedence explicit flag > preset > built-in default.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import typer
+
+MODEL_PANEL = "Model"
+DECODING_PANEL = "Decoding"
+OUTPUT_PANEL = "Output"
+
+Model = Annotated[str | None, typer.Option(
+    "--model", "-m", rich_help_panel=MODEL_PANEL,
+    help="Hub id or local folder. Default: the preset's model, else $GENLAB_MODEL, else "
+         "genlab's built-in code model.")]
+Device = Annotated[str, typer.Option(
+    "--device", rich_help_panel=MODEL_PANEL, help="auto, cpu, cuda or mps.")]
+Dtype = Annotated[str, typer.Option(
+    "--dtype", rich_help_panel=MODEL_PANEL,
+    help="auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on GPU).")]
+Quantize = Annotated[str, typer.Option(
+    "--quantize", rich_help_panel=MODEL_PANEL, help="none, 8bit or 4bit (bitsandbytes NF4).")]
+TrustRemoteCode = Annotated[bool, typer.Option(
+    "--trust-remote-code", rich_help_panel=MODEL_PANEL,
+    help="Allow model code from the hub to run.")]
+Preset = Annotated[str | None, typer.Option(
+    "--preset", "-p", rich_help_panel=DECODING_PANEL,
+    help="Preset name (see `genlab presets list`) or path to a .yaml file.")]
+
+Strategy = Annotated[str | None, typer.Option(
+    "--strategy", "-s", rich_help_panel=DECODING_PANEL, help="greedy, sample or beam.")]
+MaxNewTokens = Annotated[int | None, typer.Option(
+    "--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Tokens to generate at most.")]
+MinNewTokens = Annotated[int | None, typer.Option(
+    "--min-new-tokens", rich_help_panel=DECODING_PANEL, help="No end token before this many.")]
+Temperature = Annotated[float | None, typer.Option(
+    "--temperature", "-t", rich_help_panel=DECODING_PANEL,
+    help="Sampling temperature (> 0). Implies sampling unless --strategy says otherwise.")]
+TopK = Annotated[int | None, typer.Option(
+    "--top-k", rich_help_panel=DECODING_PANEL, help="Keep the k most probable tokens.")]
+TopP = Annotated[float | None, typer.Option(
+    "--top-p", rich_help_panel=DECODING_PANEL, help="Nucleus sampling mass, 0 < p <= 1.")]
+MinP = Annotated[float | None, typer.Option(
+    "--min-p", rich_help_panel=DECODING_PANEL, help="Drop tokens with p < min_p * p_max.")]
+TypicalP = Annotated[float | None, typer.Option(
+    "--typical-p", rich_help_panel=DECODING_PANEL, help="Locally typical sampling mass.")]
+RepetitionPenalty = Annotated[float | None, typer.Option(
+    "--repetition-penalty", rich_help_panel=DECODING_PANEL,
+    help="> 1 discourages tokens already in the context.")]
+NoRepeatNgram = Annotated[int | None, typer.Option(
+    "--no-repeat-ngram-size", rich_help_panel=DECODING_PANEL,
+    help="Never repeat an n-gram of this size.")]
+Stop = Annotated[list[str] | None, typer.Option(
+    "--stop", rich_help_panel=DECODING_PANEL,
+    help="Stop string (repeatable); it is not printed.")]
+Seed = Annotated[int | None, typer.Option(
+    "--seed", rich_help_panel=DECODING_PANEL, help="Random seed for sampling.")]
+NumReturn = Annotated[int | None, typer.Option(
+    "--num-return-sequences", rich_help_panel=DECODING_PANEL, help="Outputs per prompt.")]
+MaxTime = Annotated[float | None, typer.Option(
+    "--max-time", rich_help_panel=DECODING_PANEL, help="Stop after this many seconds.")]
+IgnoreEos = Annotated[bool | None, typer.Option(
+    "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
+
+Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
+                                    help="Print JSON instead of text.")]
+
+
+def setting_flags(**flags: Any) -> dict[str, Any]:
+    """The settings the user gave on the command line (None = not given)."""
+    if flags.get("stop_strings") == []:
+        flags["stop_strings"] = None
+    if flags.get("ignore_eos") is False:
+        flags["ignore_eos"] = None
+    return {k: v for k, v in flags.items() if v is not None}

@@ -1,0 +1,295 @@
+"""One frozen, validated generation-settings object, and the one function that merges
+CLI flags, a preset and the built-in defaults into it.
+
+Names follow transformers' `GenerationConfig` where one exists (`max_new_tokens`,
+`top_p`, `num_beams`, `stop_strings`, ...), so settings read the same in both tools.
+This module imports nothing heavy: `genlab --help` loads it without torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from genlib.errors import ConfigError
+
+STRATEGIES = ("greedy", "sample", "beam")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+PRESET_META_KEYS = ("name", "description", "model", "extends")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How one setting is typed, bounded and explained."""
+
+    kind: str  # "int", "float", "bool", "str", "strings", "choice", "early_stopping"
+    default: Any
+    help: str
+    allowed: str = ""
+    check: Callable[[Any], bool] | None = None
+    optional: bool = False  # None is a valid value
+    choices: tuple[str, ...] = ()
+
+
+SPECS: dict[str, Spec] = {
+    "strategy": Spec("choice", None, "greedy, sample or beam (default: inferred from the other settings)",
+                     choices=STRATEGIES, optional=True),
+    "do_sample": Spec("bool", None, "sample instead of taking the argmax (beam: beam sampling)",
+                      optional=True),
+    "max_new_tokens": Spec("int", 128, "tokens to generate at most", ">= 1", lambda v: v >= 1),
+    "min_new_tokens": Spec("int", 0, "end tokens are suppressed before this many new tokens",
+                           ">= 0", lambda v: v >= 0),
+    "ignore_eos": Spec("bool", False, "never stop at an end token (benchmarks)"),
+    "temperature": Spec("float", 1.0, "divide logits by this (lower = sharper)",
+                        "> 0 (for deterministic output use strategy greedy)",
+                        lambda v: v > 0),
+    "top_k": Spec("int", 0, "keep the k most probable tokens (0 = off)", ">= 0", lambda v: v >= 0),
+    "top_p": Spec("float", 1.0, "nucleus: keep the smallest set with probability >= top_p",
+                  "0 < top_p <= 1", lambda v: 0 < v <= 1),
+    "min_p": Spec("float", 0.0, "drop tokens with p < min_p * p_max (0 = off)",
+                  "0 <= min_p <= 1", lambda v: 0 <= v <= 1),
+    "typical_p": Spec("float", 1.0, "locally typical sampling mass (1 = off)",
+                      "0 < typical_p <= 1", lambda v: 0 < v <= 1),
+    "repetition_penalty": Spec("float", 1.0, "penalise tokens already in the context (1 = off)",
+                               "> 0", lambda v: v > 0),
+    "no_repeat_ngram_size": Spec("int", 0, "forbid repeating any n-gram of this size (0 = off)",
+                                 ">= 0", lambda v: v >= 0),
+    "stop_strings": Spec("strings", (), "stop when the text contains one of these (not printed)"),
+    "seed": Spec("int", None, "random seed (default: a fresh one, reported in --json)",
+                 ">= 0", lambda v: v >= 0, optional=True),
+    "num_return_sequences": Spec("int", 1, "outputs per prompt", ">= 1", lambda v: v >= 1),
+    "max_time": Spec("float", None, "stop after this many seconds", "> 0", lambda v: v > 0,
+                     optional=True),
+    "num_beams": Spec("int", 1, "beams kept per prompt", ">= 1", lambda v: v >= 1),
+    "length_penalty": Spec("float", 1.0, "beam score = logprob / length**length_penalty"),
+    "early_stopping": Spec("early_stopping", False,
+                           "beam: true, false or never (as in transformers)",
+                           "true, false or \"never\""),
+    "num_beam_groups": Spec("int", 1, "diverse beam search groups", ">= 1", lambda v: v >= 1),
+    "diversity_penalty": Spec("float", 0.0, "diverse beam search: penalty for tokens other groups "
+                              "chose at this step", ">= 0", lambda v: v >= 0),
+    "force_words": Spec("strings", (), "constrained beam search: phrases that must appear"),
+    "force_any": Spec("strings", (), "constrained beam search: sets 'A|B|C', one of which must "
+                      "appear"),
+}
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """Resolved, validated settings for one generation. Build with `resolve_settings`."""
+
+    strategy: str = "greedy"
+    do_sample: bool = False
+    max_new_tokens: int = 128
+    min_new_tokens: int = 0
+    ignore_eos: bool = False
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    repetition_penalty: float = 1.0
+    no_repeat_ngram_size: int = 0
+    stop_strings: tuple[str, ...] = ()
+    seed: int | None = None
+    num_return_sequences: int = 1
+    max_time: float | None = None
+    num_beams: int = 1
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
+    num_beam_groups: int = 1
+    diversity_penalty: float = 0.0
+    force_words: tuple[str, ...] = ()
+    force_any: tuple[str, ...] = ()
+    unused: tuple[str, ...] = field(default=(), compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain, YAML/JSON-friendly dict of every setting (lists, not tuples)."""
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name == "unused":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = list(value) if isinstance(value, tuple) else value
+        return out
+
+    def replace(self, **changes: Any) -> GenerationSettings:
+        """A copy with `changes` applied and validated again."""
+        return resolve_settings(changes, self.to_dict())
+
+
+def closest_key(key: str, valid: Iterable[str]) -> str | None:
+    match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
+    return match[0] if match else None
+
+
+def _type_error(source: str, key: str, spec: Spec, value: Any) -> ConfigError:
+    wanted = {"int": "an integer", "float": "a number", "bool": "true or false",
+              "str": "a string", "strings": "a string or a list of strings",
+              "choice": f"one of {', '.join(spec.choices)}",
+              "early_stopping": "true, false or \"never\""}[spec.kind]
+    return ConfigError(f"{source}: {key} must be {wanted}, got {value!r}")
+
+
+def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
+    """Check one value's type and range; return it in canonical form."""
+    if value is None:
+        if spec.optional:
+            return None
+        raise ConfigError(f"{source}: {key} needs a value ({spec.allowed or spec.help})")
+    kind = spec.kind
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _type_error(source, key, spec, value)
+    elif kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _type_error(source, key, spec, value)
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{source}: {key} must be a finite number, got {value!r}")
+    elif kind == "bool":
+        if not isinstance(value, bool):
+            raise _type_error(source, key, spec, value)
+    elif kind == "str":
+        if not isinstance(value, str):
+            raise _type_error(source, key, spec, value)
+    elif kind == "strings":
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise _type_error(source, key, spec, value)
+        if any(v == "" for v in value):
+            raise ConfigError(f"{source}: {key} must not contain an empty string")
+        value = tuple(value)
+    elif kind == "choice":
+        if value not in spec.choices:
+            hint = closest_key(str(value), spec.choices)
+            extra = f" (did you mean {hint!r}?)" if hint else ""
+            raise ConfigError(f"{source}: {key} must be one of {', '.join(spec.choices)}, "
+                              f"got {value!r}{extra}")
+    elif kind == "early_stopping":
+        if not (isinstance(value, bool) or value == "never"):
+            raise _type_error(source, key, spec, value)
+    if spec.check is not None and not spec.check(value):
+        raise ConfigError(f"{source}: {key} must be {spec.allowed}, got {value!r}")
+    return value
+
+
+def validate_settings(data: Mapping[str, Any], source: str,
+                      extra_keys: Iterable[str] = ()) -> dict[str, Any]:
+    """Validate a mapping of settings (from YAML, flags, a JSONL line...).
+
+    Unknown keys are rejected naming `source`, the key and the closest valid key.
+    Keys in `extra_keys` pass through unchecked (e.g. preset metadata).
+    """
+    extra = set(extra_keys)
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        if not isinstance(key, str):
+            raise ConfigError(f"{source}: setting names must be strings, got {key!r}")
+        if key in extra:
+            out[key] = value
+            continue
+        spec = SPECS.get(key)
+        if spec is None:
+            hint = closest_key(key, [*SPECS, *extra])
+            extra_msg = f" (did you mean {hint!r}?)" if hint else ""
+            raise ConfigError(f"{source}: unknown setting {key!r}{extra_msg}; "
+                              f"`genlab presets keys` lists them all")
+        out[key] = _coerce(source, key, spec, value)
+    return out
+
+
+def parse_value(key: str, text: str, source: str = "value") -> Any:
+    """Type a `KEY=VALUE` string the way YAML would (`0.7` -> float, `true` -> bool)."""
+    try:
+        value = yaml.safe_load(text) if text.strip() else None
+    except yaml.YAMLError:
+        value = text
+    spec = SPECS.get(key)
+    if spec is not None and spec.kind in ("str", "strings", "choice") and not isinstance(
+        value, (list, str)
+    ):
+        value = text
+    return value
+
+
+def parse_assignments(text: str, source: str) -> dict[str, Any]:
+    """Parse `"temperature=0.7, top_p=0.9"` (or space separated) into validated settings."""
+    parts = [p for chunk in text.split(",") for p in chunk.split()]
+    raw: dict[str, Any] = {}
+    for part in parts:
+        key, sep, value = part.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"{source}: expected KEY=VALUE, got {part!r}")
+        raw[key.strip()] = parse_value(key.strip(), value, source)
+    return validate_settings(raw, source)
+
+
+def _infer_strategy(explicit: Mapping[str, Any]) -> str:
+    if explicit.get("strategy"):
+        return explicit["strategy"]
+    if explicit.get("num_beams", 1) > 1:
+        return "beam"
+    if "do_sample" in explicit and explicit["do_sample"] is not None:
+        return "sample" if explicit["do_sample"] else "greedy"
+    if any(k in explicit for k in SAMPLING_KEYS):
+        return "sample"
+    return "greedy"
+
+
+def resolve_settings(cli: Mapping[str, Any] | None = None,
+                     preset: Mapping[str, Any] | None = None,
+                     *, source: str = "command line") -> GenerationSettings:
+    """THE precedence rule: explicit CLI flag > preset > built-in defaults.
+
+    `cli` holds only what the user gave (None values mean "not given" and are dropped);
+    `preset` holds a preset's settings with `extends` already applied. Both are
+    validated here; preset metadata keys (name, description, model) are ignored.
+    """
+    given_cli = {k: v for k, v in (cli or {}).items() if v is not None and v != ()}
+    given_preset = {k: v for k, v in (preset or {}).items() if k not in PRESET_META_KEYS}
+    explicit = {**validate_settings(given_preset, "preset"),
+                **validate_settings(given_cli, source)}
+    merged = {k: s.default for k, s in SPECS.items()} | explicit
+    strategy = _infer_strategy(explicit)
+    merged["strategy"] = strategy
+    if strategy == "beam":
+        merged["do_sample"] = bool(explicit.get("do_sample") or False)
+        if merged["num_beams"] == 1:
+            merged["num_beams"] = 4
+    else:
+        merged["do_sample"] = strategy == "sample"
+    _check_combination(merged)
+    unused = tuple(k for k in SAMPLING_KEYS if k in explicit and not merged["do_sample"])
+    return GenerationSettings(**merged, unused=unused)
+
+
+def _check_combination(s: Mapping[str, Any]) -> None:
+    """Cross-field rules; each message says how to fix it."""
+    if s["strategy"] != "beam" and s["num_beams"] > 1:
+        raise ConfigError(f"num_beams={s['num_beams']} needs strategy beam "
+                          f"(got strategy {s['strategy']})")
+    if s["strategy"] == "greedy" and s["num_return_sequences"] > 1:
+        raise ConfigError("num_return_sequences > 1 gives identical greedy outputs; "
+                          "use strategy sample or beam")
+    if s["strategy"] == "beam":
+        if s["num_return_sequences"] > s["num_beams"]:
+            raise ConfigError(f"num_return_sequences ({s['num_return_sequences']}) must be "
+                              f"<= num_beams ({s['num_beams']})")
+        if s["num_beams"] % s["num_beam_groups"]:
+            raise ConfigError(f"num_beams ({s['num_beams']}) must be divisible by "
+                              f"num_beam_groups ({s['num_beam_groups']})")
+    if s["diversity_penalty"] > 0 and s["num_beam_groups"] == 1:
+        raise ConfigError("diversity_penalty needs num_beam_groups > 1")
+    if (s["force_words"] or s["force_any"]) and s["strategy"] != "beam":
+        raise ConfigError("force_words/force_any need beam search (strategy beam, num_beams > 1)")
+    if s["min_new_tokens"] > s["max_new_tokens"]:
+        raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
+                          f"({s['max_new_tokens']})")

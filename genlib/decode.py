@@ -1,0 +1,222 @@
+"""genlib's decode loop: prefill once, then one token per step against the KV cache,
+yielding typed events (`genlib.events`). Greedy and sampling share this one loop;
+greedy is just the argmax sampler.
+
+    events = stream(lm, [lm.encode("Once upon a time")], settings)
+    for event in events: ...
+
+Batches of prompts of different lengths are left-padded; each row stops on its own
+(end id, token budget, stop string, time) and leaves the batch when it does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from genlib import forward, processors, sampling
+from genlib.config import GenerationSettings
+from genlib.detok import IncrementalDecoder
+from genlib.errors import ConfigError
+from genlib.events import Event, Finish, Prefill, Token
+from genlib.models import LoadedModel
+from genlib.stopping import StopStrings
+
+
+@dataclass
+class _Row:
+    """What the loop tracks for one output sequence."""
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    decoder: IncrementalDecoder
+    stops: StopStrings
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class Plan:
+    """Everything the loop needs that can be decided before the first step."""
+
+    settings: GenerationSettings
+    chain: list[processors.Processor]
+    sampler: sampling.Sampler
+    generators: list[torch.Generator] | None
+    suppress_eos: processors.Processor | None
+    needs_context: bool
+    seeds: list[int]
+
+
+def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(prompt_index, ids) for every output row: each prompt n times, consecutively."""
+    return [(i, tuple(p)) for i, p in enumerate(prompts) for _ in range(n)]
+
+
+def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | None
+              ) -> list[int]:
+    """Per-row seeds: given ones, else row 0 uses `settings.seed` itself and row i a seed
+    derived from it, so one generation with --seed S always draws the same tokens."""
+    if seeds is not None:
+        if len(seeds) != rows:
+            raise ValueError(f"{len(seeds)} seeds for {rows} rows")
+        return list(seeds)
+    base = settings.seed if settings.seed is not None else sampling.fresh_seed()
+    return [base if i == 0 else sampling.derive_seed(base, i) for i in range(rows)]
+
+
+def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
+              seeds: Sequence[int] | None = None) -> Plan:
+    chain = processors.build_processors(settings)
+    suppress = None
+    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
+        suppress = processors.suppress_tokens(lm.eos_ids)
+    all_seeds = row_seeds(settings, rows, seeds)
+    generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
+                  if settings.do_sample else None)
+    return Plan(settings=settings, chain=chain, sampler=sampling.pick_sampler(settings.do_sample),
+                generators=generators, suppress_eos=suppress, needs_context=bool(chain),
+                seeds=all_seeds)
+
+
+def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process the logits, pick one token per row; return (tokens, model logprobs)."""
+    processed = logits
+    s = plan.settings
+    if plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens):
+        processed = plan.suppress_eos(context, processed)
+    processed = processors.apply(plan.chain, context, processed)
+    tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+           *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
+    """Generate for every prompt (`num_return_sequences` rows each); yield events.
+
+    `seeds` gives each row its own sampling seed (default: derived from settings.seed).
+    On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
+    running finish with reason "interrupted".
+    """
+    if settings.strategy == "beam":
+        raise ConfigError("beam search runs through `genlab beam` / genlib.beam, not this loop")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token")
+    for prompt in prompts:
+        lm.check_fits(len(prompt), settings.max_new_tokens)
+    expanded = expand_prompts(prompts, settings.num_return_sequences)
+    plan = make_plan(lm, settings, len(expanded), seeds)
+    rows = [_Row(i, ids, IncrementalDecoder(lm.tokenizer, ids), StopStrings(settings.stop_strings))
+            for i, ids in expanded]
+    yield from _decode_loop(lm, plan, rows)
+
+
+def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row]) -> Iterator[Event]:
+    settings = plan.settings
+    start = time.perf_counter()
+    deadline = start + settings.max_time if settings.max_time else None
+    input_ids, mask = forward.left_pad([r.prompt_ids for r in rows], lm.pad_id, lm.device)
+    active = list(range(len(rows)))  # batch position -> row number
+    try:
+        logits, state = forward.prefill(lm.model, input_ids, mask)
+        context = input_ids.masked_fill(mask == 0, processors.PAD) if plan.needs_context \
+            else None
+        yield Prefill(tuple(len(r.prompt_ids) for r in rows), time.perf_counter() - start,
+                      time.perf_counter())
+        for step in range(settings.max_new_tokens):
+            tokens, logprobs = choose_tokens(plan, context, logits, step)
+            now = time.perf_counter()
+            done: list[int] = []
+            for pos, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+                row = rows[active[pos]]
+                event, reason = _advance(lm, row, active[pos], tok, lp, step, now)
+                if event is not None:
+                    yield event
+                if reason is None and deadline is not None and now >= deadline:
+                    reason = "time"
+                if reason is None and step + 1 == settings.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    yield from _finish(row, active[pos], reason, start)
+                    done.append(pos)
+            if len(done) == len(active):
+                return
+            keep = _drop_rows(state, plan, active, done, lm.device) if done else None
+            if keep is not None:
+                tokens = tokens.index_select(0, keep)
+                context = context.index_select(0, keep) if context is not None else None
+            if context is not None:
+                context = torch.cat([context, tokens[:, None]], dim=1)
+            logits = forward.extend(lm.model, state, tokens[:, None])[:, -1, :]
+    except KeyboardInterrupt:
+        for row_number in active:
+            if not rows[row_number].finished:
+                yield from _finish(rows[row_number], row_number, "interrupted", start)
+
+
+def _advance(lm: LoadedModel, row: _Row, row_number: int, token: int, logprob: float,
+             step: int, now: float) -> tuple[Token | None, str | None]:
+    """Record one token for a row; return its event and a finish reason (or None)."""
+    row.ids.append(token)
+    row.logprobs.append(logprob)
+    if row.first_token is None:
+        row.first_token = now
+    is_eos = token in lm.eos_ids and not row.stops.stopped
+    text = row.stops.feed(row.decoder.push(token))
+    event = Token(row_number, token, text, logprob, step, now)
+    if row.stops.stopped:
+        return event, "stop"
+    if is_eos:
+        return event, "eos"
+    return event, None
+
+
+def _finish(row: _Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
+    """The Finish event, carrying any text still pending (`tail`)."""
+    row.finished = True
+    tail = ""
+    if reason != "stop":
+        tail = row.stops.feed(row.decoder.flush()) + row.stops.finish()
+    yield Finish(row=row_number, prompt_index=row.prompt_index, reason=reason,
+                 token_ids=tuple(row.ids), text=row.stops.final_text,
+                 prompt_tokens=len(row.prompt_ids), start=start,
+                 first_token=row.first_token, end=time.perf_counter(),
+                 logprobs=tuple(row.logprobs), tail=tail)
+
+
+def _drop_rows(state: forward.KVState, plan: Plan, active: list[int], done: list[int],
+               device: torch.device) -> torch.Tensor:
+    """Remove finished rows from the batch (cache, mask, generators); return kept indices."""
+    finished = set(done)
+    keep = [pos for pos in range(len(active)) if pos not in finished]
+    index = torch.tensor(keep, dtype=torch.long, device=device)
+    state.reorder(index)
+    if plan.generators is not None:
+        plan.generators = [plan.generators[p] for p in keep]
+    active[:] = [active[p] for p in keep]
+    return index
+
+
+def interrupt(events: Iterator[Event]) -> Iterator[Event]:
+    """After Ctrl-C reached the consumer, let the generator finish its rows as
+    "interrupted" and yield those events."""
+    try:
+        first = events.throw(KeyboardInterrupt())  # type: ignore[attr-defined]
+    except (KeyboardInterrupt, StopIteration):
+        return
+    yield first
+    yield from events
+
+
+def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+             *, seeds: Sequence[int] | None = None) -> list[Finish]:
+    """Run `stream` to the end; the Finish events in row order."""
+    finished = [e for e in stream(lm, prompts, settings, seeds=seeds) if isinstance(e, Finish)]
+    return sorted(finished, key=lambda f: f.row)

@@ -1,0 +1,36 @@
+"""Domain exceptions. Each message says what is wrong and how to fix it.
+
+genlib raises these; only cli/ turns them into a one-line message and an exit code.
+"""
+
+
+class GenlabError(Exception):
+    """Base class for every error a user can cause or act on."""
+
+    exit_code = 1
+
+
+class UserInputError(GenlabError):
+    """Bad input from the user (flags, presets, files): exit code 2."""
+
+    exit_code = 2
+
+
+class ConfigError(UserInputError):
+    """A generation setting is unknown, of the wrong type, or out of range."""
+
+
+class PresetError(UserInputError):
+    """A preset cannot be found, parsed or validated."""
+
+
+class ModelLoadError(UserInputError):
+    """A model or tokenizer cannot be loaded as asked (path, hub id, dtype, quantization)."""
+
+
+class ContextLengthError(UserInputError):
+    """Prompt plus new tokens do not fit in the model's positions."""
+
+
+class ChatTemplateError(UserInputError):
+    """Chat mode was asked for but the tokenizer has no chat template."""

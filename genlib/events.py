@@ -1,0 +1,76 @@
+"""The typed events genlib's generators yield: one stream feeds every consumer
+(`generate`, the REPL, `compare`, `speculate`, `bench`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """The prompt(s) went through the model once; `seconds` is the prefill's wall time."""
+
+    prompt_tokens: tuple[int, ...]  # per row
+    seconds: float
+    time: float  # perf_counter() at the end of prefill
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One new token of one row.
+
+    `text` is the printable text this token completed (may be empty while a multi-byte
+    character or a possible stop string is pending); joined, the texts of a row equal
+    its final text. `logprob` is the token's log-probability under the model before any
+    processor. `draft` is None outside speculative decoding, else whether the draft
+    proposed this token (True) or the target produced it (False).
+    """
+
+    row: int
+    token_id: int
+    text: str
+    logprob: float
+    index: int
+    time: float
+    draft: bool | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Finish:
+    """A row is done. `reason`: eos, length, stop, time or interrupted.
+
+    `tail` is text that was still pending when the row ended (held back as a possible
+    stop string, or an incomplete character): print it after the streamed pieces.
+    `text` is the whole output text, the stop string excluded.
+    """
+
+    row: int
+    prompt_index: int
+    reason: str
+    token_ids: tuple[int, ...]
+    text: str
+    prompt_tokens: int
+    start: float
+    first_token: float | None
+    end: float
+    logprobs: tuple[float, ...] = field(default=())
+    tail: str = ""
+
+    @property
+    def new_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def ttft(self) -> float | None:
+        """Time to first token, seconds (from the start of prefill)."""
+        return None if self.first_token is None else self.first_token - self.start
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed after the first token (the first one pays for prefill)."""
+        if self.first_token is None or self.new_tokens < 2 or self.end <= self.first_token:
+            return 0.0
+        return (self.new_tokens - 1) / (self.end - self.first_token)
+
+
+Event = Prefill | Token | Finish

@@ -1,0 +1,284 @@
+"""Load a causal language model and its tokenizer: hub id or local folder, device,
+dtype and bitsandbytes quantization. Every failure a user can cause becomes a
+`ModelLoadError` whose message says how to fix it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from genlib.errors import ChatTemplateError, ContextLengthError, ModelLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+DEVICES = ("auto", "cpu", "cuda", "mps")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+QUANTIZATIONS = ("none", "8bit", "4bit")
+ASSETS = Path(__file__).resolve().parent / "assets"
+DEFAULT_MODEL = ASSETS / "code-small"
+DEFAULT_DRAFT = ASSETS / "code-tiny"
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What to load. `ref` is a hub id or a local folder."""
+
+    ref: str
+    device: str = "auto"
+    dtype: str = "auto"
+    quantize: str = "none"
+    trust_remote_code: bool = False
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for genlib's decode loop, with the facts the loop needs."""
+
+    model: Any
+    tokenizer: Any
+    ref: str
+    device: torch.device
+    dtype: torch.dtype
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    max_positions: int | None
+    quantize: str = "none"
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.get_output_embeddings().weight.shape[0])
+
+    def encode(self, prompt: str) -> list[int]:
+        """Token ids of a plain prompt, with the tokenizer's own special tokens (BOS)."""
+        return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """Token ids of a conversation through the tokenizer's chat template."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ChatTemplateError(f"{self.ref} has no chat template, so --chat cannot be "
+                                    f"used; drop --chat to give the prompt as plain text")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                 tokenize=True, return_dict=False)
+        if isinstance(ids, dict) or hasattr(ids, "keys"):
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+
+    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
+        """ContextLengthError unless prompt + new tokens fit in the model's positions."""
+        limit = self.max_positions
+        if limit is not None and prompt_len + max_new_tokens > limit:
+            raise ContextLengthError(
+                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                f"the model's {limit} positions; lower --max-new-tokens to "
+                f"{max(limit - prompt_len, 0)} or shorten the prompt (--truncate-prompt "
+                f"keeps its last tokens)")
+
+
+def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:
+    """Which model to use: --model > the preset's model > $GENLAB_MODEL > built-in default."""
+    for ref in (flag, preset_model, os.environ.get("GENLAB_MODEL")):
+        if ref:
+            return ref
+    return str(DEFAULT_MODEL)
+
+
+def _is_local_ref(ref: str) -> bool:
+    return (os.path.exists(ref) or ref.startswith((".", "/", "~")) or "\\" in ref
+            or ref.count("/") > 1)
+
+
+def pick_device(name: str) -> torch.device:
+    import torch
+
+    if name not in DEVICES:
+        raise ModelLoadError(f"unknown device {name!r}; use one of {', '.join(DEVICES)}")
+    if name == "auto":
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda: no CUDA GPU is available here; use --device cpu")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ModelLoadError("--device mps: Apple MPS is not available here; use --device cpu")
+    return torch.device(name)
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    """`auto`: float32 on CPU (exact, and fastest for small models here), bfloat16 on a GPU
+    that supports it, else float16. An explicit dtype is probed on the device first."""
+    import torch
+
+    if name not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+    if name == "auto":
+        if device.type == "cuda":
+            return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.float16 if device.type == "mps" else torch.float32
+    dtype = getattr(torch, name)
+    try:
+        probe = torch.ones(2, 2, dtype=dtype, device=device)
+        (probe @ probe).sum().item()
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"--dtype {name} is not supported on {device.type} ({exc}); "
+                             f"use --dtype float32") from None
+    return dtype
+
+
+def _quantization_config(quantize: str, device: torch.device) -> Any:
+    if quantize not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantize!r}; use one of "
+                             f"{', '.join(QUANTIZATIONS)}")
+    if quantize == "none":
+        return None
+    if device.type == "mps":
+        raise ModelLoadError("bitsandbytes quantization does not run on MPS; use --device cpu "
+                             "or --quantize none")
+    try:
+        import bitsandbytes  # noqa: F401
+    except ImportError as exc:
+        raise ModelLoadError(f"--quantize {quantize} needs bitsandbytes ({exc}); "
+                             f"pip install bitsandbytes") from None
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if quantize == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    # NF4 with double quantization and a bfloat16 compute dtype (seed notes, 4-bit).
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
+                              bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=torch.bfloat16)
+
+
+def _check_quantizable(config: Any, quantize: str, device: torch.device) -> None:
+    """bitsandbytes' CPU 4-bit kernels need every linear layer width divisible by 32."""
+    if quantize != "4bit" or device.type != "cpu":
+        return
+    widths = {name: getattr(config, name, None) for name in
+              ("hidden_size", "intermediate_size", "n_embd", "n_inner", "ffn_dim")}
+    head_dim = getattr(config, "head_dim", None)
+    if head_dim:
+        widths["head_dim"] = head_dim
+    bad = {k: v for k, v in widths.items() if isinstance(v, int) and v % 32}
+    if bad:
+        listed = ", ".join(f"{k}={v}" for k, v in bad.items())
+        raise ModelLoadError(f"--quantize 4bit on CPU needs layer widths divisible by 32, "
+                             f"but this model has {listed}; use --quantize 8bit or none")
+
+
+def _load_config(ref: str, spec: ModelSpec) -> Any:
+    from transformers import AutoConfig
+
+    local = _is_local_ref(ref)
+    if local:
+        path = Path(ref).expanduser()
+        if not path.exists():
+            raise ModelLoadError(f"model folder {ref} does not exist; give a local folder in "
+                                 f"Hugging Face layout or a hub id like 'org/name'")
+        if not path.is_dir() or not (path / "config.json").is_file():
+            raise ModelLoadError(f"{ref} is not a Hugging Face model folder (no config.json); "
+                                 f"point --model at the folder holding config.json")
+    try:
+        return AutoConfig.from_pretrained(ref if not local else str(Path(ref).expanduser()),
+                                          trust_remote_code=spec.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(_hub_message(ref, exc)) from None
+
+
+def _hub_message(ref: str, exc: Exception) -> str:
+    from huggingface_hub import constants
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "trust_remote_code" in str(exc):
+        return (f"{ref} needs custom code from the hub; pass --trust-remote-code if you "
+                f"trust it")
+    if constants.HF_HUB_OFFLINE:
+        return (f"{ref} is not in the local Hugging Face cache and HF_HUB_OFFLINE is set; "
+                f"download it once with network access, or give a local folder")
+    return (f"cannot load {ref!r}: not a local folder, and the hub gave no model ({text}); "
+            f"check the id, your network, or set HF_HUB_OFFLINE=1 to use the cache only")
+
+
+def eos_ids_of(model: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Every end id: generation_config's (it can be a list), else config's, else tokenizer's."""
+    ids: list[int] = []
+    for source in (getattr(model, "generation_config", None), model.config):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if value is not None:
+            ids = [value] if isinstance(value, int) else list(value)
+            break
+    if not ids and tokenizer.eos_token_id is not None:
+        ids = [tokenizer.eos_token_id]
+    return tuple(dict.fromkeys(int(i) for i in ids))
+
+
+def max_positions_of(config: Any) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def quiet_transformers() -> None:
+    """No loading progress bars or advice on the user's terminal: genlab reports itself."""
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+
+
+def load_model(spec: ModelSpec) -> LoadedModel:
+    """Load model and tokenizer for genlib's decode loop (eval mode, on the device)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    quiet_transformers()
+    device = pick_device(spec.device)
+    ref = str(Path(spec.ref).expanduser()) if _is_local_ref(spec.ref) else spec.ref
+    config = _load_config(ref, spec)
+    quant = _quantization_config(spec.quantize, device)
+    _check_quantizable(config, spec.quantize, device)
+    dtype = torch.bfloat16 if spec.quantize == "4bit" and spec.dtype == "auto" else \
+        pick_dtype(spec.dtype, device)
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": spec.trust_remote_code}
+    if quant is not None:
+        kwargs["quantization_config"] = quant
+        kwargs["device_map"] = {"": device.index if device.type == "cuda" and device.index
+                                else str(device)}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(ref, **kwargs)
+    except (OSError, ValueError, ImportError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        if spec.quantize != "none":
+            raise ModelLoadError(f"--quantize {spec.quantize} failed for {spec.ref}: {first}; "
+                                 f"try --quantize none") from None
+        if isinstance(exc, OSError):
+            raise ModelLoadError(_hub_message(spec.ref, exc)) from None
+        raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
+    if quant is None:
+        model.to(device)
+    model.eval()
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, ref=spec.ref, device=device, dtype=dtype,
+        eos_ids=eos_ids_of(model, tokenizer),
+        pad_id=_pad_id(model, tokenizer),
+        max_positions=max_positions_of(config), quantize=spec.quantize,
+    )
+
+
+def _pad_id(model: Any, tokenizer: Any) -> int:
+    """A token id to fill padded positions with; the attention mask hides it, so any
+    valid id works when the model defines no pad token."""
+    for value in (tokenizer.pad_token_id, getattr(model.generation_config, "pad_token_id", None),
+                  model.config.pad_token_id if hasattr(model.config, "pad_token_id") else None):
+        if isinstance(value, int):
+            return value
+    eos = eos_ids_of(model, tokenizer)
+    return eos[0] if eos else 0

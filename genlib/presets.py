@@ -1,0 +1,147 @@
+"""YAML decoding presets: built-ins shipped with genlab, plus the user's own.
+
+A preset is a YAML mapping of generation settings (names as in `genlib.config.SPECS`)
+plus `name`, `description`, an optional `model` and an optional `extends: OTHER`.
+Lookup order for a name: the user presets folder, then the built-ins. Anything with a
+path separator or a `.yaml`/`.yml` suffix is read as a file path.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from genlib.config import PRESET_META_KEYS, ConfigError, validate_settings
+from genlib.errors import PresetError
+
+SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A loaded preset with `extends` applied: `settings` holds only generation settings."""
+
+    name: str
+    path: Path
+    description: str = ""
+    model: str | None = None
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def builtin_dir() -> Path:
+    """Folder of the built-in presets, in an installed package or in a checkout."""
+    checkout = Path(__file__).resolve().parent.parent / "presets"
+    if checkout.is_dir():
+        return checkout
+    spec = importlib.util.find_spec("genlab_presets")
+    for location in (spec.submodule_search_locations or []) if spec else []:
+        if Path(location).is_dir():
+            return Path(location)
+    return checkout
+
+
+def user_dir() -> Path:
+    """`$GENLAB_PRESETS_DIR`, else the platform's user config dir (`.../genlab/presets`)."""
+    env = os.environ.get("GENLAB_PRESETS_DIR")
+    if env:
+        return Path(env).expanduser()
+    from platformdirs import user_config_dir
+
+    return Path(user_config_dir("genlab")) / "presets"
+
+
+def _looks_like_path(ref: str) -> bool:
+    return ref.endswith(SUFFIXES) or os.sep in ref or "/" in ref
+
+
+def _search_dirs() -> list[Path]:
+    return [user_dir(), builtin_dir()]
+
+
+def available_names() -> list[str]:
+    names: set[str] = set()
+    for folder in _search_dirs():
+        if folder.is_dir():
+            names.update(p.stem for p in folder.iterdir() if p.suffix in SUFFIXES)
+    return sorted(names)
+
+
+def find_preset(ref: str, relative_to: Path | None = None) -> Path:
+    """Path of the preset `ref` (a name or a path); PresetError if there is none."""
+    if _looks_like_path(ref):
+        path = Path(ref).expanduser()
+        if not path.is_absolute() and relative_to is not None and not path.exists():
+            path = relative_to / path
+        if not path.is_file():
+            raise PresetError(f"preset file {ref} does not exist")
+        return path
+    for folder in _search_dirs():
+        for suffix in SUFFIXES:
+            candidate = folder / f"{ref}{suffix}"
+            if candidate.is_file():
+                return candidate
+    from genlib.config import closest_key
+
+    hint = closest_key(ref, available_names())
+    extra = f" (did you mean {hint!r}?)" if hint else ""
+    raise PresetError(f"no preset named {ref!r}{extra}; `genlab presets list` shows them, "
+                      f"or pass a path to a .yaml file")
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark is not None else ""
+        raise PresetError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") \
+            from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PresetError(f"{path}: cannot read preset ({exc})") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise PresetError(f"{path}: a preset must be a YAML mapping of settings, "
+                          f"got {type(data).__name__}")
+    return data
+
+
+def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None = None
+                ) -> Preset:
+    """Load, validate and flatten a preset (its `extends` chain applied, child wins)."""
+    path = find_preset(ref, relative_to).resolve()
+    if path in _seen:
+        chain = " -> ".join(p.stem for p in (*_seen, path))
+        raise PresetError(f"{path}: preset extends itself ({chain})")
+    data = _read_yaml(path)
+    try:
+        own = validate_settings(data, str(path), extra_keys=PRESET_META_KEYS)
+    except ConfigError as exc:
+        raise PresetError(str(exc)) from None
+    for key in ("name", "description", "model", "extends"):
+        if key in own and own[key] is not None and not isinstance(own[key], str):
+            raise PresetError(f"{path}: {key} must be a string, got {own[key]!r}")
+    settings: dict[str, Any] = {}
+    model = description = None
+    if own.get("extends"):
+        parent = load_preset(own["extends"], (*_seen, path), relative_to=path.parent)
+        settings.update(parent.settings)
+        model, description = parent.model, parent.description
+    settings.update({k: v for k, v in own.items() if k not in PRESET_META_KEYS})
+    return Preset(
+        name=own.get("name") or path.stem,
+        path=path,
+        description=own.get("description") or description or "",
+        model=own.get("model") or model,
+        settings=settings,
+    )
+
+
+def list_presets() -> list[Preset]:
+    """Every preset visible by name (user presets shadow built-ins of the same name)."""
+    return [load_preset(name) for name in available_names()]

@@ -1,0 +1,55 @@
+"""Samplers: `(logits, generator) -> token_ids`. Greedy is the argmax sampler."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections.abc import Callable, Sequence
+
+import torch
+
+Sampler = Callable[[torch.Tensor, "torch.Generator | None"], torch.Tensor]
+
+
+def greedy(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """argmax over the last dimension."""
+    return logits.argmax(dim=-1)
+
+
+def multinomial(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """x ~ softmax(logits), drawn with the given generator."""
+    probs = logits.float().softmax(dim=-1)
+    flat = probs.reshape(-1, probs.shape[-1])
+    return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
+
+
+def pick_sampler(do_sample: bool) -> Sampler:
+    return multinomial if do_sample else greedy
+
+
+def sample_rows(sampler: Sampler, logits: torch.Tensor,
+                generators: Sequence[torch.Generator] | None) -> torch.Tensor:
+    """Sample each row with its own generator, so a row's draws do not depend on which
+    other rows share its batch."""
+    if sampler is greedy or not generators:
+        return sampler(logits, None)
+    if len(generators) == 1:
+        return sampler(logits, generators[0])
+    return torch.stack([sampler(logits[i], g) for i, g in enumerate(generators)])
+
+
+def fresh_seed() -> int:
+    """A random seed for runs without --seed (reported, so the run can be repeated)."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def derive_seed(seed: int, key: object) -> int:
+    """A stable per-row seed from a base seed and a key (row number, JSONL id...)."""
+    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def make_generator(seed: int, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed)
+    return gen

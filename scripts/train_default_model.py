@@ -1,0 +1,551 @@
+#!/usr/bin/env python
+"""Train genlab's built-in default models from scratch on the Python standard library.
+
+Builds, into --out (default: genlib/assets):
+
+    code-small/   the target model  (Llama, byte-level BPE, bf16 safetensors)
+    code-tiny/    a smaller draft on the same tokenizer, for speculative decoding
+    README.md     an index of the two
+
+Each model folder is a complete Hugging Face folder (config.json, generation_config.json,
+model.safetensors, tokenizer files) plus a model card (README.md) and TRAINING.json.
+
+Corpus: the .py files of the running interpreter's standard library (PSF licence), found
+via sysconfig, minus test suites, site-packages, GUI/demo code and generated tables; sorted,
+so the corpus and its fixed held-out split depend only on the Python version. Given the
+same Python/torch versions, --seed and --threads, a rebuild gives the same weights.
+
+    python scripts/train_default_model.py                 # full run, ~25 min on 1 thread
+    python scripts/train_default_model.py --smoke --out /tmp/x   # seconds, for tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import shlex
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+EOT = "<|endoftext|>"  # id 0: BOS, EOS and pad
+
+# Top-level stdlib entries left out of the corpus: tests, third-party code, GUI and demo
+# code, generated codec tables, a large generated docs string, and build leftovers.
+SKIP_TOP = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "tkinter",
+            "turtledemo", "ensurepip", "encodings", "pydoc_data", "lib-dynload",
+            "__pycache__", "__phello__"}
+SKIP_ANY = {"test", "tests", "__pycache__"}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """A Llama shape. Every width is a multiple of 64 (bitsandbytes CPU 4-bit)."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    intermediate_size: int
+    head_dim: int = 64
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    name: str
+    size: ModelSize
+    steps: int
+    lr: float
+
+
+FULL_TARGET = ModelSize(256, 3, 4, 2, 512)
+FULL_DRAFT = ModelSize(128, 2, 2, 1, 256)
+SMOKE_TARGET = ModelSize(64, 1, 1, 1, 128)
+SMOKE_DRAFT = ModelSize(64, 1, 1, 1, 64)
+
+SAMPLE_PROMPTS = ["def fibonacci(n):", "import os\n", "class Stack:",
+                  "def read_config(path):\n    "]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "genlib" / "assets",
+                   help="folder that receives code-small/, code-tiny/ and README.md")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch / tokenizers threads (the build machines are shared)")
+    p.add_argument("--smoke", action="store_true",
+                   help="tiny corpus, tiny models, a few steps: an end-to-end check")
+    p.add_argument("--vocab-size", type=int, default=None, help="default 4096 (smoke: 512)")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help="training window = context length (default 512, smoke 64)")
+    p.add_argument("--batch-size", type=int, default=None, help="windows per step (default 8)")
+    p.add_argument("--target-steps", type=int, default=None, help="default 1400 (smoke 4)")
+    p.add_argument("--draft-steps", type=int, default=None, help="default 900 (smoke 4)")
+    p.add_argument("--target-lr", type=float, default=2e-3)
+    p.add_argument("--draft-lr", type=float, default=3e-3)
+    p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 50)")
+    p.add_argument("--holdout-every", type=int, default=20,
+                   help="every Nth file of the sorted corpus is held out")
+    p.add_argument("--eval-tokens", type=int, default=None,
+                   help="held-out tokens scored (default 131072, smoke 2048)")
+    p.add_argument("--no-autocast", action="store_true",
+                   help="train in plain float32 instead of bfloat16 autocast")
+    args = p.parse_args(argv)
+    smoke = args.smoke
+    for name, full, small in [("vocab_size", 4096, 512), ("seq_len", 512, 64),
+                              ("batch_size", 8, 4), ("target_steps", 1400, 4),
+                              ("draft_steps", 900, 4), ("warmup", 50, 1),
+                              ("eval_tokens", 131072, 2048)]:
+        if getattr(args, name) is None:
+            setattr(args, name, small if smoke else full)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# ----------------------------------------------------------------------------- corpus
+
+def stdlib_files() -> tuple[Path, list[Path]]:
+    import sysconfig
+
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for path in root.rglob("*.py"):
+        rel = path.relative_to(root)
+        if rel.parts[0] in SKIP_TOP or rel.parts[0].startswith("config-"):
+            continue
+        if SKIP_ANY.intersection(rel.parts[:-1]) or rel.name.startswith("_sysconfigdata"):
+            continue
+        files.append(rel)
+    return root, sorted(files, key=lambda r: r.as_posix())
+
+
+def load_corpus(smoke: bool, holdout_every: int) -> dict[str, Any]:
+    root, rels = stdlib_files()
+    if smoke:
+        rels = rels[:40]
+        holdout_every = 10
+    train, held, sha = [], [], hashlib.sha256()
+    for i, rel in enumerate(rels):
+        text = (root / rel).read_text(encoding="utf-8", errors="replace")
+        sha.update(rel.as_posix().encode() + b"\0" + text.encode() + b"\0")
+        (held if i % holdout_every == holdout_every // 2 else train).append((rel, text))
+    return {"root": str(root), "train": train, "held": held, "sha256": sha.hexdigest()}
+
+
+# -------------------------------------------------------------------------- tokenizer
+
+def train_tokenizer(texts: list[str], vocab_size: int, seq_len: int) -> Any:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
+                                  special_tokens=[EOT], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer=trainer)
+    assert tok.token_to_id(EOT) == 0
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT,
+                                   pad_token=EOT, model_max_length=seq_len,
+                                   clean_up_tokenization_spaces=False)
+
+
+def encode_stream(tokenizer: Any, texts: list[str]) -> Any:
+    """All texts as one id stream, each file followed by <|endoftext|>."""
+    import torch
+
+    ids: list[int] = [0]
+    for enc in tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False):
+        ids.extend(enc.ids)
+        ids.append(0)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+# ------------------------------------------------------------------------------ model
+
+def build_model(size: ModelSize, vocab: int, seq_len: int, seed: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=size.hidden_size,
+                      intermediate_size=size.intermediate_size,
+                      num_hidden_layers=size.num_hidden_layers,
+                      num_attention_heads=size.num_attention_heads,
+                      num_key_value_heads=size.num_key_value_heads, head_dim=size.head_dim,
+                      max_position_embeddings=seq_len, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    assert size.num_attention_heads * size.head_dim == size.hidden_size
+    torch.manual_seed(seed)
+    return LlamaForCausalLM(cfg)
+
+
+def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warm-up, then cosine decay to 10% of peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, steps - warmup)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def autocast(enabled: bool) -> Any:
+    import torch
+
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+
+
+def evaluate(model: Any, val: Any, seq_len: int, use_autocast: bool) -> float:
+    """Mean next-token cross-entropy (nats/token) over non-overlapping held-out windows."""
+    import torch
+    import torch.nn.functional as F
+
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for start in range(0, len(val) - 1, seq_len):
+            chunk = val[start:start + seq_len + 1]
+            if len(chunk) < 2:
+                break
+            x, y = chunk[:-1].unsqueeze(0), chunk[1:]
+            with autocast(use_autocast):
+                logits = model(input_ids=x).logits[0]
+            total += F.cross_entropy(logits.float(), y, reduction="sum").item()
+            count += len(y)
+    model.train(was_training)
+    return total / count
+
+
+def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: Any,
+                val_ids: Any) -> tuple[Any, dict[str, Any]]:
+    import torch
+
+    model = build_model(plan.size, vocab, args.seq_len, args.seed)
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"{plan.name}: {n_params:,} params, {plan.steps} steps x {args.batch_size} x "
+        f"{args.seq_len} tokens, peak lr {plan.lr}")
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1},
+                             {"params": no_decay, "weight_decay": 0.0}],
+                            lr=plan.lr, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for both models
+    use_ac = not args.no_autocast
+    offsets = torch.arange(args.seq_len + 1)
+    t0 = time.time()
+    history = []
+    model.train()
+    eval_every = max(1, plan.steps // 4)
+    for step in range(plan.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, plan.steps, plan.lr, args.warmup)
+        starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,),
+                               generator=gen)
+        batch = train_ids[starts[:, None] + offsets]
+        with autocast(use_ac):
+            loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
+        # labels=input_ids: transformers shifts them itself; position 0 has no target.
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if step % 50 == 0 or step == plan.steps - 1:
+            elapsed = time.time() - t0
+            tps = (step + 1) * args.batch_size * args.seq_len / max(elapsed, 1e-9)
+            log(f"{plan.name} step {step}/{plan.steps} loss {loss.item():.3f} "
+                f"lr {opt.param_groups[0]['lr']:.2e} {tps:,.0f} tok/s {elapsed / 60:.1f} min")
+        if (step + 1) % eval_every == 0 and step + 1 < plan.steps:
+            val = evaluate(model, val_ids, args.seq_len, use_ac)
+            history.append({"step": step + 1, "val_loss": round(val, 4)})
+            log(f"{plan.name} step {step + 1} held-out loss {val:.3f}")
+    minutes = (time.time() - t0) / 60
+    stats = {"params": n_params, "steps": plan.steps, "batch_size": args.batch_size,
+             "seq_len": args.seq_len, "tokens_seen": plan.steps * args.batch_size * args.seq_len,
+             "peak_lr": plan.lr, "train_minutes": round(minutes, 2), "val_history": history,
+             "architecture": asdict(plan.size)}
+    return model, stats
+
+
+def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
+    import torch
+    from transformers import GenerationConfig
+
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    model = model.to(torch.bfloat16)
+    model.config.dtype = "bfloat16"
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    # A compact tokenizer.json (no pretty-printing) saves ~40% of its size on disk.
+    tok_json = folder / "tokenizer.json"
+    tok_json.write_text(json.dumps(json.loads(tok_json.read_text()), ensure_ascii=False,
+                                   separators=(",", ":")), encoding="utf-8")
+    for path in folder.iterdir():
+        path.chmod(0o644)  # safetensors writes 0600
+
+
+# --------------------------------------------------------------------------- reports
+
+def reload(folder: Path) -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    return model.eval(), tok
+
+
+def greedy_agreement(target: Any, draft: Any, val: Any, seq_len: int, limit: int) -> float:
+    """Share of held-out positions where draft's argmax equals target's (teacher forcing)."""
+    import torch
+
+    same = count = 0
+    with torch.no_grad():
+        for start in range(0, min(len(val), limit) - 1, seq_len):
+            x = val[start:start + seq_len].unsqueeze(0)
+            a = target(input_ids=x).logits.argmax(-1)
+            b = draft(input_ids=x).logits.argmax(-1)
+            same += int((a == b).sum())
+            count += a.numel()
+    return same / count
+
+
+def samples(model: Any, tok: Any, max_new_tokens: int) -> list[dict[str, str]]:
+    import torch
+
+    out = []
+    for prompt in SAMPLE_PROMPTS:
+        ids = tok(prompt, return_tensors="pt")
+        with torch.no_grad():
+            gen = model.generate(**ids, max_new_tokens=max_new_tokens, do_sample=False)
+        out.append({"prompt": prompt,
+                    "completion": tok.decode(gen[0, ids["input_ids"].shape[1]:])})
+    return out
+
+
+def rebuild_command(argv: list[str]) -> str:
+    return "python scripts/train_default_model.py" + "".join(
+        " " + shlex.quote(a) for a in argv)
+
+
+def write_card(folder: Path, name: str, info: dict[str, Any], other: dict[str, Any],
+               common: dict[str, Any]) -> None:
+    a = info["architecture"]
+    role = ("the default model of genlab (the target for speculative decoding)"
+            if name == "code-small" else
+            "the draft model for speculative decoding with `code-small`")
+    lines = [
+        f"# {name}", "",
+        f"A tiny Llama-architecture causal language model for Python code, trained from "
+        f"scratch for genlab; {role}. It completes Python-looking code; it does not follow "
+        f"instructions and its code is often wrong. It exists so that genlab works out of "
+        f"the box with no network and no model hub.", "",
+        "## Corpus and licence", "",
+        f"The `.py` files of the CPython {common['python']} standard library "
+        f"(`{common['stdlib']}`), Python Software Foundation License. Left out: "
+        f"`site-packages`, test suites, `idlelib`, `tkinter`, `turtledemo`, `lib2to3`, "
+        f"`ensurepip`, `encodings` (generated codec tables), `pydoc_data` (a generated "
+        f"docs string). {common['files_train']} files for training "
+        f"({common['tokens_train']:,} tokens), {common['files_held']} held out (every "
+        f"{common['holdout_every']}th file of the sorted list, {common['tokens_held']:,} "
+        f"tokens). Corpus sha256 `{common['corpus_sha256'][:16]}...`. The weights are a "
+        f"derivative of PSF-licensed text.", "",
+        "## Tokenizer", "",
+        f"Byte-level BPE ({common['vocab_size']} tokens) trained by the same script with "
+        f"`tokenizers` on the training files; `<|endoftext|>` (id 0) is BOS, EOS and pad and "
+        f"separates files in training. The tokenizer adds no BOS. `decode(encode(text))` "
+        f"gives back the text exactly (spaces, tabs, newlines, indentation). `code-small` and "
+        f"`code-tiny` share it byte for byte.", "",
+        "## Architecture", "",
+        "| | this model | other model |", "| --- | --- | --- |",
+        f"| parameters (embeddings tied) | {info['params']:,} | {other['params']:,} |",
+        f"| hidden size / layers | {a['hidden_size']} / {a['num_hidden_layers']} | "
+        f"{other['architecture']['hidden_size']} / "
+        f"{other['architecture']['num_hidden_layers']} |",
+        f"| heads / KV heads (head dim 64) | {a['num_attention_heads']} / "
+        f"{a['num_key_value_heads']} | {other['architecture']['num_attention_heads']} / "
+        f"{other['architecture']['num_key_value_heads']} |",
+        f"| MLP width | {a['intermediate_size']} | "
+        f"{other['architecture']['intermediate_size']} |",
+        f"| context (trained window = max_position_embeddings) | {info['seq_len']} | "
+        f"{other['seq_len']} |", "",
+        "Weights are stored in bfloat16 (`model.safetensors`). Every layer width is a "
+        "multiple of 64, so bitsandbytes 4-bit quantization on CPU applies.", "",
+        "## Training", "",
+        f"AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), {common['warmup']} warm-up "
+        f"steps then cosine decay to 10% of peak lr {info['peak_lr']}, gradient clipping 1.0, "
+        f"bfloat16 autocast: {common['autocast']}. {info['steps']} steps of "
+        f"{info['batch_size']} random {info['seq_len']}-token windows "
+        f"({info['tokens_seen']:,} tokens, {info['tokens_seen'] / common['tokens_train']:.1f} "
+        f"epochs) in {info['train_minutes']:.1f} min on {common['threads']} CPU thread(s) "
+        f"({common['cpu']}); whole build {common['total_minutes']:.1f} min. Seed "
+        f"{common['seed']}; torch {common['torch']}, transformers {common['transformers']}, "
+        f"tokenizers {common['tokenizers']}.", "",
+        "## Evaluation (held-out files, stored bf16 weights)", "",
+        "| model | held-out loss (nats/token) |", "| --- | --- |",
+        f"| code-small | {common['val_loss']['code-small']:.3f} |",
+        f"| code-tiny | {common['val_loss']['code-tiny']:.3f} |", "",
+        f"Greedy agreement: on held-out text (teacher forcing), code-tiny's argmax equals "
+        f"code-small's at {common['greedy_agreement']:.1%} of positions.", "",
+        "## Greedy samples (64 new tokens)", "",
+    ]
+    for s in info["samples"]:
+        lines += ["```python", s["prompt"] + s["completion"], "```", ""]
+    lines += ["## Rebuild", "", "From the repository root:", "", "```",
+              common["command"], "```", "",
+              "This rewrites `code-small/`, `code-tiny/` and `README.md` under the output "
+              "folder. `TRAINING.json` beside this card holds the figures above.", ""]
+    (folder / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+def write_index(out: Path, stats: dict[str, dict[str, Any]], common: dict[str, Any]) -> None:
+    lines = ["# Built-in models", "",
+             "Trained from scratch on the CPython standard library (PSF licence) by "
+             "`scripts/train_default_model.py`; see each folder's README.md (model card) and "
+             "TRAINING.json.", "",
+             "| folder | role | params | held-out loss (nats/token) |",
+             "| --- | --- | --- | --- |"]
+    for name, role in [("code-small", "default model / speculative target"),
+                       ("code-tiny", "speculative draft")]:
+        lines.append(f"| `{name}/` | {role} | {stats[name]['params']:,} | "
+                     f"{common['val_loss'][name]:.3f} |")
+    lines += ["", "Both folders carry the same tokenizer. Rebuild (from the repository root, "
+              f"~{common['total_minutes']:.0f} min):", "", "```", common["command"], "```", ""]
+    (out / "README.md").write_text("\n".join(lines), encoding="utf-8")
+
+
+# ------------------------------------------------------------------------------- main
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse_args(argv)
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "RAYON_NUM_THREADS"):
+        os.environ[var] = str(args.threads)
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if args.threads > 1 else "false"
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+    import tokenizers
+    import torch
+    import transformers
+
+    torch.set_num_threads(args.threads)
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    t_start = time.time()
+
+    corpus = load_corpus(args.smoke, args.holdout_every)
+    train_texts = [t for _, t in corpus["train"]]
+    held_texts = [t for _, t in corpus["held"]]
+    log(f"corpus: {len(train_texts)} train files, {len(held_texts)} held-out files "
+        f"from {corpus['root']}")
+    tokenizer = train_tokenizer(train_texts, args.vocab_size, args.seq_len)
+    vocab = len(tokenizer)
+    probe = "class A:\n\tdef f(self, x):\n        return  x  # é\n\n"
+    assert tokenizer.decode(tokenizer.encode(probe)) == probe, "tokenizer does not round-trip"
+    train_ids = encode_stream(tokenizer, train_texts)
+    val_ids = encode_stream(tokenizer, held_texts)[: args.eval_tokens + 1]
+    log(f"tokenizer: {vocab} tokens; train {len(train_ids):,} tokens, "
+        f"held-out scored {len(val_ids) - 1:,} tokens")
+
+    smoke = args.smoke
+    plans = [RunPlan("code-small", SMOKE_TARGET if smoke else FULL_TARGET, args.target_steps,
+                     args.target_lr),
+             RunPlan("code-tiny", SMOKE_DRAFT if smoke else FULL_DRAFT, args.draft_steps,
+                     args.draft_lr)]
+    args.out.mkdir(parents=True, exist_ok=True)
+    stats: dict[str, dict[str, Any]] = {}
+    for plan in plans:
+        model, info = train_model(plan, args, vocab, train_ids, val_ids)
+        save_model(model, tokenizer, args.out / plan.name)
+        stats[plan.name] = info
+        del model
+
+    small, tok = reload(args.out / "code-small")
+    tiny, _ = reload(args.out / "code-tiny")
+    val_loss = {"code-small": evaluate(small, val_ids, args.seq_len, False),
+                "code-tiny": evaluate(tiny, val_ids, args.seq_len, False)}
+    agree = greedy_agreement(small, tiny, val_ids, args.seq_len, limit=32768)
+    log(f"held-out loss (bf16 weights): {val_loss}; greedy agreement {agree:.3f}")
+    n_new = 16 if smoke else 64
+    stats["code-small"]["samples"] = samples(small, tok, n_new)
+    stats["code-tiny"]["samples"] = samples(tiny, tok, n_new)
+    for s in stats["code-small"]["samples"]:
+        log(f"sample: {s['prompt'] + s['completion']!r}")
+
+    total_minutes = (time.time() - t_start) / 60
+    common = {
+        "python": platform.python_version(), "stdlib": corpus["root"],
+        "files_train": len(train_texts), "files_held": len(held_texts),
+        "tokens_train": len(train_ids), "tokens_held": len(val_ids) - 1,
+        "holdout_every": args.holdout_every if not smoke else 10,
+        "corpus_sha256": corpus["sha256"], "vocab_size": vocab, "warmup": args.warmup,
+        "autocast": "on" if not args.no_autocast else "off", "threads": args.threads,
+        "cpu": platform.processor() or platform.machine(), "seed": args.seed,
+        "torch": torch.__version__, "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__, "val_loss": val_loss,
+        "greedy_agreement": agree, "total_minutes": total_minutes,
+        "command": rebuild_command(argv),
+    }
+    cpu_name = _cpu_name()
+    if cpu_name:
+        common["cpu"] = cpu_name
+    for name, other in [("code-small", "code-tiny"), ("code-tiny", "code-small")]:
+        info = stats[name]
+        record = {
+            "model": name, "params": info["params"], "architecture": info["architecture"],
+            "vocab_size": vocab, "context": args.seq_len, "steps": info["steps"],
+            "batch_size": info["batch_size"], "tokens_seen": info["tokens_seen"],
+            "peak_lr": info["peak_lr"], "warmup_steps": args.warmup,
+            "val_loss": round(val_loss[name], 4), "val_history": info["val_history"],
+            "train_minutes": info["train_minutes"], "total_minutes": round(total_minutes, 2),
+            "threads": args.threads, "seed": args.seed, "smoke": smoke,
+            "greedy_agreement_draft_vs_target": round(agree, 4),
+            "corpus": {"stdlib": corpus["root"], "python": common["python"],
+                       "train_files": len(train_texts), "held_out_files": len(held_texts),
+                       "train_tokens": len(train_ids), "held_out_tokens_scored":
+                       len(val_ids) - 1, "sha256": corpus["sha256"]},
+            "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
+                         "tokenizers": tokenizers.__version__},
+            "command": common["command"],
+        }
+        folder = args.out / name
+        (folder / "TRAINING.json").write_text(json.dumps(record, indent=2) + "\n")
+        write_card(folder, name, info, stats[other], common)
+    write_index(args.out, stats, common)
+    log(f"done in {total_minutes:.1f} min -> {args.out}")
+    return 0
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+if __name__ == "__main__":
+    sys.exit(main())
