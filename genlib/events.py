@@ -55,6 +55,7 @@ class Finish:
     end: float
     logprobs: tuple[float, ...] = field(default=())
     tail: str = ""
+    score: float | None = None  # beam search: the hypothesis' length-normalised score
 
     @property
     def new_tokens(self) -> int:
@@ -73,4 +74,20 @@ class Finish:
         return (self.new_tokens - 1) / (self.end - self.first_token)
 
 
-Event = Prefill | Token | Finish
+@dataclass(frozen=True, slots=True)
+class Verify:
+    """One speculative step (genlib.speculative): the drafter proposed `proposed` tokens
+    and the target's single forward kept the first `accepted` of them; the step's Token
+    events follow. `draft_forwards` counts the draft model's forward passes (0 for prompt
+    lookup); the seconds are wall time spent drafting and verifying."""
+
+    row: int
+    proposed: int
+    accepted: int
+    draft_seconds: float
+    target_seconds: float
+    draft_forwards: int
+    time: float
+
+
+Event = Prefill | Token | Finish | Verify

@@ -41,7 +41,7 @@ class KVState:
         removed = self.length - length
         if removed <= 0:
             return
-        self.cache.crop(removed)
+        self.cache.crop(-removed)  # transformers 5: a negative count removes that many
         if self.attention_mask is not None:
             self.attention_mask = self.attention_mask[:, :length]
         if self.positions is not None:

@@ -1,0 +1,169 @@
+"""Drafters for speculative decoding: who proposes the tokens the target then checks.
+
+Both drafters have one shape: `start(prompt_ids)` once, then per step
+`propose(ids, gamma, process) -> Draft` and `commit(ids)` once the target has decided
+which tokens stay.
+
+- `ModelDrafter`: a small model sharing the target's vocabulary proposes gamma tokens
+  autoregressively from its own KV cache (Leviathan et al. 2023, "Fast Inference from
+  Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language
+  Model Decoding with Speculative Sampling").
+- `PromptLookupDrafter`: no model; proposes what followed the latest earlier occurrence
+  of the context's last n-gram (Saxena 2023, "Prompt Lookup Decoding"; transformers'
+  `prompt_lookup_num_tokens`). Its proposals are deterministic, so its q is a point mass.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from genlib import forward
+from genlib.errors import ModelLoadError
+from genlib.models import LoadedModel
+
+# (context ids, raw logits (vocab,), position in the draft) -> processed logits (vocab,)
+Process = Callable[[Sequence[int], torch.Tensor, int], torch.Tensor]
+
+
+@dataclass
+class Draft:
+    """Proposed tokens, and q: the drafter's processed distribution for each of them
+    (gamma, vocab), or None when the proposal is deterministic (q = one-hot)."""
+
+    tokens: list[int]
+    q: torch.Tensor | None
+    seconds: float
+    forwards: int
+
+
+class Drafter(Protocol):
+    def start(self, prompt_ids: Sequence[int]) -> None: ...
+
+    def propose(self, ids: Sequence[int], gamma: int, process: Process,
+                generator: torch.Generator | None) -> Draft: ...
+
+    def commit(self, ids: Sequence[int]) -> None: ...
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """ModelLoadError unless the draft's tokens are the target's, id for id: speculation
+    compares p(x) and q(x) for the same id x, so both must mean the same token by it."""
+    sizes = (target.vocab_size, draft.vocab_size)
+    same_tokens = target.tokenizer.get_vocab() == draft.tokenizer.get_vocab()
+    if sizes[0] != sizes[1] or not same_tokens:
+        detail = (f"{sizes[1]} vs {sizes[0]} output tokens" if sizes[0] != sizes[1]
+                  else "same size, different tokens")
+        raise ModelLoadError(
+            f"draft model {draft.ref} does not share the vocabulary of target {target.ref} "
+            f"({detail}); pick a draft trained with the target's tokenizer, or use "
+            f"--prompt-lookup N, which needs no draft model")
+
+
+class ModelDrafter:
+    """Drafts with a small model. Its cache always holds a prefix of the committed ids
+    (never all of them), so each proposal feeds at least one token."""
+
+    def __init__(self, lm: LoadedModel, sample: bool):
+        self.lm = lm
+        self.sample = sample
+        self.state: forward.KVState | None = None
+        self.cached: list[int] = []
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids)
+
+    def propose(self, ids: Sequence[int], gamma: int, process: Process,
+                generator: torch.Generator | None) -> Draft:
+        """x_i ~ q_i (or argmax q_i when greedy) for i = 1..gamma, one forward each."""
+        assert self.state is not None, "start() first"
+        begin = time.perf_counter()
+        context = list(ids)
+        feed = context[len(self.cached):]
+        tokens: list[int] = []
+        qs: list[torch.Tensor] = []
+        for i in range(gamma):
+            logits = forward.extend(self.lm.model, self.state, _as_batch(feed, self.lm))[0, -1]
+            self.cached.extend(feed)
+            q_logits = process(context, logits, i)
+            if self.sample:
+                q = q_logits.softmax(dim=-1)
+                token = int(torch.multinomial(q, 1, generator=generator))
+                qs.append(q)
+            else:
+                token = int(q_logits.argmax())
+            tokens.append(token)
+            context.append(token)
+            feed = [token]
+        q_all = torch.stack(qs) if qs else None
+        return Draft(tokens, q_all, time.perf_counter() - begin, gamma)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        """Roll the cache back past the first token that was not kept."""
+        assert self.state is not None, "start() first"
+        keep = _common_prefix(self.cached, ids, limit=len(ids) - 1)
+        self.state.crop(keep)
+        del self.cached[keep:]
+
+
+class PromptLookupDrafter:
+    """Proposes the continuation of the latest earlier match of the context's last
+    n-gram, trying n = max_ngram down to 1. Costs no forward pass."""
+
+    def __init__(self, max_ngram: int):
+        if max_ngram < 1:
+            raise ValueError(f"prompt lookup n-gram size must be >= 1, got {max_ngram}")
+        self.max_ngram = max_ngram
+
+    def start(self, prompt_ids: Sequence[int]) -> None:
+        return None
+
+    def propose(self, ids: Sequence[int], gamma: int, process: Process,
+                generator: torch.Generator | None) -> Draft:
+        begin = time.perf_counter()
+        tokens = lookup(ids, self.max_ngram, gamma) if gamma > 0 else []
+        return Draft(tokens, None, time.perf_counter() - begin, 0)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        return None
+
+
+def lookup(ids: Sequence[int], max_ngram: int, gamma: int) -> list[int]:
+    """Up to `gamma` tokens that followed the latest earlier occurrence of the last n
+    tokens of `ids` (longest n first); [] when nothing matches."""
+    seq = list(ids)
+    for n in range(min(max_ngram, len(seq) - 1), 0, -1):
+        tail = seq[-n:]
+        for start in range(len(seq) - n - 1, -1, -1):
+            if seq[start:start + n] == tail:
+                return seq[start + n:start + n + gamma]
+    return []
+
+
+def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int]
+                          ) -> tuple[forward.KVState, list[int]]:
+    """A cache of ids[:-1]: the last token is fed by the first step, which then yields
+    the logits for the first new position (one code path for every step)."""
+    head = list(ids[:-1])
+    if not head:
+        return forward.KVState(forward.new_cache(lm.model), None, None, 0), []
+    input_ids = torch.tensor([head], dtype=torch.long, device=lm.device)
+    _, state = forward.prefill(lm.model, input_ids, torch.ones_like(input_ids))
+    return state, head
+
+
+def _as_batch(tokens: Sequence[int], lm: LoadedModel) -> torch.Tensor:
+    return torch.tensor([list(tokens)], dtype=torch.long, device=lm.device)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if n >= limit or x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,407 @@
+"""Speculative decoding: a cheap drafter proposes gamma tokens, the target scores all of
+them in ONE forward pass and keeps a prefix, so each target forward yields 1 to gamma+1
+tokens while the output follows exactly the target's own distribution.
+
+    events = speculative_stream(target, target.encode("def f(x):"), settings,
+                                draft_lm=draft, num_draft_tokens=5)
+
+Greedy: keep draft tokens while they equal the target's argmax; the first mismatch is
+replaced by the target's token, so the output is the target's greedy output, token for
+token. Sampling is speculative sampling (Leviathan, Kalman & Matias 2023, "Fast
+Inference from Transformers via Speculative Decoding", Algorithm 1; Chen et al. 2023,
+"Accelerating Large Language Model Decoding with Speculative Sampling", Algorithm 2):
+accept x ~ q with probability min(1, p(x)/q(x)); on rejection draw from
+norm(max(0, p - q)); after a fully accepted block draw one bonus token from p. Here p and
+q are the target's and drafter's distributions after the SAME processor chain
+(penalties, temperature, top-k, top-p, ...), so the output follows the distribution
+plain sampling with those settings gives.
+
+Only one sequence (batch size 1) is supported. Events: the core's Prefill / Token
+(with `draft` set) / Finish, plus one `Verify` per step; `summarize` turns them into the
+acceptance and timing figures `genlab speculate` reports.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from genlib import forward, processors
+from genlib.config import GenerationSettings
+from genlib.decode import Plan, _advance, _finish, _Row, make_plan
+from genlib.detok import IncrementalDecoder
+from genlib.drafters import (
+    Draft,
+    Drafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    prefill_all_but_last,
+    check_same_vocabulary,
+)
+from genlib.errors import ConfigError
+from genlib.events import Event, Finish, Prefill, Token, Verify
+from genlib.models import LoadedModel
+from genlib.stopping import StopStrings
+
+DEFAULT_DRAFT_TOKENS = 5  # draft model: transformers starts its heuristic higher (20)
+DEFAULT_LOOKUP_TOKENS = 10  # prompt lookup drafts for free: transformers' usual 10
+MAX_DRAFT_TOKENS = 64  # adaptive gamma never grows past this
+
+
+@dataclass
+class Speculation:
+    """One sequence being decoded speculatively. Invariant: `state` caches the target's
+    keys/values for ids[:-1]; the last committed token is fed by the next verify."""
+
+    target: LoadedModel
+    plan: Plan
+    drafter: Drafter
+    ids: list[int]
+    state: forward.KVState
+    prompt_len: int
+
+    @property
+    def generated(self) -> int:
+        return len(self.ids) - self.prompt_len
+
+
+@dataclass
+class StepResult:
+    """What one `speculative_step` committed."""
+
+    tokens: list[int]
+    from_draft: list[bool]
+    logprobs: list[float]  # under the target's raw logits
+    proposed: int
+    accepted: int
+    draft_seconds: float
+    target_seconds: float
+    draft_forwards: int
+
+
+@dataclass
+class GammaSchedule:
+    """How many tokens to draft next. Adaptive: +2 after a fully accepted block, -1 (not
+    below 1) after a rejection, transformers' "heuristic" schedule for assisted decoding."""
+
+    gamma: int
+    adaptive: bool = False
+
+    def update(self, proposed: int, accepted: int) -> None:
+        if not self.adaptive or proposed == 0:
+            return
+        if accepted == proposed:
+            self.gamma = min(self.gamma + 2, MAX_DRAFT_TOKENS)
+        else:
+            self.gamma = max(1, self.gamma - 1)
+
+
+def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int) -> torch.Tensor:
+    """The core loop's processing of one position's logits (vocab,), as in
+    `decode.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
+    then the settings' chain on the full context."""
+    s = plan.settings
+    suppress = plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens)
+    if not plan.chain and not suppress:
+        return logits
+    ctx = (torch.tensor([list(context)], dtype=torch.long, device=logits.device)
+           if plan.needs_context else None)
+    row = logits[None]
+    if suppress:
+        row = plan.suppress_eos(ctx, row)  # type: ignore[misc]
+    return processors.apply(plan.chain, ctx, row)[0]
+
+
+def start(target: LoadedModel, prompt_ids: Sequence[int], plan: Plan, drafter: Drafter
+          ) -> Speculation:
+    """Prefill target and drafter with the prompt (all but its last token)."""
+    state, _ = prefill_all_but_last(target, prompt_ids)
+    drafter.start(prompt_ids)
+    return Speculation(target, plan, drafter, list(prompt_ids), state, len(prompt_ids))
+
+
+def speculative_step(spec: Speculation, gamma: int) -> StepResult:
+    """Draft up to `gamma` tokens, score them with one target forward, keep the accepted
+    prefix plus one target token; roll both caches back past the first rejection."""
+    plan = spec.plan
+    generator = plan.generators[0] if plan.generators else None
+    base = spec.generated
+
+    def draft_process(context: Sequence[int], logits: torch.Tensor, i: int) -> torch.Tensor:
+        return process(plan, context, logits, base + i)
+
+    draft = spec.drafter.propose(spec.ids, gamma, draft_process, generator)
+    begin = time.perf_counter()
+    fed = [spec.ids[-1], *draft.tokens]
+    raw = forward.extend(spec.target.model, spec.state, torch.tensor(
+        [fed], dtype=torch.long, device=spec.target.device))[0]  # (k+1, vocab)
+    p_logits = torch.stack([process(plan, spec.ids + draft.tokens[:i], raw[i], base + i)
+                            for i in range(len(fed))])
+    if plan.settings.do_sample:
+        accepted, last = verify_sampled(p_logits.softmax(dim=-1), draft, generator)
+    else:
+        accepted, last = verify_greedy(p_logits, draft.tokens)
+    tokens = [*draft.tokens[:accepted], last]
+    logprobs = raw[:len(tokens)].log_softmax(dim=-1).gather(
+        -1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
+    spec.ids.extend(tokens)
+    spec.state.crop(len(spec.ids) - 1)
+    target_seconds = time.perf_counter() - begin
+    spec.drafter.commit(spec.ids)
+    return StepResult(tokens, [True] * accepted + [False], logprobs, len(draft.tokens),
+                      accepted, draft.seconds, target_seconds, draft.forwards)
+
+
+def verify_greedy(p_logits: torch.Tensor, drafted: Sequence[int]) -> tuple[int, int]:
+    """(accepted, next token): keep drafts equal to the target's argmax; the first that
+    differs is replaced by the argmax, and after a full block the argmax is the bonus."""
+    best = p_logits.argmax(dim=-1).tolist()
+    for i, x in enumerate(drafted):
+        if x != best[i]:
+            return i, best[i]
+    return len(drafted), best[len(drafted)]
+
+
+def verify_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator | None
+                   ) -> tuple[int, int]:
+    """Speculative sampling (Leviathan et al. 2023, Alg. 1; Chen et al. 2023, Alg. 2).
+
+    p: the target's processed distributions (k+1, vocab), q: the drafter's (k, vocab), or
+    one-hot when the drafter is deterministic. Accept draft x_i with probability
+    min(1, p_i(x)/q_i(x)); on the first rejection draw from norm(max(0, p_i - q_i));
+    if all k are accepted, draw the bonus token from p_{k+1}.
+    """
+    for i, x in enumerate(draft.tokens):
+        q_i = draft.q[i] if draft.q is not None else _one_hot(x, p.shape[-1], p.device)
+        r = torch.rand((), generator=generator, device=p.device)
+        if r * q_i[x] < p[i, x]:  # r < min(1, p(x)/q(x)), without dividing by q(x)
+            continue
+        return i, _draw(_residual(p[i], q_i), generator)
+    k = len(draft.tokens)
+    return k, _draw(p[k], generator)
+
+
+def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """norm(max(0, p - q)). A rejection implies p(x) < q(x) somewhere, hence mass
+    elsewhere; only rounding can leave none, and then p itself is the right law."""
+    diff = (p - q).clamp(min=0)
+    total = diff.sum()
+    return diff / total if total > 0 else p
+
+
+def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
+    q = torch.zeros(size, device=device)
+    q[x] = 1.0
+    return q
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
+                 draft_lm: LoadedModel | None, prompt_lookup: int | None) -> Drafter:
+    """The drafter asked for: a draft model (vocabulary checked) or prompt lookup."""
+    if (draft_lm is None) == (prompt_lookup is None):
+        raise ConfigError("speculative decoding needs exactly one drafter: a draft model "
+                          "(--draft-model) or prompt lookup (--prompt-lookup N)")
+    if prompt_lookup is not None:
+        if prompt_lookup < 1:
+            raise ConfigError(f"--prompt-lookup is the n-gram size to match, >= 1; "
+                              f"got {prompt_lookup}")
+        return PromptLookupDrafter(prompt_lookup)
+    assert draft_lm is not None
+    check_same_vocabulary(target, draft_lm)
+    return ModelDrafter(draft_lm, sample=settings.do_sample)
+
+
+def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
+                  draft_lm: LoadedModel | None, num_draft_tokens: int) -> None:
+    """ConfigError / ContextLengthError for what speculation cannot do, before any work."""
+    if settings.strategy == "beam":
+        raise ConfigError("speculative decoding does greedy or sampling, not beam search; "
+                          "use `genlab beam` for beams")
+    if settings.num_return_sequences > 1:
+        raise ConfigError(f"speculative decoding supports one sequence at a time (batch "
+                          f"size 1); got num_return_sequences={settings.num_return_sequences}")
+    if not prompt_ids:
+        raise ConfigError("the prompt needs at least one token")
+    if num_draft_tokens < 1:
+        raise ConfigError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    target.check_fits(len(prompt_ids), settings.max_new_tokens)
+    if draft_lm is not None:
+        draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens)
+
+
+def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
+                       settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
+                       prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
+                       adaptive: bool = False) -> Iterator[Event]:
+    """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
+    Token events (draft=True for accepted draft tokens, False for the target's own),
+    then Finish. Stopping, detokenization and processing are the core loop's.
+
+    Give either `draft_lm` (same vocabulary as the target) or `prompt_lookup` (the
+    largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for a draft model
+    and 10 for prompt lookup; `adaptive` grows/shrinks it per step.
+    """
+    gamma = num_draft_tokens or (DEFAULT_LOOKUP_TOKENS if prompt_lookup is not None
+                                 else DEFAULT_DRAFT_TOKENS)
+    check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
+    drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup)
+    plan = make_plan(target_lm, settings, 1)
+    ids = tuple(prompt_ids)
+    row = _Row(0, ids, IncrementalDecoder(target_lm.tokenizer, ids),
+               StopStrings(settings.stop_strings))
+    yield from _speculative_loop(target_lm, plan, drafter, row, GammaSchedule(gamma, adaptive))
+
+
+def _speculative_loop(target: LoadedModel, plan: Plan, drafter: Drafter, row: _Row,
+                      schedule: GammaSchedule) -> Iterator[Event]:
+    settings = plan.settings
+    begin = time.perf_counter()
+    deadline = begin + settings.max_time if settings.max_time else None
+    try:
+        spec = start(target, row.prompt_ids, plan, drafter)
+        yield Prefill((len(row.prompt_ids),), time.perf_counter() - begin, time.perf_counter())
+        while True:
+            # The verify yields up to gamma + 1 tokens: never draft past the budget.
+            room = settings.max_new_tokens - spec.generated
+            result = speculative_step(spec, min(schedule.gamma, room - 1))
+            schedule.update(result.proposed, result.accepted)
+            yield Verify(0, result.proposed, result.accepted, result.draft_seconds,
+                         result.target_seconds, result.draft_forwards, time.perf_counter())
+            reason = yield from _emit(target, row, result, settings.max_new_tokens, deadline)
+            if reason is not None:
+                yield from _finish(row, 0, reason, begin)
+                return
+    except KeyboardInterrupt:
+        if not row.finished:
+            yield from _finish(row, 0, "interrupted", begin)
+
+
+def _emit(target: LoadedModel, row: _Row, result: StepResult, max_new_tokens: int,
+          deadline: float | None) -> Iterator[Event]:
+    """Token events for one step's tokens, through the core loop's `_advance` (end ids,
+    stop strings); returns the finish reason, if the row ended inside this step."""
+    now = time.perf_counter()
+    for token, drafted, logprob in zip(result.tokens, result.from_draft, result.logprobs):
+        step = len(row.ids)
+        event, reason = _advance(target, row, 0, token, logprob, step, now)
+        if event is not None:
+            yield replace(event, draft=drafted)
+        if reason is None and deadline is not None and now >= deadline:
+            reason = "time"
+        if reason is None and len(row.ids) >= max_new_tokens:
+            reason = "length"
+        if reason is not None:
+            return reason
+    return None
+
+
+@dataclass
+class Summary:
+    """Acceptance and timing figures of one speculative run, from its events alone."""
+
+    new_tokens: int = 0
+    steps: int = 0  # target forwards (verifies)
+    proposed: int = 0
+    accepted: int = 0
+    rejections: int = 0  # steps whose block was not fully accepted
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    draft_forwards: int = 0
+    decode_seconds: float = 0.0  # end of prefill to finish
+    prefill_seconds: float = 0.0
+    by_position: list[list[int]] = field(default_factory=list)  # [proposed, accepted] per i
+    gammas: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted / proposed draft tokens (what llama.cpp and vLLM print)."""
+        return self.accepted / self.proposed if self.proposed else 0.0
+
+    @property
+    def alpha(self) -> float:
+        """Per-token acceptance probability alpha of Leviathan et al., estimated as
+        accepted / (accepted + rejections): drafts after a rejection are never tested."""
+        tested = self.accepted + self.rejections
+        return self.accepted / tested if tested else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """New tokens per target forward (1 = no gain from drafting)."""
+        return self.new_tokens / self.steps if self.steps else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Accepted draft tokens per target forward."""
+        return self.accepted / self.steps if self.steps else 0.0
+
+    @property
+    def mean_gamma(self) -> float:
+        return sum(self.gammas) / len(self.gammas) if self.gammas else 0.0
+
+    @property
+    def cost_ratio(self) -> float:
+        """c: seconds per draft forward / seconds per target forward (0 for lookup)."""
+        if not self.draft_forwards or not self.steps or not self.target_seconds:
+            return 0.0
+        return (self.draft_seconds / self.draft_forwards) / (self.target_seconds / self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
+
+    def predicted_speedup(self) -> float:
+        """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha, c and mean
+        gamma: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))."""
+        return predicted_speedup(self.alpha, self.mean_gamma, self.cost_ratio)
+
+
+def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
+    """Expected wall-time speed-up over plain decoding (Leviathan et al. 2023, eq. 1):
+    (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))."""
+    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens / (gamma * c + 1)
+
+
+def summarize(events: Iterable[Event]) -> Summary:
+    """Fold a speculative run's events into a Summary."""
+    s = Summary()
+    prefill_end = None
+    for event in events:
+        if isinstance(event, Prefill):
+            prefill_end, s.prefill_seconds = event.time, event.seconds
+        elif isinstance(event, Verify):
+            _add_verify(s, event)
+        elif isinstance(event, Token):
+            s.new_tokens += 1
+        elif isinstance(event, Finish) and prefill_end is not None:
+            s.decode_seconds = event.end - prefill_end
+    return s
+
+
+def _add_verify(s: Summary, v: Verify) -> None:
+    s.steps += 1
+    s.proposed += v.proposed
+    s.accepted += v.accepted
+    s.rejections += v.accepted < v.proposed
+    s.draft_seconds += v.draft_seconds
+    s.target_seconds += v.target_seconds
+    s.draft_forwards += v.draft_forwards
+    if v.proposed:
+        s.gammas.append(v.proposed)
+    while len(s.by_position) < v.proposed:
+        s.by_position.append([0, 0])
+    for i in range(v.proposed):
+        s.by_position[i][0] += 1
+        s.by_position[i][1] += i < v.accepted
+
+
+__all__ = ["DEFAULT_DRAFT_TOKENS", "DEFAULT_LOOKUP_TOKENS", "GammaSchedule", "Speculation",
+           "StepResult", "Summary", "predicted_speedup", "process", "speculative_step",
+           "speculative_stream", "start", "summarize", "verify_greedy", "verify_sampled"]
