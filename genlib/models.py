@@ -5,7 +5,9 @@ dtype and bitsandbytes quantization. Every failure a user can cause becomes a
 
 from __future__ import annotations
 
+import logging as std_logging
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -155,20 +157,27 @@ def _quantization_config(quantize: str, device: torch.device) -> Any:
                               bnb_4bit_compute_dtype=torch.bfloat16)
 
 
-def _check_quantizable(config: Any, quantize: str, device: torch.device) -> None:
-    """bitsandbytes' CPU 4-bit kernels need every linear layer width divisible by 32."""
+def _check_quantizable(config: Any, quantize: str, device: torch.device,
+                       trust_remote_code: bool) -> None:
+    """bitsandbytes' CPU 4-bit kernels need every quantized linear layer's widths divisible
+    by 32: check the architecture (built on the meta device, no weights) before loading."""
     if quantize != "4bit" or device.type != "cpu":
         return
-    widths = {name: getattr(config, name, None) for name in
-              ("hidden_size", "intermediate_size", "n_embd", "n_inner", "ffn_dim")}
-    head_dim = getattr(config, "head_dim", None)
-    if head_dim:
-        widths["head_dim"] = head_dim
-    bad = {k: v for k, v in widths.items() if isinstance(v, int) and v % 32}
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    output = skeleton.get_output_embeddings()
+    bad = [f"{name} ({m.in_features}x{m.out_features})"
+           for name, m in skeleton.named_modules()
+           if isinstance(m, torch.nn.Linear) and m is not output
+           and (m.in_features % 32 or m.out_features % 32)]
     if bad:
-        listed = ", ".join(f"{k}={v}" for k, v in bad.items())
-        raise ModelLoadError(f"--quantize 4bit on CPU needs layer widths divisible by 32, "
-                             f"but this model has {listed}; use --quantize 8bit or none")
+        more = f" and {len(bad) - 2} more" if len(bad) > 2 else ""
+        raise ModelLoadError(f"--quantize 4bit on CPU needs layer widths divisible by 32, but "
+                             f"this model has {', '.join(bad[:2])}{more}; use --quantize 8bit "
+                             f"or none")
 
 
 def _load_config(ref: str, spec: ModelSpec) -> Any:
@@ -231,6 +240,9 @@ def quiet_transformers() -> None:
 
     logging.set_verbosity_error()
     logging.disable_progress_bar()
+    # bitsandbytes on CPU announces optional kernels and fp16 casts it falls back from.
+    std_logging.getLogger("bitsandbytes").setLevel(std_logging.ERROR)
+    warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
 
 
 def load_model(spec: ModelSpec) -> LoadedModel:
@@ -243,14 +255,14 @@ def load_model(spec: ModelSpec) -> LoadedModel:
     ref = str(Path(spec.ref).expanduser()) if _is_local_ref(spec.ref) else spec.ref
     config = _load_config(ref, spec)
     quant = _quantization_config(spec.quantize, device)
-    _check_quantizable(config, spec.quantize, device)
+    _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
     dtype = torch.bfloat16 if spec.quantize == "4bit" and spec.dtype == "auto" else \
         pick_dtype(spec.dtype, device)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": spec.trust_remote_code}
     if quant is not None:
         kwargs["quantization_config"] = quant
-        kwargs["device_map"] = {"": device.index if device.type == "cuda" and device.index
-                                else str(device)}
+        if device.type != "cpu":
+            kwargs["device_map"] = {"": str(device)}
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(ref, **kwargs)
@@ -271,6 +283,18 @@ def load_model(spec: ModelSpec) -> LoadedModel:
         pad_id=_pad_id(model, tokenizer),
         max_positions=max_positions_of(config), quantize=spec.quantize,
     )
+
+
+def wrap_model(model: Any, tokenizer: Any, ref: str = "<in memory>") -> LoadedModel:
+    """A LoadedModel around objects already in memory (tests, notebooks)."""
+    import torch
+
+    model.eval()
+    param = next(model.parameters())
+    return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, device=param.device,
+                       dtype=param.dtype if param.is_floating_point() else torch.float32,
+                       eos_ids=eos_ids_of(model, tokenizer), pad_id=_pad_id(model, tokenizer),
+                       max_positions=max_positions_of(model.config))
 
 
 def _pad_id(model: Any, tokenizer: Any) -> int:

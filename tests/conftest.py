@@ -1,0 +1,82 @@
+"""Shared fixtures: the real models in ../shared/models and tiny random models of
+several architectures (built in memory, with the stories260K tokenizer)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SHARED_MODELS = ROOT.parent / "shared" / "models"
+STORIES = SHARED_MODELS / "stories260K"
+LLAMA2XS = SHARED_MODELS / "llama2xs"
+CODE_TARGET = SHARED_MODELS / "code-target"
+CODE_DRAFT = SHARED_MODELS / "code-draft"
+
+
+def shared_model(path: Path):
+    from genlib.models import ModelSpec, load_model
+
+    if not path.is_dir():
+        pytest.skip(f"{path} is not present")
+    return load_model(ModelSpec(str(path)))
+
+
+@pytest.fixture(scope="session")
+def stories():
+    """stories260K: TinyStories Llama, 512-token sentencepiece vocab, ends stories with BOS."""
+    return shared_model(STORIES)
+
+
+@pytest.fixture(scope="session")
+def llama2xs():
+    return shared_model(LLAMA2XS)
+
+
+def tiny_config(arch: str):
+    """A small random config with peaked logits (large init), vocab 512."""
+    from transformers import GPT2Config, GPTNeoXConfig, LlamaConfig, Qwen2Config
+
+    common = {"vocab_size": 512, "bos_token_id": 1, "eos_token_id": 2}
+    if arch == "llama":
+        return LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, initializer_range=0.3, **common)
+    if arch == "gpt2":
+        return GPT2Config(n_embd=32, n_layer=2, n_head=4, n_positions=256,
+                          initializer_range=0.3, **common)
+    if arch == "qwen2":
+        return Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, initializer_range=0.3, **common)
+    if arch == "gpt_neox":
+        return GPTNeoXConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, max_position_embeddings=256,
+                             initializer_range=0.3, **common)
+    raise ValueError(arch)
+
+
+TINY_ARCHS = ("llama", "gpt2", "qwen2", "gpt_neox")
+
+
+@pytest.fixture(scope="session")
+def stories_tokenizer():
+    from transformers import AutoTokenizer
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K tokenizer not present")
+    return AutoTokenizer.from_pretrained(str(STORIES))
+
+
+@pytest.fixture(scope="session", params=TINY_ARCHS)
+def tiny(request, stories_tokenizer):
+    """A tiny random model of each architecture, wrapped for genlib."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from genlib.models import wrap_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(request.param))
+    return wrap_model(model, stories_tokenizer, ref=f"tiny-{request.param}")

@@ -1,0 +1,158 @@
+"""The generate and presets commands, through Typer's runner and a real subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import time
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES
+
+runner = CliRunner()
+MODEL = ["-m", str(STORIES)]
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def test_generate_greedy_text_matches_the_golden_start():
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "20")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.startswith(", there was a little girl named Lily.")
+    assert "\x1b[" not in result.stdout  # not a terminal: no colour codes
+
+
+def test_generate_reads_stdin_and_prints_json():
+    result = invoke("generate", *MODEL, "-n", "12", "--json", "-t", "0.8", "--seed", "5",
+                    input="Once upon a time\n")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["prompt"] == "Once upon a time"
+    assert record["new_tokens"] == 12 and record["finish_reason"] == "length"
+    assert record["settings"]["temperature"] == 0.8 and record["settings"]["seed"] == 5
+    assert record["settings"]["strategy"] == "sample"
+    assert {"ttft_s", "tokens_per_s", "prefill_s", "total_s"} <= set(record["timings"])
+    again = invoke("generate", "-", *MODEL, "-n", "12", "--json", "-t", "0.8", "--seed", "5",
+                   input="Once upon a time")
+    assert json.loads(again.stdout)["text"] == record["text"]
+
+
+def test_preset_and_flag_precedence_in_json():
+    result = invoke("generate", "Once", *MODEL, "-p", "creative", "-t", "0.5", "-n", "5",
+                    "--json", "--seed", "1")
+    settings = json.loads(result.stdout)["settings"]
+    assert settings["temperature"] == 0.5  # flag beats preset
+    assert settings["top_p"] == 0.92  # from the preset
+
+
+def test_num_return_sequences_prints_each_output():
+    result = invoke("generate", "Once", *MODEL, "-n", "6", "-t", "1.0", "--seed", "2",
+                    "--num-return-sequences", "3", "--json")
+    records = [json.loads(line) for line in result.stdout.splitlines()]
+    assert [r["sequence"] for r in records] == [0, 1, 2]
+
+
+def test_stop_string_not_printed():
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "40", "--stop", "Lily")
+    assert result.exit_code == 0
+    assert result.stdout == ", there was a little girl named \n"
+
+
+def test_stats_go_to_stderr():
+    result = invoke("generate", "Once", *MODEL, "-n", "5", "--stats")
+    assert "tok/s" in result.stderr and "tok/s" not in result.stdout
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["generate", "x", "-m", "/nonexistent/model"], "does not exist"),
+    (["generate", "x", *MODEL, "-t", "0"], "temperature must be > 0"),
+    (["generate", "x", *MODEL, "--top-p", "2"], "0 < top_p <= 1"),
+    (["generate", "x", *MODEL, "-p", "creativ"], "did you mean 'creative'"),
+    (["generate", "x", *MODEL, "--quantize", "4bit"], "divisible by 32"),
+    (["generate", "x", *MODEL, "--chat"], "has no chat template"),
+    (["generate", "x", *MODEL, "--device", "tpu"], "unknown device"),
+    (["generate", "x", "-m", str(LLAMA2XS), "-n", "300"], "256 positions"),
+])
+def test_user_errors_are_one_line_and_exit_2(args, fragment):
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    assert fragment in result.stderr
+    assert "Traceback" not in result.output
+    assert result.stderr.strip().startswith("error:")
+
+
+def test_truncate_prompt_is_opt_in():
+    long_prompt = "Once upon a time " * 60
+    result = invoke("generate", long_prompt, "-m", str(LLAMA2XS), "-n", "100",
+                    "--truncate-prompt", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["prompt_tokens"] + 100 <= 256
+
+
+def test_presets_list_and_show():
+    listed = invoke("presets", "list")
+    assert listed.exit_code == 0
+    for name in ("greedy", "creative", "precise", "topk", "beam"):
+        assert name in listed.stdout
+    shown = invoke("presets", "show", "creative")
+    import yaml
+
+    data = yaml.safe_load(shown.stdout)
+    assert data["strategy"] == "sample" and data["top_p"] == 0.92 and data["top_k"] == 0
+    assert invoke("presets", "show", "nope").exit_code == 2
+
+
+def test_help_does_not_import_torch():
+    code = ("import sys; sys.argv=['genlab','generate','--help']\n"
+            "from cli.main import app\n"
+            "try:\n    app()\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+            "sys.stderr.write('HEAVY=' + ','.join(heavy))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT)
+    assert "HEAVY=" in proc.stderr and proc.stderr.strip().endswith("HEAVY="), proc.stderr
+
+
+def genlab_exe() -> list[str]:
+    """The installed console script when there is one (CI installs it), else the module."""
+    found = shutil.which("genlab")
+    return [found] if found else [sys.executable, "-m", "cli"]
+
+
+def test_real_subprocess_pipe():
+    """`genlab` as a user runs it: prompt piped in, plain text out, exit 0."""
+    exe = genlab_exe()
+    env = {**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([*exe, "generate", *MODEL, "-n", "15"], input="Once upon a time",
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith(", there was a little girl")
+    bad = subprocess.run([*exe, "generate", "x", "-m", "/nope"], capture_output=True,
+                         text=True, cwd=ROOT, env=env, timeout=120)
+    assert bad.returncode == 2 and "Traceback" not in bad.stderr
+
+
+def test_ctrl_c_keeps_printed_text_and_exits_130():
+    if not CODE_TARGET.is_dir():
+        pytest.skip("code-target not present")
+    env = {**os.environ, "NO_COLOR": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen([*genlab_exe(), "generate", "def main():", "-m", str(CODE_TARGET),
+                             "-n", "1000", "--ignore-eos"], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=ROOT, env=env)
+    first = proc.stdout.read(20)  # generation has started streaming
+    time.sleep(0.3)
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert len(first) == 20 and b"Traceback" not in err
+    assert len(first + rest) < 6000  # stopped long before 1000 tokens

@@ -1,0 +1,94 @@
+"""Settings validation and THE precedence rule: flag > preset > defaults."""
+
+from __future__ import annotations
+
+import pytest
+
+from genlib.config import (
+    SPECS,
+    GenerationSettings,
+    parse_assignments,
+    resolve_settings,
+    validate_settings,
+)
+from genlib.errors import ConfigError
+
+
+def test_defaults_are_greedy():
+    s = resolve_settings()
+    assert s.strategy == "greedy" and not s.do_sample and s.max_new_tokens == 128
+    assert set(SPECS) == set(s.to_dict())
+
+
+def test_flag_beats_preset_beats_default():
+    preset = {"temperature": 0.5, "top_p": 0.9, "max_new_tokens": 40}
+    s = resolve_settings({"temperature": 1.2, "top_p": None}, preset)
+    assert s.temperature == 1.2  # flag
+    assert s.top_p == 0.9  # preset (flag not given)
+    assert s.max_new_tokens == 40  # preset
+    assert s.top_k == 0  # default
+    assert s.strategy == "sample"
+
+
+def test_strategy_inference_and_explicit_strategy_wins():
+    assert resolve_settings({"top_k": 5}).strategy == "sample"
+    assert resolve_settings({"num_beams": 3}).strategy == "beam"
+    assert resolve_settings({"strategy": "beam"}).num_beams == 4
+    explicit = resolve_settings({"strategy": "greedy"}, {"strategy": "sample", "top_p": 0.8})
+    assert explicit.strategy == "greedy" and not explicit.do_sample
+    assert explicit.unused == ("top_p",)
+    assert resolve_settings({"do_sample": True, "num_beams": 2}).do_sample  # beam sampling
+
+
+def test_unknown_key_names_source_key_and_closest():
+    with pytest.raises(ConfigError) as exc:
+        validate_settings({"temprature": 0.7}, "my.yaml")
+    message = str(exc.value)
+    assert "my.yaml" in message and "'temprature'" in message and "'temperature'" in message
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("temperature", 0, "temperature must be > 0"),
+    ("top_p", 1.5, "0 < top_p <= 1"),
+    ("top_k", -1, "top_k must be >= 0"),
+    ("top_k", 2.5, "top_k must be an integer"),
+    ("max_new_tokens", True, "max_new_tokens must be an integer"),
+    ("temperature", "hot", "temperature must be a number"),
+    ("stop_strings", [1], "stop_strings must be a string or a list"),
+    ("early_stopping", "sometimes", "early_stopping must be true, false"),
+    ("strategy", "gready", "did you mean 'greedy'"),
+    ("min_p", 2.0, "0 <= min_p <= 1"),
+])
+def test_wrong_types_and_ranges_give_allowed_range(key, value, fragment):
+    with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
+        validate_settings({key: value}, "test")
+
+
+def test_cross_field_rules():
+    with pytest.raises(ConfigError, match="num_return_sequences"):
+        resolve_settings({"num_return_sequences": 2})
+    with pytest.raises(ConfigError, match="divisible"):
+        resolve_settings({"num_beams": 4, "num_beam_groups": 3})
+    with pytest.raises(ConfigError, match="diversity_penalty needs"):
+        resolve_settings({"num_beams": 4, "diversity_penalty": 0.5})
+    with pytest.raises(ConfigError, match="needs strategy beam"):
+        resolve_settings({"strategy": "sample", "num_beams": 3})
+
+
+def test_parse_assignments_types_values_like_yaml():
+    parsed = parse_assignments("temperature=0.7, top_k=5 stop_strings=END", "--variant")
+    assert parsed == {"temperature": 0.7, "top_k": 5, "stop_strings": ("END",)}
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        parse_assignments("temperature", "--variant")
+    with pytest.raises(ConfigError, match="did you mean 'top_p'"):
+        parse_assignments("top_pp=0.9", "--variant")
+
+
+def test_settings_are_frozen_and_replace_revalidates():
+    s = resolve_settings({"temperature": 0.7})
+    with pytest.raises(AttributeError):
+        s.temperature = 2.0  # type: ignore[misc]
+    assert s.replace(seed=3).seed == 3 and s.replace(seed=3).temperature == 0.7
+    with pytest.raises(ConfigError):
+        s.replace(top_p=0)
+    assert isinstance(s, GenerationSettings)

@@ -1,0 +1,92 @@
+"""Preset lookup, inheritance and validation."""
+
+from __future__ import annotations
+
+import pytest
+
+from genlib.config import resolve_settings
+from genlib.errors import PresetError
+from genlib.presets import available_names, builtin_dir, list_presets, load_preset
+
+BUILTINS = {"greedy", "creative", "precise", "topk", "beam"}
+
+
+@pytest.fixture
+def user_presets(tmp_path, monkeypatch):
+    monkeypatch.setenv("GENLAB_PRESETS_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_builtins_exist_and_resolve(user_presets):
+    assert BUILTINS <= set(available_names())
+    strategies = {p.name: resolve_settings(None, p.settings).strategy for p in list_presets()}
+    assert strategies["greedy"] == "greedy" and strategies["beam"] == "beam"
+    assert strategies["creative"] == strategies["precise"] == strategies["topk"] == "sample"
+    assert resolve_settings(None, load_preset("creative").settings).top_p < 1.0
+    assert all(p.description for p in list_presets())
+
+
+def test_user_preset_in_folder_extends_builtin(user_presets):
+    (user_presets / "mine.yaml").write_text(
+        "name: mine\ndescription: warmer creative\nextends: creative\ntemperature: 1.2\n"
+        "model: ../shared/models/stories260K\n")
+    preset = load_preset("mine")
+    assert preset.settings["temperature"] == 1.2  # child wins
+    assert preset.settings["top_p"] == 0.92  # inherited
+    assert preset.model == "../shared/models/stories260K"
+    assert "mine" in available_names()
+
+
+def test_user_preset_shadows_builtin(user_presets):
+    (user_presets / "greedy.yaml").write_text("max_new_tokens: 7\n")
+    assert load_preset("greedy").settings == {"max_new_tokens": 7}
+
+
+def test_preset_by_path_and_relative_extends(tmp_path, user_presets):
+    folder = tmp_path / "p"
+    folder.mkdir()
+    (folder / "base.yaml").write_text("top_k: 11\n")
+    (folder / "child.yaml").write_text("extends: base.yaml\ntemperature: 0.5\n")
+    preset = load_preset(str(folder / "child.yaml"))
+    assert preset.settings == {"top_k": 11, "temperature": 0.5}
+
+
+def test_unknown_key_in_file_names_file_key_and_closest(tmp_path, user_presets):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("temprature: 0.7\n")
+    with pytest.raises(PresetError) as exc:
+        load_preset(str(bad))
+    assert str(bad) in str(exc.value) and "'temprature'" in str(exc.value)
+    assert "did you mean 'temperature'" in str(exc.value)
+
+
+def test_out_of_range_value_gives_range(tmp_path, user_presets):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("top_p: 3\n")
+    with pytest.raises(PresetError, match="0 < top_p <= 1, got 3"):
+        load_preset(str(bad))
+
+
+def test_yaml_is_loaded_safely(tmp_path, user_presets):
+    evil = tmp_path / "evil.yaml"
+    evil.write_text("temperature: !!python/object/apply:os.system ['echo pwned']\n")
+    with pytest.raises(PresetError, match="not valid YAML"):
+        load_preset(str(evil))
+
+
+def test_cycles_missing_and_typos(tmp_path, user_presets):
+    (user_presets / "a.yaml").write_text("extends: b\n")
+    (user_presets / "b.yaml").write_text("extends: a\n")
+    with pytest.raises(PresetError, match="extends itself"):
+        load_preset("a")
+    with pytest.raises(PresetError, match="did you mean 'creative'"):
+        load_preset("creativ")
+    with pytest.raises(PresetError, match="does not exist"):
+        load_preset(str(tmp_path / "nope.yaml"))
+    (user_presets / "list.yaml").write_text("- 1\n- 2\n")
+    with pytest.raises(PresetError, match="must be a YAML mapping"):
+        load_preset("list")
+
+
+def test_builtin_dir_holds_yaml_only():
+    assert {p.suffix for p in builtin_dir().iterdir()} == {".yaml"}
