@@ -1,0 +1,373 @@
+"""`genlab generate --interactive`: load the model once, then read prompts in a loop and
+stream each answer. Line editing and history come from Python's `readline` (history
+kept in a file across sessions); settings change with the same validation as presets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cli import render
+from cli.context import ModelFlags, load, settings_for
+from cli.errors import fail
+from genlib.config import GenerationSettings, parse_assignments, resolve_settings
+from genlib.errors import GenlabError
+
+if TYPE_CHECKING:
+    from genlib.events import Finish
+    from genlib.models import LoadedModel
+    from genlib.presets import Preset
+
+PROMPT = "genlab> "
+CONTINUE = "....... "
+BLOCK = '"""'
+HISTORY_LENGTH = 1000
+
+HELP = f"""\
+Type a prompt and press Enter; the answer streams below it.
+  multi-line   end a line with \\ to continue it, or put the text between {BLOCK} lines
+  Ctrl-C       stop the answer being generated (at an empty prompt: quit)
+  Ctrl-D       quit
+Commands:
+  /help                 this text
+  /preset NAME|PATH     use a preset (your /set and command-line settings still win)
+  /set KEY=VALUE ...    change settings, e.g. /set temperature=0.7 top_p=0.9
+  /show                 the resolved settings
+  /seed N               sampling seed for every turn (/seed off: a fresh one each turn)
+  /chat on|off          conversation mode: keep the turns, apply the chat template
+  /reset                forget the conversation's turns
+  /save FILE            write this session's prompts, outputs and settings as JSONL
+  /quit                 leave (also /exit)"""
+
+
+class CommandError(GenlabError):
+    """A /command used the wrong way; the session goes on."""
+
+
+@dataclass
+class Session:
+    """Everything one interactive session keeps between turns."""
+
+    lm: LoadedModel
+    flags: dict[str, Any]  # settings given on the command line or with /set (they win)
+    preset: Preset | None
+    settings: GenerationSettings
+    system: str | None = None
+    chat: bool = False
+    messages: list[dict[str, str]] = field(default_factory=list)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+
+
+def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
+        system: str | None) -> None:
+    """Entry point from `genlab generate --interactive`."""
+    settings, preset = settings_for(preset_ref, flags)
+    if system and not chat:
+        raise fail("--system needs --chat")
+    lm = load(model_flags, preset)
+    session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
+                      system=system)
+    if chat:
+        set_chat(session, "on")
+    history = History.open()
+    render.info(f"genlab interactive · {lm.ref} · /help for commands, Ctrl-D to quit")
+    try:
+        loop(session)
+    finally:
+        history.save()
+
+
+def loop(session: Session) -> None:
+    """Read, run, repeat, until /quit, Ctrl-D or Ctrl-C at an empty prompt."""
+    while True:
+        try:
+            text = read_prompt()
+        except EOFError:
+            render.out.print()
+            return
+        except KeyboardInterrupt:
+            render.out.print()
+            if not pending_line():
+                return
+            continue  # Ctrl-C on a typed line drops it, as shells do
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            if not command(session, text.strip()):
+                return
+            continue
+        try:
+            turn(session, text)
+        except GenlabError as exc:
+            render.error(str(exc))
+        except KeyboardInterrupt:
+            render.info("[interrupted]")
+
+
+# ---------------------------------------------------------------- reading input
+
+
+def read_prompt(read: Any = input) -> str:
+    """One prompt: a line, lines joined by a trailing backslash, or a \"\"\" block."""
+    first = read(PROMPT)
+    if first.strip().startswith(BLOCK):
+        return _read_block(first.strip()[len(BLOCK):], read)
+    lines = []
+    line = first
+    while line.endswith("\\"):
+        lines.append(line[:-1])
+        line = read(CONTINUE)
+    lines.append(line)
+    return "\n".join(lines)
+
+
+def _read_block(rest: str, read: Any) -> str:
+    if rest.rstrip().endswith(BLOCK):
+        return rest.rstrip()[:-len(BLOCK)]
+    lines = [rest] if rest else []
+    while True:
+        line = read(CONTINUE)
+        if line.rstrip().endswith(BLOCK):
+            last = line.rstrip()[:-len(BLOCK)]
+            if last:
+                lines.append(last)
+            return "\n".join(lines)
+        lines.append(line)
+
+
+def pending_line() -> str:
+    """What was typed on the line Ctrl-C interrupted ("" if readline is unavailable)."""
+    try:
+        import readline
+    except ImportError:
+        return ""
+    return readline.get_line_buffer()
+
+
+@dataclass
+class History:
+    """readline history, loaded from and saved to one file across sessions."""
+
+    path: Path | None
+
+    @staticmethod
+    def file() -> Path:
+        """$GENLAB_HISTORY, else `history` in the platform's user data dir."""
+        env = os.environ.get("GENLAB_HISTORY")
+        if env:
+            return Path(env).expanduser()
+        from platformdirs import user_data_dir
+
+        return Path(user_data_dir("genlab")) / "history"
+
+    @classmethod
+    def open(cls) -> History:
+        try:
+            import readline
+        except ImportError:  # no line editing on this platform; plain input() still works
+            return cls(None)
+        path = cls.file()
+        readline.set_history_length(HISTORY_LENGTH)
+        if path.is_file():
+            try:
+                readline.read_history_file(path)
+            except OSError as exc:
+                render.warn(f"cannot read history {path} ({exc}); starting without it")
+        return cls(path)
+
+    def save(self) -> None:
+        if self.path is None:
+            return
+        import readline
+
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            readline.write_history_file(self.path)
+        except OSError as exc:
+            render.warn(f"cannot save history to {self.path} ({exc})")
+
+
+# ---------------------------------------------------------------- commands
+
+
+def command(session: Session, text: str) -> bool:
+    """Run one /command; False means leave the session."""
+    name, _, args = text.partition(" ")
+    args = args.strip()
+    handlers = {"/help": lambda: render.err.print(HELP, markup=False, highlight=False),
+                "/preset": lambda: set_preset(session, args),
+                "/set": lambda: set_values(session, args),
+                "/show": lambda: show(session),
+                "/seed": lambda: set_seed(session, args),
+                "/chat": lambda: set_chat(session, args),
+                "/reset": lambda: reset(session),
+                "/save": lambda: save(session, args)}
+    if name in ("/quit", "/exit"):
+        return False
+    handler = handlers.get(name)
+    if handler is None:
+        from genlib.config import closest_key
+
+        hint = closest_key(name, [*handlers, "/quit"])
+        extra = f" (did you mean {hint}?)" if hint else ""
+        render.error(f"unknown command {name}{extra}; /help lists them")
+        return True
+    try:
+        handler()
+    except GenlabError as exc:
+        render.error(str(exc))  # nothing changed: each handler validates before it assigns
+    return True
+
+
+def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
+          source: str) -> None:
+    """Resolve the new flags over the new preset; only a valid result replaces the old."""
+    settings = resolve_settings(flags, preset.settings if preset else None, source=source)
+    session.flags, session.preset, session.settings = flags, preset, settings
+    if settings.unused:
+        render.warn(f"{', '.join(settings.unused)} only apply when sampling; strategy is "
+                    f"{settings.strategy}")
+
+
+def set_values(session: Session, args: str) -> None:
+    if not args:
+        raise CommandError("/set needs KEY=VALUE pairs, e.g. /set temperature=0.7")
+    changes = parse_assignments(args, "/set")
+    apply(session, {**session.flags, **changes}, session.preset, "/set")
+    render.info("set " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+
+
+def set_preset(session: Session, args: str) -> None:
+    from genlib.presets import load_preset
+
+    if not args:
+        raise CommandError("/preset needs a preset name or a .yaml path")
+    preset = load_preset(args)
+    apply(session, session.flags, preset, f"/preset {args}")
+    note = ""
+    if preset.model and preset.model != session.lm.ref:
+        note = f" (its model {preset.model} is not loaded: the session keeps {session.lm.ref})"
+    render.info(f"preset {preset.name}{note}")
+
+
+def set_seed(session: Session, args: str) -> None:
+    if args in ("off", "none"):
+        flags = {k: v for k, v in session.flags.items() if k != "seed"}
+        apply(session, flags, session.preset, "/seed")
+        render.info("seed: a fresh one each turn")
+        return
+    changes = parse_assignments(f"seed={args}", "/seed")
+    apply(session, {**session.flags, **changes}, session.preset, "/seed")
+    render.info(f"seed {changes['seed']}")
+
+
+def set_chat(session: Session, args: str) -> None:
+    if args not in ("on", "off"):
+        raise CommandError(f"/chat takes on or off, got {args!r}")
+    if args == "on":
+        from genlib.errors import ChatTemplateError
+
+        try:
+            session.lm.encode_chat([{"role": "user", "content": "hi"}])
+        except ChatTemplateError:
+            raise CommandError(f"{session.lm.ref} has no chat template, so chat mode is not "
+                               f"available; prompts go to the model as plain text") from None
+    session.chat = args == "on"
+    session.messages = []
+    render.info(f"chat {args}")
+
+
+def reset(session: Session) -> None:
+    session.messages = []
+    render.info("conversation cleared")
+
+
+def show(session: Session) -> None:
+    preset_name = session.preset.name if session.preset else "none"
+    lines = [f"model: {session.lm.ref}", f"preset: {preset_name}",
+             f"chat: {'on' if session.chat else 'off'} ({len(session.messages)} messages)"]
+    preset_keys = session.preset.settings if session.preset else {}
+    for key, value in session.settings.to_dict().items():
+        origin = "set" if key in session.flags else "preset" if key in preset_keys else ""
+        lines.append(f"  {key} = {json.dumps(value)}" + (f"   ({origin})" if origin else ""))
+    render.err.print("\n".join(lines), markup=False, highlight=False)
+
+
+def save(session: Session, args: str) -> None:
+    if not args:
+        raise CommandError("/save needs a file name, e.g. /save session.jsonl")
+    path = Path(args).expanduser()
+    try:
+        with path.open("w", encoding="utf-8") as fh:
+            for record in session.turns:
+                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+    except OSError as exc:
+        raise CommandError(f"cannot write {path} ({exc})") from None
+    render.info(f"saved {len(session.turns)} turns to {path}")
+
+
+# ---------------------------------------------------------------- one turn
+
+
+def turn(session: Session, text: str) -> None:
+    """Generate for one prompt, streamed; record it for /save and for chat mode."""
+    from cli.generate import with_seed
+
+    lm = session.lm
+    settings = with_seed(session.settings)
+    if settings.num_return_sequences != 1:
+        raise CommandError("the interactive session shows one answer per prompt; "
+                           "/set num_return_sequences=1")
+    messages = [*session.messages, {"role": "user", "content": text}]
+    if session.chat:
+        system = [{"role": "system", "content": session.system}] if session.system else []
+        ids = lm.encode_chat([*system, *messages])
+    else:
+        ids = lm.encode(text)
+    lm.check_fits(len(ids), settings.max_new_tokens)
+    finish = stream_answer(lm, ids, settings)
+    if finish is None:
+        return
+    if session.chat:
+        session.messages = [*messages, {"role": "assistant", "content": finish.text}]
+    session.turns.append({
+        "turn": len(session.turns) + 1, "prompt": text, "output": finish.text,
+        "finish_reason": finish.reason, "prompt_tokens": finish.prompt_tokens,
+        "new_tokens": finish.new_tokens, "chat": session.chat, "model": lm.ref,
+        "settings": settings.to_dict()})
+
+
+def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
+                  ) -> Finish | None:
+    """Print the answer as it arrives; Ctrl-C ends it early ("interrupted")."""
+    from genlib.decode import interrupt, stream
+    from genlib.events import Finish, Token
+
+    finish: Finish | None = None
+    streamed = False
+
+    def handle(event: Any) -> None:
+        nonlocal finish, streamed
+        if isinstance(event, Token) and event.row == 0:
+            streamed = streamed or bool(event.text)
+            render.stream_text(event.text)
+        elif isinstance(event, Finish) and event.row == 0:
+            finish = event
+            # Strategies that only know the text at the end (beam) stream no tokens.
+            render.stream_text(event.tail if streamed else event.text)
+
+    events = stream(lm, [ids], settings)
+    try:
+        for event in events:
+            handle(event)
+    except KeyboardInterrupt:
+        for event in interrupt(events):
+            handle(event)
+    render.end_line()
+    if finish is not None:
+        render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
+    return finish
