@@ -156,3 +156,34 @@ def test_ctrl_c_keeps_printed_text_and_exits_130():
     assert proc.returncode == 130, err
     assert len(first) == 20 and b"Traceback" not in err
     assert len(first + rest) < 6000  # stopped long before 1000 tokens
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, stories):
+    """stories260K saved with a (toy) chat template, as a local model folder."""
+    folder = tmp_path_factory.mktemp("chat-model")
+    stories.model.save_pretrained(folder)
+    stories.tokenizer.chat_template = CHAT_TEMPLATE
+    try:
+        stories.tokenizer.save_pretrained(folder)
+    finally:
+        stories.tokenizer.chat_template = None
+    return folder
+
+
+def test_chat_applies_template_with_system_message(chat_model):
+    from genlib.models import ModelSpec, load_model
+
+    lm = load_model(ModelSpec(str(chat_model)))
+    ids = lm.encode_chat([{"role": "system", "content": "Be kind."},
+                          {"role": "user", "content": "Hi"}])
+    assert lm.tokenizer.decode(ids) == lm.tokenizer.decode(
+        lm.tokenizer("<system>Be kind.\n<user>Hi\n<assistant>", add_special_tokens=False)["input_ids"])
+    result = invoke("generate", "Hi", "-m", str(chat_model), "--chat", "--system", "Be kind.",
+                    "-n", "5", "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_tokens"] == len(ids)
