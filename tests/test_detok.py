@@ -1,0 +1,44 @@
+"""Incremental detokenization: no broken UTF-8, sentencepiece spaces kept, pieces join
+to the decode of the whole output."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from genlib.detok import IncrementalDecoder
+from genlib.stopping import StopStrings
+from tests.conftest import CODE_TARGET, STORIES
+
+TEXT = "Tom said: \"héllo wörld\" 🙂 — naïve café, 3 + 4 = 7.\n    return x"
+
+
+@pytest.mark.parametrize("folder", [STORIES, CODE_TARGET], ids=["sentencepiece", "byte-bpe"])
+def test_pieces_are_valid_and_join_to_whole_decode(folder):
+    if not folder.is_dir():
+        pytest.skip(f"{folder} not present")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    prompt = tok("Once upon a time")["input_ids"]
+    output = tok(TEXT, add_special_tokens=False)["input_ids"]
+    decoder = IncrementalDecoder(tok, prompt)
+    pieces = [decoder.push(t) for t in output] + [decoder.flush()]
+    assert not any("\ufffd" in p for p in pieces)
+    whole = tok.decode(prompt + output, skip_special_tokens=True)
+    assert tok.decode(prompt, skip_special_tokens=True) + "".join(pieces) == whole
+    assert len(output) > len([p for p in pieces if p])  # some characters span tokens
+
+
+def test_stop_strings_hold_back_possible_prefix():
+    stops = StopStrings(["\n\n", "END"])
+    assert stops.feed("abc\n") == "abc"  # "\n" may start "\n\n": held back
+    assert stops.feed("x E") == "\nx "  # "E" may start "END"
+    assert stops.feed("N") == ""
+    assert stops.feed("D and more") == ""
+    assert stops.stopped and stops.final_text == "abc\nx "
+
+
+def test_stop_strings_release_held_text_at_the_end():
+    stops = StopStrings(["END"])
+    assert stops.feed("the E") == "the "
+    assert stops.finish() == "E"
+    assert not stops.stopped and stops.final_text == "the E"
