@@ -9,6 +9,7 @@ import typer
 
 from cli import generate as generate_cmd
 from cli import presets as presets_cmd
+from cli import speculate as speculate_cmd
 
 app = typer.Typer(
     name="genlab",
@@ -18,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("generate")(generate_cmd.generate)
+app.command("speculate")(speculate_cmd.speculate)
 app.add_typer(presets_cmd.app, name="presets")
 
 

@@ -1,0 +1,276 @@
+"""`genlab speculate`: speculative decoding with a draft model or prompt lookup, streamed
+with accepted draft tokens and target tokens in different colours, then the acceptance
+and timing report (and, by default, the same prompt decoded plainly for the speed-up)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.context import ModelFlags, load, settings_for
+from cli.errors import fail, user_errors
+from cli.generate import INTERRUPTED, encode_prompt, read_prompt, with_seed
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
+    from genlib.events import Event, Finish
+    from genlib.models import LoadedModel
+    from genlib.speculative import Summary
+
+SPEC_PANEL = "Speculation"
+BAR_WIDTH = 20
+
+
+def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | None
+               ) -> str | None:
+    """The draft model to load (None for prompt lookup). Without either flag, the
+    built-in draft pairs with the built-in target; any other target needs a flag."""
+    from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL
+
+    if draft_model is not None and prompt_lookup is not None:
+        raise fail("give --draft-model or --prompt-lookup, not both")
+    if draft_model is not None or prompt_lookup is not None:
+        return draft_model
+    is_default = Path(target_ref).expanduser().resolve() == DEFAULT_MODEL.resolve()
+    if is_default and DEFAULT_DRAFT.is_dir():
+        return str(DEFAULT_DRAFT)
+    raise fail(f"no drafter for {target_ref}: pass --draft-model PATH|ID (a small model with "
+               f"the same tokenizer) or --prompt-lookup N (drafts from the context, no model)")
+
+
+def collect(events: Any, handle: Any) -> tuple[list[Event], bool]:
+    """Run an event stream to its end through `handle`; (events, interrupted)."""
+    from genlib.decode import interrupt
+
+    seen: list[Event] = []
+    try:
+        for event in events:
+            seen.append(event)
+            handle(event)
+    except KeyboardInterrupt:
+        for event in interrupt(events):
+            seen.append(event)
+            handle(event)
+        return seen, True
+    return seen, False
+
+
+def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
+                       draft: LoadedModel | None, prompt_lookup: int | None,
+                       num_draft_tokens: int | None, adaptive: bool, live: bool
+                       ) -> tuple[list[Event], bool]:
+    from cli import render
+    from genlib.events import Finish, Token
+    from genlib.speculative import speculative_stream
+
+    def handle(event: Any) -> None:
+        if not live:
+            return
+        if isinstance(event, Token):
+            render.stream_text(event.text, render.DRAFT_STYLE if event.draft
+                               else render.TARGET_STYLE)
+        elif isinstance(event, Finish):
+            render.stream_text(event.tail)
+            render.end_line()
+
+    events = speculative_stream(target, ids, settings, draft_lm=draft,
+                                prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
+                                adaptive=adaptive)
+    return collect(events, handle)
+
+
+def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettings
+                 ) -> tuple[Finish, float]:
+    """Plain decoding of the same prompt and settings: (finish, decode tokens/s)."""
+    from genlib.decode import stream
+    from genlib.events import Finish, Prefill
+
+    events = list(stream(target, [ids], settings))
+    prefill = next(e for e in events if isinstance(e, Prefill))
+    finish = next(e for e in events if isinstance(e, Finish))
+    seconds = finish.end - prefill.time
+    return finish, (finish.new_tokens / seconds if seconds > 0 else 0.0)
+
+
+def summary_json(s: Summary) -> dict[str, Any]:
+    return {
+        "acceptance_rate": round(s.acceptance_rate, 4),
+        "alpha": round(s.alpha, 4),
+        "proposed": s.proposed,
+        "accepted": s.accepted,
+        "target_forwards": s.steps,
+        "tokens_per_forward": round(s.tokens_per_forward, 4),
+        "mean_accepted_per_forward": round(s.mean_accepted, 4),
+        "mean_num_draft_tokens": round(s.mean_gamma, 3),
+        "by_position": [{"position": i + 1, "proposed": p, "accepted": a,
+                         "rate": round(a / p, 4) if p else 0.0}
+                        for i, (p, a) in enumerate(s.by_position)],
+        "draft_seconds": round(s.draft_seconds, 6),
+        "target_seconds": round(s.target_seconds, 6),
+        "draft_forwards": s.draft_forwards,
+        "cost_ratio": round(s.cost_ratio, 4),
+        "prefill_s": round(s.prefill_seconds, 6),
+        "tokens_per_s": round(s.tokens_per_second, 3),
+    }
+
+
+def render_report(s: Summary, drafter: str, baseline_tps: float | None,
+                  identical: bool | None, do_sample: bool) -> None:
+    """The acceptance/timing report on stderr."""
+    from cli import render
+
+    err = render.err
+    err.print(f"[bold]speculation[/] · drafter {drafter} · [green]draft[/] / "
+              f"[bold]target[/] tokens")
+    err.print(f"  acceptance       {s.acceptance_rate:6.1%}  ({s.accepted}/{s.proposed} draft "
+              f"tokens; alpha {s.alpha:.2f})")
+    err.print(f"  per target fwd   {s.tokens_per_forward:6.2f} tokens  ({s.mean_accepted:.2f} "
+              f"accepted drafts, mean gamma {s.mean_gamma:.1f}, {s.steps} forwards)")
+    for i, (proposed, accepted) in enumerate(s.by_position):
+        rate = accepted / proposed if proposed else 0.0
+        bar = "█" * round(rate * BAR_WIDTH)
+        err.print(f"  position {i + 1:<3}     [green]{bar:<{BAR_WIDTH}}[/] {rate:6.1%} "
+                  f"({accepted}/{proposed})")
+    err.print(f"  time             draft {s.draft_seconds:.3f} s ({s.draft_forwards} fwd) · "
+              f"target {s.target_seconds:.3f} s ({s.steps} fwd) · cost ratio c "
+              f"{s.cost_ratio:.3f}")
+    line = f"  speed            {s.tokens_per_second:.1f} tok/s"
+    if baseline_tps:
+        line += (f" vs plain {baseline_tps:.1f} tok/s → [bold]"
+                 f"{s.tokens_per_second / baseline_tps:.2f}x[/] (formula predicts "
+                 f"{s.predicted_speedup():.2f}x)")
+    err.print(line)
+    if identical is not None and not do_sample:
+        err.print("  greedy output identical to plain decoding: "
+                  + ("[green]yes[/]" if identical else "[red]NO[/]"))
+
+
+def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
+                baseline: tuple[Finish, float] | None, settings: GenerationSettings,
+                num_draft_tokens: int | None, adaptive: bool) -> dict[str, Any]:
+    base_json = None
+    speedup = None
+    if baseline is not None:
+        base_finish, base_tps = baseline
+        base_json = {"token_ids": list(base_finish.token_ids), "text": base_finish.text,
+                     "new_tokens": base_finish.new_tokens,
+                     "tokens_per_s": round(base_tps, 3),
+                     "identical": base_finish.token_ids == finish.token_ids}
+        speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
+    return {
+        "model": target.ref, "drafter": drafter, "prompt": prompt, "text": finish.text,
+        "finish_reason": finish.reason, "new_tokens": finish.new_tokens,
+        "token_ids": list(finish.token_ids), "num_draft_tokens": num_draft_tokens,
+        "adaptive": adaptive, "speculation": summary_json(s), "baseline": base_json,
+        "speedup": speedup, "predicted_speedup": round(s.predicted_speedup(), 4),
+        "settings": settings.to_dict(),
+    }
+
+
+@user_errors
+def speculate(
+    prompt: Annotated[str | None, typer.Argument(
+        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    model: opt.Model = None,
+    draft_model: Annotated[str | None, typer.Option(
+        "--draft-model", "-d", rich_help_panel=SPEC_PANEL,
+        help="Draft model (hub id or folder) sharing the target's tokenizer. Default with "
+             "the built-in model: the built-in draft.")] = None,
+    prompt_lookup: Annotated[int | None, typer.Option(
+        "--prompt-lookup", rich_help_panel=SPEC_PANEL,
+        help="Draft with no model: continue the latest earlier match of the last N-gram "
+             "(N down to 1) in the context.")] = None,
+    num_draft_tokens: Annotated[int | None, typer.Option(
+        "--num-draft-tokens", "-g", rich_help_panel=SPEC_PANEL,
+        help="Tokens drafted per step, gamma (default 5; 10 with --prompt-lookup).")] = None,
+    adaptive: Annotated[bool, typer.Option(
+        "--adaptive/--fixed", rich_help_panel=SPEC_PANEL,
+        help="Adapt gamma: +2 after a fully accepted block, -1 after a rejection.")] = False,
+    baseline: Annotated[bool, typer.Option(
+        "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
+        help="Also decode without speculation and report the measured speed-up.")] = True,
+    preset: opt.Preset = None,
+    strategy: opt.Strategy = None,
+    max_new_tokens: opt.MaxNewTokens = None,
+    min_new_tokens: opt.MinNewTokens = None,
+    temperature: opt.Temperature = None,
+    top_k: opt.TopK = None,
+    top_p: opt.TopP = None,
+    min_p: opt.MinP = None,
+    typical_p: opt.TypicalP = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
+    no_repeat_ngram_size: opt.NoRepeatNgram = None,
+    stop: opt.Stop = None,
+    seed: opt.Seed = None,
+    max_time: opt.MaxTime = None,
+    ignore_eos: opt.IgnoreEos = None,
+    chat: Annotated[bool, typer.Option(
+        "--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
+    system: Annotated[str | None, typer.Option(
+        "--system", help="System message (with --chat).")] = None,
+    as_json: opt.Json = False,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    quantize: opt.Quantize = "none",
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
+
+    The output is the target's own (token-identical when greedy; the same distribution
+    when sampling). Accepted draft tokens print green, the target's own bold.
+
+    Examples:\n
+      genlab speculate "def parse(line):" -m ../shared/models/code-target -d ../shared/models/code-draft\n
+      genlab speculate "Once upon a time" -m ../shared/models/stories260K --prompt-lookup 3\n
+      genlab speculate "import os" -t 0.8 --seed 1 --adaptive --json
+    """
+    from genlib.models import resolve_model_ref
+
+    flags = opt.setting_flags(
+        strategy=strategy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
+        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+        stop_strings=stop, seed=seed, max_time=max_time, ignore_eos=ignore_eos)
+    settings, loaded_preset = settings_for(preset, flags)
+    if settings.strategy == "beam":
+        raise fail("speculative decoding does greedy or sampling, not beam search")
+    settings = with_seed(settings)
+    target_ref = resolve_model_ref(model, loaded_preset.model if loaded_preset else None)
+    draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
+    text = read_prompt(prompt)
+    model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code)
+    target = load(model_flags)
+    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code)) \
+        if draft_ref is not None else None
+    ids = encode_prompt(target, text, chat, system, False, settings.max_new_tokens)
+    drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
+    code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
+                  num_draft_tokens, adaptive, baseline, as_json)
+    if code:
+        raise typer.Exit(code)
+
+
+def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
+           text: str, settings: GenerationSettings, prompt_lookup: int | None,
+           num_draft_tokens: int | None, adaptive: bool, baseline: bool, as_json: bool) -> int:
+    """Stream the speculative run, then the baseline and the report; the exit code."""
+    from cli import render
+    from genlib.events import Finish
+    from genlib.speculative import summarize
+
+    events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
+                                             num_draft_tokens, adaptive, live=not as_json)
+    finish = next(e for e in events if isinstance(e, Finish))
+    summary = summarize(events)
+    plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
+    if as_json:
+        render.json_line(result_json(target, drafter, text, finish, summary, plain, settings,
+                                     num_draft_tokens, adaptive))
+    else:
+        render_report(summary, drafter, plain[1] if plain else None,
+                      plain[0].token_ids == finish.token_ids if plain else None,
+                      settings.do_sample)
+    return INTERRUPTED if interrupted or finish.reason == "interrupted" else 0

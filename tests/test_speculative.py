@@ -1,0 +1,359 @@
+"""Speculative decoding (genlib.speculative, genlib.drafters, `genlab speculate`).
+
+Greedy speculation must equal the target's own greedy decoding token for token; speculative
+sampling must follow the processed target distribution (checked against the exact
+distribution with a chi-square test); rolled-back caches must match a fresh prefill.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlib import forward
+from genlib.config import resolve_settings
+from genlib.decode import generate, make_plan
+from genlib.drafters import ModelDrafter, lookup
+from genlib.errors import ConfigError, ModelLoadError
+from genlib.events import Finish, Token, Verify
+from genlib.models import LoadedModel, ModelSpec, load_model
+from genlib.speculative import (
+    GammaSchedule,
+    predicted_speedup,
+    process,
+    speculative_step,
+    speculative_stream,
+    start,
+    summarize,
+)
+
+MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+needs_models = pytest.mark.skipif(not (MODELS / "stories260K").is_dir(),
+                                  reason="../shared/models not present")
+
+
+# ---------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="module")
+def stories() -> LoadedModel:
+    return load_model(ModelSpec(str(MODELS / "stories260K"), device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def xs() -> LoadedModel:
+    return load_model(ModelSpec(str(MODELS / "llama2xs"), device="cpu"))
+
+
+class CharTokenizer:
+    """Token i is the letter chr(97 + i): enough for the detokenizer and vocab check."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(chr(97 + i) for i in ids)
+
+    def get_vocab(self) -> dict[str, int]:
+        return {chr(97 + i): i for i in range(self.size)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """These models are tiny: on a shared 2-core machine a second torch thread only
+    spins waiting (25x slower under load)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def tiny_lm(seed: int, vocab: int = 6, like: LoadedModel | None = None) -> LoadedModel:
+    """A random one-layer Llama with peaked next-token distributions; with `like`, a
+    noisy copy of that model (a draft that agrees with it often, not always)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab, hidden_size=16, intermediate_size=32,
+                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
+                         max_position_embeddings=64, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # default init gives near-uniform logits; sharpen them
+        if like is not None:
+            model.load_state_dict(like.model.state_dict())
+            weight = model.lm_head.weight
+            weight.add_(torch.randn_like(weight) * weight.std() * NOISE)
+        else:
+            model.lm_head.weight.mul_(SHARPEN)
+    return LoadedModel(model=model, tokenizer=CharTokenizer(vocab), ref=f"tiny-{seed}",
+                       device=torch.device("cpu"), dtype=torch.float32, eos_ids=(),
+                       pad_id=0, max_positions=64)
+
+
+def run(target: LoadedModel, ids: list[int], settings, **kw) -> tuple[Finish, list]:
+    events = list(speculative_stream(target, ids, settings, **kw))
+    finish = [e for e in events if isinstance(e, Finish)]
+    assert len(finish) == 1
+    return finish[0], events
+
+
+# ---------------------------------------------------------------- greedy identity
+
+@needs_models
+@pytest.mark.parametrize("extra", [{}, {"repetition_penalty": 1.3, "min_new_tokens": 5}])
+def test_draft_equal_to_target_accepts_every_token(stories, extra) -> None:
+    settings = resolve_settings({"max_new_tokens": 60, **extra})
+    ids = stories.encode("Once upon a time")
+    plain = generate(stories, [ids], settings)[0]
+    finish, events = run(stories, ids, settings, draft_lm=stories, num_draft_tokens=4)
+    assert finish.token_ids == plain.token_ids and finish.text == plain.text
+    verifies = [e for e in events if isinstance(e, Verify)]
+    assert all(v.accepted == v.proposed for v in verifies)
+    assert sum(v.proposed for v in verifies) > 0
+    assert summarize(events).acceptance_rate == 1.0
+
+
+@needs_models
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_other_draft_partial_acceptance_same_tokens(stories, xs, adaptive) -> None:
+    settings = resolve_settings({"max_new_tokens": 80})
+    ids = stories.encode("Once upon a time")
+    plain = generate(stories, [ids], settings)[0]
+    finish, events = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4,
+                         adaptive=adaptive)
+    assert finish.token_ids == plain.token_ids
+    assert finish.reason == plain.reason
+    s = summarize(events)
+    assert 0.0 < s.acceptance_rate < 1.0
+    tokens = [e for e in events if isinstance(e, Token)]
+    assert {t.draft for t in tokens} == {True, False}
+    assert sum(t.draft for t in tokens) == s.accepted or finish.new_tokens < 80
+
+
+@needs_models
+def test_prompt_lookup_greedy_same_tokens_and_stops_like_core(stories) -> None:
+    # The story ends with BOS (id 1): finish reason and text must match the core loop.
+    settings = resolve_settings({"max_new_tokens": 200, "stop_strings": ["park"]})
+    ids = stories.encode("Once upon a time, there was a little girl named Lily. She loved "
+                         "to play outside in the park. Once upon a time")
+    plain = generate(stories, [ids], settings)[0]
+    finish, events = run(stories, ids, settings, prompt_lookup=3)
+    assert (finish.token_ids, finish.text, finish.reason) == \
+        (plain.token_ids, plain.text, plain.reason)
+    assert finish.reason == "stop"
+    assert summarize(events).accepted > 5  # the prompt repeats itself: lookup pays
+
+
+def test_lookup_takes_latest_match_longest_ngram_first() -> None:
+    ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert lookup(ids, 2, 3) == [7, 8, 5]  # (2, 3) occurs twice: the later one wins
+    assert lookup([4, 5, 6], 3, 2) == []
+    assert lookup([1, 2, 1], 2, 5) == [2, 1]
+
+
+# ---------------------------------------------------------------- cache rollback
+
+@needs_models
+def test_caches_after_rejections_equal_fresh_prefill(stories, xs) -> None:
+    settings = resolve_settings({"max_new_tokens": 60})
+    ids = stories.encode("Once upon a time")
+    plan = make_plan(stories, settings, 1)
+    drafter = ModelDrafter(xs, sample=False)
+    spec = start(stories, ids, plan, drafter)
+    rejected = 0
+    for _ in range(8):
+        result = speculative_step(spec, 4)
+        rejected += result.accepted < result.proposed
+    assert rejected >= 2
+    for lm, state in ((stories, spec.state), (xs, drafter.state)):
+        assert state.length == len(spec.ids) - 1
+        cached = forward.extend(lm.model, state, torch.tensor([[spec.ids[-1]]]))[0, -1]
+        fresh, _ = forward.prefill(lm.model, torch.tensor([spec.ids]),
+                                   torch.ones(1, len(spec.ids), dtype=torch.long))
+        torch.testing.assert_close(cached, fresh[0], atol=1e-4, rtol=1e-4)
+
+
+# ---------------------------------------------------------------- distribution
+
+def exact_pairs(target: LoadedModel, prompt: list[int], settings) -> dict[tuple[int, int], float]:
+    """P(x1, x2) of plain sampling with `settings`, from the processed target logits."""
+    plan = make_plan(target, settings, 1)
+
+    def dist(ids: list[int], step: int) -> torch.Tensor:
+        logits, _ = forward.prefill(target.model, torch.tensor([ids]),
+                                    torch.ones(1, len(ids), dtype=torch.long))
+        return process(plan, ids, logits[0], step).softmax(-1)
+
+    p1 = dist(prompt, 0)
+    return {(a, b): float(p1[a] * pb) for a in range(len(p1)) if p1[a] > 0
+            for b, pb in enumerate(dist(prompt + [a], 1).tolist())}
+
+
+def chi_square_critical(dof: int, z: float = 3.09) -> float:
+    """Wilson-Hilferty upper quantile of chi-square (z = 3.09: p = 0.001)."""
+    a = 2.0 / (9.0 * dof)
+    return dof * (1 - a + z * math.sqrt(a)) ** 3
+
+
+def chi_square(counts: Counter, probs: dict, n: int) -> tuple[float, int]:
+    """Pearson statistic, cells with expected count < 5 pooled into one."""
+    stat, pooled_obs, pooled_exp, cells = 0.0, 0, 0.0, 0
+    assert set(counts) <= {k for k, v in probs.items() if v > 0}, "impossible pair drawn"
+    for key, p in probs.items():
+        expected = p * n
+        if expected < 5:
+            pooled_obs += counts.get(key, 0)
+            pooled_exp += expected
+            continue
+        stat += (counts.get(key, 0) - expected) ** 2 / expected
+        cells += 1
+    if pooled_exp > 0:
+        stat += (pooled_obs - pooled_exp) ** 2 / max(pooled_exp, 1e-9)
+        cells += 1
+    return stat, cells - 1
+
+
+SHARPEN = 6.0
+NOISE = 0.7
+RUNS = 600
+
+
+@pytest.mark.parametrize("flags, gamma, drafter", [
+    ({"temperature": 0.7}, 1, "model"),
+    ({"top_k": 3}, 2, "model"),
+    ({"top_p": 0.8, "temperature": 1.3}, 1, "model"),
+    ({"temperature": 1.5}, 2, "lookup"),
+])
+def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter) -> None:
+    """Chi-square goodness of fit of the first two tokens' joint distribution over
+    600 seeded runs, at significance 0.001, against the exact processed target law
+    (what plain sampling with these settings draws from)."""
+    target = tiny_lm(1)
+    draft = tiny_lm(2, like=target)
+    prompt = [0, 3, 1, 0, 3]  # lookup: the tail (0, 3) recurs, so tokens get drafted
+    settings = resolve_settings({"max_new_tokens": 2, **flags})
+    probs = exact_pairs(target, prompt, settings)
+    counts: Counter = Counter()
+    rejected = 0
+    kw = {"draft_lm": draft} if drafter == "model" else {"prompt_lookup": 2}
+    for seed in range(RUNS):
+        finish, events = run(target, prompt, settings.replace(seed=seed),
+                             num_draft_tokens=gamma, **kw)
+        counts[finish.token_ids] += 1
+        rejected += any(e.accepted < e.proposed for e in events if isinstance(e, Verify))
+    assert 0.05 * RUNS < rejected < 0.95 * RUNS, "both accept and reject paths must run"
+    stat, dof = chi_square(counts, probs, RUNS)
+    assert stat < chi_square_critical(dof), f"chi2={stat:.1f} dof={dof}"
+
+
+def test_verify_sampled_on_hand_written_p_and_q() -> None:
+    """One position: the token kept (accepted draft or residual draw) follows p, even
+    where q puts no mass on tokens p likes (q truncated by top-k)."""
+    from genlib.drafters import Draft
+    from genlib.speculative import verify_sampled
+
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
+    q = torch.tensor([[0.1, 0.0, 0.6, 0.3]])
+    generator = torch.Generator().manual_seed(0)
+    n = 10000
+    counts = Counter()
+    for _ in range(n):
+        x = int(torch.multinomial(q[0], 1, generator=generator))
+        accepted, token = verify_sampled(p, Draft([x], q, 0.0, 1), generator)
+        counts[x if accepted else token] += 1
+    observed = torch.tensor([counts[i] / n for i in range(4)])
+    assert (observed - p[0]).abs().max() < 0.02  # > 3.5 standard errors at n = 10,000
+
+
+def test_draft_distribution_alone_fails_the_same_test() -> None:
+    """The test has power: the draft's own law does not pass as the target's."""
+    target = tiny_lm(1)
+    draft = tiny_lm(2, like=target)
+    prompt = [0, 3, 1, 0, 3]
+    settings = resolve_settings({"max_new_tokens": 2, "temperature": 0.7})
+    probs = exact_pairs(target, prompt, settings)
+    wrong = exact_pairs(draft, prompt, settings)
+    counts = Counter({k: round(v * RUNS) for k, v in wrong.items()})
+    stat, dof = chi_square(counts, {k: probs.get(k, 0.0) + 1e-12 for k in wrong}, RUNS)
+    assert stat > chi_square_critical(dof)
+
+
+# ---------------------------------------------------------------- refusals, helpers
+
+@needs_models
+def test_different_vocabularies_refused(stories) -> None:
+    code_draft = MODELS / "code-draft"
+    if not code_draft.is_dir():
+        pytest.skip("code-draft not present")
+    draft = load_model(ModelSpec(str(code_draft), device="cpu"))
+    settings = resolve_settings({"max_new_tokens": 5})
+    with pytest.raises(ModelLoadError, match="does not share the vocabulary"):
+        list(speculative_stream(stories, stories.encode("Hi"), settings, draft_lm=draft))
+
+
+def test_refusals_name_the_fix() -> None:
+    target = tiny_lm(1)
+    sample = resolve_settings({"max_new_tokens": 3, "num_return_sequences": 2,
+                               "temperature": 0.8})
+    with pytest.raises(ConfigError, match="batch size 1"):
+        list(speculative_stream(target, [1, 2], sample, prompt_lookup=2))
+    greedy = resolve_settings({"max_new_tokens": 3})
+    with pytest.raises(ConfigError, match="exactly one drafter"):
+        list(speculative_stream(target, [1, 2], greedy))
+    with pytest.raises(ModelLoadError, match="vocabulary"):
+        list(speculative_stream(target, [1, 2], greedy, draft_lm=tiny_lm(2, vocab=7)))
+
+
+def test_adaptive_gamma_and_predicted_speedup() -> None:
+    schedule = GammaSchedule(4, adaptive=True)
+    schedule.update(4, 4)
+    assert schedule.gamma == 6
+    schedule.update(6, 2)
+    assert schedule.gamma == 5
+    fixed = GammaSchedule(4)
+    fixed.update(4, 0)
+    assert fixed.gamma == 4
+    # Leviathan et al. Table/Fig.: alpha 0.8, gamma 5, c 0 -> (1 - 0.8^6) / 0.2
+    assert predicted_speedup(0.8, 5, 0.0) == pytest.approx((1 - 0.8 ** 6) / 0.2)
+    assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+
+
+# ---------------------------------------------------------------- CLI
+
+@needs_models
+def test_cli_speculate_json_matches_baseline() -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, [
+        "speculate", "Once upon a time", "-m", str(MODELS / "stories260K"),
+        "--draft-model", str(MODELS / "llama2xs"), "-n", "40", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["token_ids"] == data["baseline"]["token_ids"]
+    assert data["text"].startswith(", there was a little girl named Lily")
+    stats = data["speculation"]
+    assert 0 < stats["acceptance_rate"] < 1
+    assert stats["proposed"] >= stats["accepted"] > 0
+    assert data["speedup"] > 0 and data["predicted_speedup"] > 0
+
+
+@needs_models
+def test_cli_refuses_mismatched_draft_with_exit_2() -> None:
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    if not (MODELS / "code-draft").is_dir():
+        pytest.skip("code-draft not present")
+    result = CliRunner().invoke(app, [
+        "speculate", "Once", "-m", str(MODELS / "stories260K"),
+        "--draft-model", str(MODELS / "code-draft"), "-n", "5"])
+    assert result.exit_code == 2
+    assert "does not share the vocabulary" in result.stderr
+    assert "Traceback" not in result.output
