@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from cli import compare as compare_cmd
 from cli import generate as generate_cmd
 from cli import presets as presets_cmd
 from cli import speculate as speculate_cmd
@@ -19,6 +20,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("generate")(generate_cmd.generate)
+app.command("compare")(compare_cmd.compare)
 app.command("speculate")(speculate_cmd.speculate)
 app.add_typer(presets_cmd.app, name="presets")
 

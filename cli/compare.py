@@ -1,0 +1,494 @@
+"""`genlab compare`: one prompt through several decoding strategies, side by side.
+
+The view fills in live, one column per strategy (stacked panels on a narrow terminal),
+then shows each strategy's metrics with the best value of each highlighted. `--json`
+and `--markdown` export the whole comparison. `--models` / `--quantize` compare models
+or quantizations on one strategy instead.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.context import ModelFlags
+from cli.errors import fail, user_errors
+
+if TYPE_CHECKING:
+    from rich.console import Console, RenderableType
+
+    from genlib.compare import Comparison, ModelComparison, Strategy, StrategyResult
+    from genlib.config import GenerationSettings
+
+INTERRUPTED = 130
+MIN_COLUMN = 30  # characters a text column needs to stay readable; narrower: stack
+REFRESH_S = 0.1  # live view redraws at most this often (Rich is slow on a busy CPU)
+LABEL_WIDTH = 20
+SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_tokens",
+                "ignore_eos", "stop_strings", "max_time", "num_return_sequences")
+
+
+# --- shared formatting --------------------------------------------------------------
+
+def settings_summary(settings: GenerationSettings) -> str:
+    """The settings that make a column what it is: its strategy, then every setting
+    that differs from the built-in default (run-wide ones such as the seed left out)."""
+    from genlib.config import SPECS
+
+    changed = [f"{key}={value}" for key, value in settings.to_dict().items()
+               if key not in SUMMARY_SKIP and value != _default(SPECS[key].default)]
+    return " ".join([settings.strategy, *changed])
+
+
+def _default(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def format_metric(key: str, value: float | None) -> str:
+    from genlib.metrics import METRICS
+
+    if value is None:
+        return "-"
+    fmt = next(m.fmt for m in METRICS if m.key == key)
+    return format(value, fmt)
+
+
+def metric_cell(key: str, value: float | None, best: dict[str, float]) -> str:
+    text = format_metric(key, value)
+    if value is not None and key in best and value == best[key]:
+        return f"[bold green]{text} *[/]"  # the star survives where colour does not
+    return text
+
+
+# --- the live view ------------------------------------------------------------------
+
+class View:
+    """What the terminal shows: the texts so far and, once done, each column's metrics."""
+
+    def __init__(self, strategies: list[Strategy], prompt: str = "") -> None:
+        self.strategies = strategies
+        self.prompt = prompt
+        self.texts: list[dict[int, str]] = [{} for _ in strategies]
+        self.results: list[StrategyResult | None] = [None for _ in strategies]
+        self.running: int | None = None
+
+    def on_event(self, index: int, event: Any) -> None:
+        from genlib.compare import StrategyDone
+        from genlib.events import Finish, Token
+
+        self.running = index
+        if isinstance(event, Token):
+            texts = self.texts[index]
+            texts[event.row] = texts.get(event.row, "") + event.text
+        elif isinstance(event, Finish):
+            self.texts[index][event.row] = event.text
+        elif isinstance(event, StrategyDone):
+            self.results[index] = event.result
+            if event.result.samples:  # the final texts (a decoder may stream no tokens)
+                self.texts[index] = dict(enumerate(s.text for s in event.result.samples))
+            self.running = None
+
+    def best(self) -> dict[str, float]:
+        from genlib.metrics import best_values
+
+        return best_values([r.metrics for r in self.results if r and r.error is None])
+
+    def body(self, index: int) -> RenderableType:
+        """A column's text: its samples, one after the other, or its error."""
+        from rich.markup import escape
+        from rich.text import Text
+
+        result = self.results[index]
+        if result is not None and result.error is not None:
+            return Text.from_markup(f"[red]error:[/] {escape(result.error)}")
+        texts = self.texts[index]
+        if not texts:
+            return Text("generating…" if self.running == index else "waiting…", style="dim")
+        body = Text()
+        for n, row in enumerate(sorted(texts)):
+            if n:
+                body.append(f"\n── sample {n + 1} ──\n", style="dim")
+            body.append(texts[row])
+        if self.running == index:
+            body.append("▌", style="dim")
+        return body
+
+    def header(self, index: int) -> str:
+        from rich.markup import escape
+
+        strategy = self.strategies[index]
+        summary = settings_summary(strategy.settings)
+        if summary in (strategy.label, strategy.label.replace("-", "_")):
+            return f"[bold]{escape(strategy.label)}[/]"
+        return f"[bold]{escape(strategy.label)}[/]\n[dim]{escape(summary)}[/]"
+
+    def render(self, width: int) -> RenderableType:
+        if width < LABEL_WIDTH + MIN_COLUMN * len(self.strategies):
+            return self.stacked()
+        return self.table()
+
+    def table(self) -> RenderableType:
+        """One column per strategy; metric rows under the texts."""
+        from rich.table import Table
+
+        from genlib.metrics import METRICS
+
+        table = Table(expand=True, caption=self.caption(), caption_justify="left")
+        table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
+        for index in range(len(self.strategies)):
+            table.add_column(self.header(index), ratio=1, overflow="fold")
+        table.add_row("output", *[self.body(i) for i in range(len(self.strategies))],
+                      end_section=True)
+        best = self.best()
+        if any(r is not None and r.error is None for r in self.results):
+            for metric in METRICS:
+                cells = [self._metric(i, metric.key, best) for i in range(len(self.strategies))]
+                table.add_row(metric.label, *cells)
+        return table
+
+    def caption(self) -> str | None:
+        from rich.markup import escape
+
+        return f"[dim]prompt:[/] {escape(self.prompt)}" if self.prompt else None
+
+    def _metric(self, index: int, key: str, best: dict[str, float]) -> str:
+        result = self.results[index]
+        if result is None or result.error is not None:
+            return ""
+        return metric_cell(key, result.metrics.get(key), best)
+
+    def stacked(self) -> RenderableType:
+        """One panel per strategy, for terminals too narrow for side-by-side columns."""
+        from rich.console import Group
+        from rich.panel import Panel
+        from rich.table import Table
+        from rich.text import Text
+
+        from genlib.metrics import METRICS
+
+        best = self.best()
+        panels = []
+        for index in range(len(self.strategies)):
+            parts: list[RenderableType] = [self.body(index)]
+            result = self.results[index]
+            if result is not None and result.error is None:
+                grid = Table.grid(padding=(0, 2))
+                parts.append(Text(""))
+                for metric in METRICS:
+                    grid.add_row(f"[dim]{metric.label}[/]",
+                                 metric_cell(metric.key, result.metrics.get(metric.key), best))
+                parts.append(grid)
+            panels.append(Panel(Group(*parts), title=self.header(index).replace("\n", " "),
+                                title_align="left"))
+        caption = self.caption()
+        return Group(*panels, caption) if caption else Group(*panels)
+
+
+def console_for(exports_to_stdout: bool) -> Console:
+    """The view goes to stdout, unless an export already uses stdout."""
+    from cli import render
+
+    return render.err if exports_to_stdout else render.out
+
+
+def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
+             console: Console) -> tuple[list[StrategyResult], bool]:
+    """Run every strategy, redrawing the view as tokens arrive (on a terminal) or
+    printing it once at the end (piped). Return the results and whether Ctrl-C hit."""
+    from rich.live import Live
+
+    from genlib.compare import StrategyDone, stream_comparison
+
+    view = View(strategies, prompt)
+    interrupted = False
+    live = Live(console=console, auto_refresh=False, transient=False) \
+        if console.is_terminal else None
+    last_draw = 0.0
+    if live is not None:
+        live.start()
+    try:
+        for index, event in stream_comparison(lm, prompt_ids, strategies):
+            view.on_event(index, event)
+            now = time.perf_counter()
+            if live is not None and (isinstance(event, StrategyDone)
+                                     or now - last_draw >= REFRESH_S):
+                live.update(view.render(console.width), refresh=True)
+                last_draw = now
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        if live is not None:
+            live.update(view.render(console.width), refresh=True)
+            live.stop()
+    if live is None:
+        console.print(view.render(console.width))
+    return [r for r in view.results if r is not None], interrupted
+
+
+# --- exports ------------------------------------------------------------------------
+
+def comparison_markdown(comparison: Comparison) -> str:
+    """The whole comparison as Markdown: a metrics table (best in bold), then each
+    strategy's settings and samples."""
+    from genlib.metrics import METRICS, best_values
+
+    results = comparison.results
+    best = best_values([r.metrics for r in results if r.error is None])
+    lines = ["# genlab compare", "",
+             f"- model: `{comparison.model}`",
+             f"- prompt: `{_md_inline(comparison.prompt)}` ({comparison.prompt_tokens} tokens)",
+             f"- seed: {comparison.seed}", "",
+             "## Metrics", "",
+             "| metric | " + " | ".join(_md_cell(r.strategy.label) for r in results) + " |",
+             "| --- |" + " ---: |" * len(results)]
+    for metric in METRICS:
+        cells = []
+        for r in results:
+            value = r.metrics.get(metric.key) if r.error is None else None
+            text = format_metric(metric.key, value) if r.error is None else "error"
+            bold = value is not None and best.get(metric.key) == value
+            cells.append(f"**{text}**" if bold else text)
+        lines.append(f"| {metric.label} | " + " | ".join(cells) + " |")
+    for r in results:
+        lines += ["", f"## {r.strategy.label}", "",
+                  f"Settings: `{settings_summary(r.strategy.settings)}`", ""]
+        if r.error is not None:
+            lines += [f"Error: {r.error}"]
+            continue
+        for n, sample in enumerate(r.samples):
+            lines += [f"### sample {n + 1} ({sample.reason}, {len(sample.token_ids)} tokens)",
+                      "", "```text", sample.text, "```", ""]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def models_markdown(comparison: ModelComparison) -> str:
+    lines = ["# genlab compare (models)", "",
+             f"- prompt: `{_md_inline(comparison.prompt)}`",
+             f"- strategy: {comparison.strategy.label} "
+             f"(`{settings_summary(comparison.strategy.settings)}`)", "",
+             "| model | tokens/s | time (s) | weights | peak memory | first difference "
+             "| agreement |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for run in comparison.runs:
+        cells = model_cells(run)
+        lines.append(f"| {_md_cell(run.label)} | " + " | ".join(cells) + " |")
+    for run in comparison.runs:
+        lines += ["", f"## {run.label}", ""]
+        lines += [f"Error: {run.error}"] if run.error else ["```text", run.text, "```"]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def _md_inline(text: str) -> str:
+    return text.replace("`", "'").replace("\n", "\\n")
+
+
+def _md_cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def write_export(path: str, text: str) -> None:
+    """Write an export to a file, or to stdout for `-`."""
+    if path == "-":
+        sys.stdout.write(text)
+        sys.stdout.flush()
+        return
+    try:
+        Path(path).write_text(text, encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"cannot write {path}: {exc.strerror}; pick a writable path") from None
+
+
+def export(data: dict[str, Any], markdown: str | None, json_path: str | None,
+           markdown_path: str | None) -> None:
+    if json_path:
+        write_export(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
+    if markdown_path and markdown is not None:
+        write_export(markdown_path, markdown)
+
+
+# --- comparing models / quantizations -----------------------------------------------
+
+def _bytes(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.1f} MiB"
+
+
+def model_cells(run: Any) -> list[str]:
+    """tokens/s, time, weights, peak memory, first difference, agreement."""
+    if run.error:
+        return ["error"] * 6
+    first = "identical" if run.first_difference is None else f"{run.unit} {run.first_difference}"
+    agree = "-" if run.agreement is None else f"{run.agreement:.1%}"
+    tps = "-" if run.tokens_per_s is None else f"{run.tokens_per_s:.1f}"
+    return [tps, f"{run.seconds:.2f}", _bytes(run.weight_bytes), _bytes(run.peak_bytes),
+            first, agree]
+
+
+def models_table(comparison: ModelComparison) -> RenderableType:
+    from rich.markup import escape
+    from rich.table import Table
+
+    strategy = comparison.strategy
+    summary = settings_summary(strategy.settings)
+    title = strategy.label if summary == strategy.label else f"{strategy.label}: {summary}"
+    table = Table(expand=True, title=escape(title),
+                  caption=f"[dim]prompt:[/] {escape(comparison.prompt)}", caption_justify="left")
+    table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
+    for run in comparison.runs:
+        table.add_column(f"[bold]{escape(run.label)}[/]", ratio=1, overflow="fold")
+    table.add_row("output", *[f"[red]error:[/] {escape(r.error)}" if r.error else escape(r.text)
+                              for r in comparison.runs], end_section=True)
+    ok = [r for r in comparison.runs if not r.error]
+    fastest = max((r.tokens_per_s or 0 for r in ok), default=None)
+    smallest = min((r.weight_bytes for r in ok if r.weight_bytes), default=None)
+    labels = ["tokens/s", "time (s)", "weights", "peak memory", "first difference",
+              "agreement"]
+    columns = [model_cells(r) for r in comparison.runs]
+    for row, label in enumerate(labels):
+        cells = []
+        for run, col in zip(comparison.runs, columns):
+            best = (row == 0 and not run.error and run.tokens_per_s == fastest) or \
+                (row == 2 and not run.error and run.weight_bytes == smallest)
+            cells.append(f"[bold green]{col[row]} *[/]" if best else col[row])
+        table.add_row(label, *cells)
+    return table
+
+
+def split_list(text: str | None) -> list[str]:
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
+def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
+               quantizations: list[str], flags: ModelFlags, json_path: str | None,
+               markdown_path: str | None) -> None:
+    from cli import render
+    from genlib.compare import compare_models
+    from genlib.models import ModelSpec, resolve_model_ref
+
+    if len(strategies) != 1:
+        raise fail(f"--models/--quantize compare one strategy, got {len(strategies)}; "
+                   f"give exactly one -p or --variant (default: greedy)")
+    refs = model_refs or [resolve_model_ref(flags.model)]
+    specs = [ModelSpec(ref, flags.device, flags.dtype, q, flags.trust_remote_code)
+             for ref in refs for q in quantizations]
+    render.info(f"comparing {len(specs)} model runs, one at a time…")
+    comparison = compare_models(specs, prompt, strategies[0])
+    to_stdout = "-" in (json_path, markdown_path)
+    console_for(to_stdout).print(models_table(comparison))
+    export({"kind": "models", **comparison.to_dict()}, models_markdown(comparison),
+           json_path, markdown_path)
+    if all(r.error for r in comparison.runs):
+        raise fail(f"every model run failed: {comparison.runs[0].error}")
+
+
+# --- the command --------------------------------------------------------------------
+
+Presets = Annotated[list[str] | None, typer.Option(
+    "--preset", "-p", rich_help_panel=opt.DECODING_PANEL,
+    help="A preset to compare (repeatable).")]
+Variants = Annotated[list[str] | None, typer.Option(
+    "--variant", rich_help_panel=opt.DECODING_PANEL,
+    help="An ad-hoc strategy, e.g. \"temperature=0.7,top_p=0.9\" (repeatable).")]
+Samples = Annotated[int, typer.Option(
+    "--samples", rich_help_panel=opt.DECODING_PANEL,
+    help="Outputs drawn for each stochastic strategy.")]
+Models = Annotated[str | None, typer.Option(
+    "--models", rich_help_panel=opt.MODEL_PANEL,
+    help="Compare models on one strategy: comma-separated hub ids or folders.")]
+Quantizations = Annotated[str, typer.Option(
+    "--quantize", rich_help_panel=opt.MODEL_PANEL,
+    help="none, 8bit or 4bit; comma-separated to compare quantizations.")]
+JsonPath = Annotated[str | None, typer.Option(
+    "--json", rich_help_panel=opt.OUTPUT_PANEL, metavar="PATH",
+    help="Export the comparison as JSON to PATH (`-` for stdout).")]
+MarkdownPath = Annotated[str | None, typer.Option(
+    "--markdown", rich_help_panel=opt.OUTPUT_PANEL, metavar="PATH",
+    help="Export the comparison as Markdown to PATH (`-` for stdout).")]
+
+
+@user_errors
+def compare(
+    prompt: Annotated[str | None, typer.Argument(
+        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    preset: Presets = None,
+    variant: Variants = None,
+    samples: Samples = 1,
+    max_new_tokens: opt.MaxNewTokens = None,
+    min_new_tokens: opt.MinNewTokens = None,
+    stop: opt.Stop = None,
+    seed: opt.Seed = None,
+    max_time: opt.MaxTime = None,
+    ignore_eos: opt.IgnoreEos = None,
+    model: opt.Model = None,
+    models: Models = None,
+    quantize: Quantizations = "none",
+    json_path: JsonPath = None,
+    markdown_path: MarkdownPath = None,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Run one prompt through several decoding strategies and show them side by side.
+
+    Default set: greedy, beam (4 beams), top-k 40, top-p 0.9, temperature 0.5 and 1.3.
+
+    Examples:\n
+      genlab compare "Once upon a time" -m ../shared/models/stories260K -n 200\n
+      genlab compare "Once upon a time" -p greedy -p creative --variant "repetition_penalty=1.3"\n
+      genlab compare "def add(a, b):" --samples 3 --seed 1 --json out.json\n
+      genlab compare "Once upon a time" --models ../shared/models/stories260K,../shared/models/llama2xs
+    """
+    from cli.generate import read_prompt
+    from genlib.compare import build_strategies, strategy_from_variant, with_seed
+    from genlib.sampling import fresh_seed
+
+    if json_path == "-" and markdown_path == "-":
+        raise fail("--json - and --markdown - both want stdout; write one of them to a file")
+    flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos)
+    base_seed = seed if seed is not None else fresh_seed()
+    strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
+                           base_seed)
+    text = read_prompt(prompt)
+    model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code)
+    model_refs, quantizations = split_list(models), split_list(quantize) or ["none"]
+    if len(model_refs) > 1 or len(quantizations) > 1:
+        if not preset and not variant:
+            greedy = strategy_from_variant("strategy=greedy", flags, label="greedy")
+            strategies = with_seed([greedy], base_seed)
+        if samples > 1:
+            raise fail("--samples applies to comparing strategies, not --models/--quantize")
+        run_models(text, strategies, model_refs, quantizations, model_flags, json_path,
+                   markdown_path)
+        return
+    model_flags.model = model_refs[0] if model_refs else model
+    model_flags.quantize = quantizations[0]
+    run_strategies(text, strategies, model_flags, base_seed, json_path, markdown_path)
+
+
+def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
+                   seed: int, json_path: str | None, markdown_path: str | None) -> None:
+    from cli import render
+    from cli.context import load
+    from genlib.compare import Comparison
+
+    lm = load(model_flags)
+    ids = lm.encode(text)
+    console = console_for("-" in (json_path, markdown_path))
+    results, interrupted = run_live(lm, text, ids, strategies, console)
+    comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
+                            results=results)
+    for result in results:
+        if result.error is not None:
+            render.warn(f"{result.strategy.label}: {result.error}")
+    export({"kind": "strategies", **comparison.to_dict()}, comparison_markdown(comparison),
+           json_path, markdown_path)
+    if interrupted:
+        raise typer.Exit(INTERRUPTED)
+    failed = [r for r in results if r.error is not None]
+    if results and len(failed) == len(results):
+        raise fail(f"every strategy failed: {failed[0].error}")

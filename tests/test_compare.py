@@ -1,0 +1,241 @@
+"""genlib.compare and `genlab compare`: strategy sets, the runs on stories260K, what the
+seed notes predict about repetition, the live view's layouts and the exports."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.compare import View, comparison_markdown, metric_cell
+from cli.main import app
+from genlib import compare as cmp
+from genlib import metrics
+from genlib.errors import ConfigError
+
+SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
+STORIES = SHARED_MODELS / "stories260K"
+LLAMA2XS = SHARED_MODELS / "llama2xs"
+
+PROMPT = "Once upon a time"
+GREEDY_START = ", there was a little girl named Lily."
+DEFAULT_LABELS = [label for label, _ in cmp.DEFAULT_STRATEGIES]
+
+
+# --- building strategies (no model) -------------------------------------------------
+
+def test_default_set():
+    strategies = {s.label: s.settings for s in cmp.build_strategies([], [], {})}
+    assert list(strategies) == DEFAULT_LABELS
+    assert strategies["greedy"].strategy == "greedy"
+    assert (strategies["beam"].strategy, strategies["beam"].num_beams) == ("beam", 4)
+    assert strategies["beam"].no_repeat_ngram_size == 0  # plain beam: its loops must show
+    assert (strategies["top-k"].do_sample, strategies["top-k"].top_k) == (True, 40)
+    assert strategies["top-p"].top_p == 0.9
+    assert strategies["temp 0.5"].temperature == 0.5
+    assert strategies["temp 1.3"].temperature == 1.3
+
+
+def test_presets_and_variants_in_order_with_common_flags():
+    strategies = cmp.build_strategies(["beam", "creative"], ["temperature=0.7, top_p=0.8"],
+                                      {"max_new_tokens": 10})
+    assert [s.label for s in strategies] == ["beam", "creative", "temperature=0.7, top_p=0.8"]
+    assert all(s.settings.max_new_tokens == 10 for s in strategies)  # flag > preset's 64
+    assert strategies[0].settings.no_repeat_ngram_size == 3  # the rest of the preset stays
+    variant = strategies[2].settings
+    assert (variant.strategy, variant.temperature, variant.top_p) == ("sample", 0.7, 0.8)
+
+
+def test_variant_wins_over_common_flags():
+    [s] = cmp.build_strategies([], ["max_new_tokens=5"], {"max_new_tokens": 10})
+    assert s.settings.max_new_tokens == 5
+
+
+def test_samples_only_for_stochastic_strategies():
+    strategies = {s.label: s.settings for s in cmp.build_strategies([], [], {}, samples=3)}
+    assert strategies["greedy"].num_return_sequences == 1
+    assert strategies["beam"].num_return_sequences == 1
+    assert strategies["top-p"].num_return_sequences == 3
+
+
+@pytest.mark.parametrize(("variants", "message"), [
+    (["temperature"], "expected KEY=VALUE"),
+    (["top_q=0.9"], "did you mean 'top_p'"),
+    (["top_p=0.9", "top_p=0.9"], "given twice"),
+])
+def test_bad_strategies_are_rejected(variants, message):
+    with pytest.raises(ConfigError, match=message):
+        cmp.build_strategies([], variants, {})
+
+
+def test_sample_seeds_derive_from_base():
+    from genlib.sampling import derive_seed
+
+    assert cmp.sample_seeds(7, 3) == [7, derive_seed(7, 1), derive_seed(7, 2)]
+
+
+# --- running on stories260K ---------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def default_run(stories):
+    strategies = cmp.with_seed(cmp.build_strategies([], [], {"max_new_tokens": 12}, samples=2),
+                               5)
+    return cmp.compare(stories, stories.encode(PROMPT), strategies, prompt=PROMPT, seed=5)
+
+
+def test_every_strategy_has_a_column(default_run):
+    assert [r.strategy.label for r in default_run.results] == DEFAULT_LABELS
+    by_label = {r.strategy.label: r for r in default_run.results}
+    assert by_label["greedy"].samples[0].text.startswith(GREEDY_START[:30])
+    for label in ("top-k", "top-p", "temp 0.5", "temp 1.3"):
+        result = by_label[label]
+        assert result.error is None and len(result.samples) == 2
+        assert all(len(s.token_ids) == 12 for s in result.samples)
+        assert result.metrics["diversity"] is not None
+
+
+def test_beam_column_runs_or_shows_its_error(default_run):
+    beam = next(r for r in default_run.results if r.strategy.label == "beam")
+    if beam.error is not None:  # decode.stream does not dispatch beam search yet
+        assert "beam" in beam.error and beam.samples == []
+    else:
+        assert beam.samples and beam.samples[0].token_ids
+
+
+def test_metrics_are_those_of_the_samples(default_run):
+    top_p = next(r for r in default_run.results if r.strategy.label == "top-p")
+    ids = [s.token_ids for s in top_p.samples]
+    expected = metrics.sample_set_metrics(ids, [s.logprobs for s in top_p.samples])
+    for key, value in expected.items():
+        assert top_p.metrics[key] == pytest.approx(value)
+    assert top_p.metrics["perplexity"] == pytest.approx(
+        sum(math.exp(-sum(s.logprobs) / len(s.logprobs)) for s in top_p.samples) / 2)
+    assert top_p.metrics["tokens_per_s"] == pytest.approx(24 / top_p.metrics["seconds"])
+
+
+def test_samples_reproduce_generate_with_the_same_seed(stories, default_run):
+    from genlib.decode import generate
+
+    top_k = next(r for r in default_run.results if r.strategy.label == "top-k")
+    finishes = generate(stories, [stories.encode(PROMPT)], top_k.strategy.settings)
+    assert [f.token_ids for f in finishes] == [s.token_ids for s in top_k.samples]
+
+
+@pytest.mark.slow
+def test_greedy_repeats_more_than_top_p_in_a_long_story(stories):
+    """The seed notes: greedy repeats itself in open-ended text; nucleus sampling does
+    not. 200 tokens of story (greedy loops after ~120), top-p averaged over 2 samples."""
+    strategies = cmp.with_seed(cmp.build_strategies(
+        [], ["strategy=greedy", "top_p=0.9"], {"max_new_tokens": 200, "ignore_eos": True},
+        samples=2), 0)
+    greedy, top_p = cmp.compare(stories, stories.encode(PROMPT), strategies).results
+    assert greedy.metrics["new_tokens"] == top_p.metrics["new_tokens"] == 200
+    assert greedy.metrics["repeated_4gram"] > 0.1
+    assert greedy.metrics["repeated_4gram"] > 3 * top_p.metrics["repeated_4gram"]
+    assert greedy.metrics["perplexity"] < top_p.metrics["perplexity"]
+
+
+def test_model_comparison_divergence(tmp_path):
+    from genlib.models import ModelSpec
+
+    if not (STORIES.is_dir() and LLAMA2XS.is_dir()):
+        pytest.skip("shared models missing")
+    [greedy] = cmp.build_strategies([], ["strategy=greedy"], {"max_new_tokens": 30})
+    specs = [ModelSpec(str(STORIES)), ModelSpec(str(STORIES)), ModelSpec(str(LLAMA2XS))]
+    same, again, other = cmp.compare_models(specs, PROMPT, greedy).runs
+    assert same.first_difference is None and same.agreement == 1.0
+    assert again.first_difference is None and again.token_ids == same.token_ids
+    assert other.unit == "token"  # same tokenizer: compared token by token
+    expected_first = metrics.first_difference(same.token_ids, other.token_ids)
+    assert other.first_difference == expected_first is not None
+    assert other.agreement == pytest.approx(metrics.agreement(same.token_ids, other.token_ids))
+    assert other.agreement < 1.0 and other.weight_bytes > 0
+
+
+# --- the view -----------------------------------------------------------------------
+
+def _render(renderable, width: int) -> str:
+    from rich.console import Console
+
+    console = Console(width=width, record=True, force_terminal=False)
+    console.print(renderable)
+    return console.export_text()
+
+
+def test_wide_terminal_columns_narrow_terminal_stacks(default_run):
+    strategies = [r.strategy for r in default_run.results]
+    view = View(strategies, PROMPT)
+    for index, result in enumerate(default_run.results):
+        view.on_event(index, cmp.StrategyDone(result))
+    wide = _render(view.render(250), 250)
+    header = wide[:wide.index("output")]  # the header rows, above the first text row
+    assert all(label in header for label in DEFAULT_LABELS)
+    assert "prompt: Once upon a time" in wide
+    narrow = _render(view.render(80), 80)
+    starts = [narrow.index(label) for label in ("greedy", "top-k", "temp 1.3")]
+    assert starts == sorted(starts)  # one panel after another
+    assert narrow.count("repeated 4-grams") == len(strategies) - \
+        sum(r.error is not None for r in default_run.results)
+
+
+def test_best_metric_is_highlighted():
+    best = {"perplexity": 1.5}
+    assert metric_cell("perplexity", 1.5, best) == "[bold green]1.50 *[/]"
+    assert metric_cell("perplexity", 2.0, best) == "2.00"
+    assert metric_cell("new_tokens", 10.0, best) == "10.0"
+
+
+def test_markdown_has_every_strategy(default_run):
+    text = comparison_markdown(default_run)
+    for label in DEFAULT_LABELS:
+        assert f"\n## {label}\n" in text
+    assert "| repeated 4-grams |" in text and "**" in text
+
+
+# --- the command --------------------------------------------------------------------
+
+runner = CliRunner()
+
+
+def test_cli_exports_parse_back(tmp_path, stories):
+    out_json, out_md = tmp_path / "c.json", tmp_path / "c.md"
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "8",
+                                 "--seed", "3", "-p", "greedy", "--variant", "top_p=0.9",
+                                 "--variant", "temperature=1.3", "--samples", "2",
+                                 "--json", str(out_json), "--markdown", str(out_md)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(out_json.read_text())
+    labels = ["greedy", "top_p=0.9", "temperature=1.3"]
+    assert [s["label"] for s in data["strategies"]] == labels
+    assert data["seed"] == 3 and data["prompt"] == PROMPT
+    assert [len(s["samples"]) for s in data["strategies"]] == [1, 2, 2]
+    assert data["strategies"][0]["samples"][0]["text"].startswith(", there was")
+    assert data["strategies"][1]["settings"]["top_p"] == 0.9
+    assert set(data["metrics"]) <= set(data["strategies"][1]["metrics"])
+    markdown = out_md.read_text()
+    assert all(f"## {label}" in markdown for label in labels)
+
+
+def test_cli_json_to_stdout_keeps_the_view_off_stdout(stories):
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
+                                 "--seed", "1", "-p", "greedy", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert [s["label"] for s in data["strategies"]] == ["greedy"]
+    assert "output" in result.stderr  # the table went to stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--variant", "temperature"], "expected KEY=VALUE"),
+    (["-p", "no-such-preset"], "no-such-preset"),
+    (["--json", "-", "--markdown", "-"], "both want stdout"),
+    (["--models", "a,b", "-p", "greedy", "-p", "creative"], "one strategy"),
+])
+def test_cli_user_errors(args, message):
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), *args])
+    assert result.exit_code == 2
+    assert message in result.stderr
+    assert "Traceback" not in result.output
