@@ -84,7 +84,8 @@ def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
 
 
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
-                   settings: GenerationSettings, as_json: bool, show_stats: bool) -> int:
+                   settings: GenerationSettings, as_json: bool, show_stats: bool,
+                   compile: bool = False) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
     from cli import render
     from genlib.decode import interrupt, stream
@@ -106,7 +107,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             if live:
                 render.stream_text(event.tail)
 
-    events = stream(lm, [ids], settings)
+    events = stream(lm, [ids], settings, compile=compile)
     try:
         for event in events:
             handle(event)
@@ -164,6 +165,9 @@ def generate(
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
+    compile: Annotated[bool, typer.Option(
+        "--compile", rich_help_panel=opt.MODEL_PANEL, help="Static KV cache + torch.compile "
+        "for one prompt: faster per token after a one-off compile.")] = False,
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -185,6 +189,6 @@ def generate(
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    code = run_generation(lm, ids, text, settings, as_json, show_stats)
+    code = run_generation(lm, ids, text, settings, as_json, show_stats, compile)
     if code:
         raise typer.Exit(code)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from cli import bench as bench_cmd
 from cli import compare as compare_cmd
 from cli import generate as generate_cmd
 from cli import presets as presets_cmd
@@ -21,6 +22,7 @@ app = typer.Typer(
 )
 app.command("generate")(generate_cmd.generate)
 app.command("compare")(compare_cmd.compare)
+app.command("bench")(bench_cmd.bench)
 app.command("speculate")(speculate_cmd.speculate)
 app.add_typer(presets_cmd.app, name="presets")
 

@@ -98,10 +98,13 @@ def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
+           *, seeds: Sequence[int] | None = None, compile: bool = False) -> Iterator[Event]:
     """Generate for every prompt (`num_return_sequences` rows each); yield events.
 
     `seeds` gives each row its own sampling seed (default: derived from settings.seed).
+    `compile` runs a single row over a static KV cache with a torch.compile'd step
+    (same tokens, faster per step; the first call compiles); batches of several rows,
+    and quantized models, keep the dynamic cache.
     On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
     running finish with reason "interrupted".
     """
@@ -115,17 +118,27 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     plan = make_plan(lm, settings, len(expanded), seeds)
     rows = [_Row(i, ids, IncrementalDecoder(lm.tokenizer, ids), StopStrings(settings.stop_strings))
             for i, ids in expanded]
-    yield from _decode_loop(lm, plan, rows)
+    yield from _decode_loop(lm, plan, rows, compile)
 
 
-def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row]) -> Iterator[Event]:
+def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
+             compile: bool) -> tuple[torch.Tensor, forward.KVState]:
+    """Prefill into a static, compiled cache when asked and possible, else a dynamic one."""
+    if compile and input_ids.shape[0] == 1 and lm.quantize == "none":
+        length = forward.static_cache_length(input_ids.shape[1] + new_tokens, lm.max_positions)
+        return forward.prefill_static(lm.model, input_ids, length, compile=True)
+    return forward.prefill(lm.model, input_ids, mask)
+
+
+def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row], compile: bool = False
+                 ) -> Iterator[Event]:
     settings = plan.settings
     start = time.perf_counter()
     deadline = start + settings.max_time if settings.max_time else None
     input_ids, mask = forward.left_pad([r.prompt_ids for r in rows], lm.pad_id, lm.device)
     active = list(range(len(rows)))  # batch position -> row number
     try:
-        logits, state = forward.prefill(lm.model, input_ids, mask)
+        logits, state = _prefill(lm, input_ids, mask, settings.max_new_tokens, compile)
         context = input_ids.masked_fill(mask == 0, processors.PAD) if plan.needs_context \
             else None
         yield Prefill(tuple(len(r.prompt_ids) for r in rows), time.perf_counter() - start,
@@ -134,7 +147,10 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row]) -> Iterator[Even
             tokens, logprobs = choose_tokens(plan, context, logits, step)
             now = time.perf_counter()
             done: list[int] = []
-            for pos, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
+            # One host read per step for tokens and logprobs together (token ids < 2**24
+            # are exact in float32): on a GPU each read is a synchronisation.
+            picked = torch.stack([tokens.float(), logprobs.float()]).tolist()
+            for pos, (tok, lp) in enumerate(zip(map(int, picked[0]), picked[1])):
                 row = rows[active[pos]]
                 event, reason = _advance(lm, row, active[pos], tok, lp, step, now)
                 if event is not None:

@@ -7,8 +7,10 @@ Everything that can be decided once (padding, whether the model accepts
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,6 +29,9 @@ class KVState:
     attention_mask: torch.Tensor | None
     positions: torch.Tensor | None  # (batch,) position id of the next token per row
     length: int  # tokens in the cache (padding included)
+    # Set by `prefill_static`: the one-token step over a preallocated (static) cache,
+    # compiled or not. `extend` uses it for single tokens; see `prefill_static`.
+    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep/duplicate batch rows (beam search): row i becomes old row rows[i]."""
@@ -63,7 +68,13 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device
 
 
 def accepts_logits_to_keep(model: Any) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
+    return _forward_takes_logits_to_keep(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_takes_logits_to_keep(model_class: type) -> bool:
+    # Signature inspection costs ~50 us: do it once per model class, not per call.
+    return "logits_to_keep" in inspect.signature(model_class.forward).parameters
 
 
 def new_cache(model: Any) -> Any:
@@ -100,6 +111,8 @@ def extend(model: Any, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed `tokens` (batch, k) after the cached ones; return their logits
     (batch, k, vocab) as float32. The state grows by k."""
     k = tokens.shape[1]
+    if state.step is not None:
+        return _static_extend(state, tokens)
     positions = None
     if state.attention_mask is not None:
         ones = state.attention_mask.new_ones((tokens.shape[0], k))
@@ -111,3 +124,71 @@ def extend(model: Any, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
     state.cache = out.past_key_values
     state.length += k
     return out.logits.float()
+
+
+# --- Static cache + torch.compile (batch 1) --------------------------------------------
+# A dynamic cache grows by a concatenation every step and hands the model new shapes, so
+# nothing can be compiled once for every step. A static cache is allocated at its final
+# size; each step writes one slot at `cache_position`, the shapes never change, and
+# torch.compile can fuse the whole one-token forward into one graph (as gpt-fast does).
+# Only batch 1 takes this path: padded batches need per-row positions and masks, and
+# finished rows leave the batch, both of which change shapes (decode falls back to the
+# dynamic cache for them).
+
+STATIC_BUCKET = 256  # cache lengths are rounded up to this, so compiled steps get reused
+_compiled_steps: weakref.WeakKeyDictionary[Any, Callable[..., torch.Tensor]] = \
+    weakref.WeakKeyDictionary()
+
+
+def static_cache_length(needed: int, max_positions: int | None) -> int:
+    """Slots to allocate: `needed` rounded up to a bucket, within the model's positions."""
+    length = -(-needed // STATIC_BUCKET) * STATIC_BUCKET
+    return min(length, max_positions) if max_positions else length
+
+
+def _one_token_step(model: Any, cache: Any, token: torch.Tensor, position: torch.Tensor
+                    ) -> torch.Tensor:
+    out = model(input_ids=token, position_ids=position[None], cache_position=position,
+                past_key_values=cache, use_cache=True)
+    return out.logits.float()
+
+
+def compiled_step(model: Any) -> Callable[..., torch.Tensor]:
+    """`_one_token_step` compiled once per model (the first call pays the compile time)."""
+    step = _compiled_steps.get(model)
+    if step is None:
+        step = torch.compile(_one_token_step, fullgraph=True, dynamic=False)
+        _compiled_steps[model] = step
+    return step
+
+
+@torch.inference_mode()
+def prefill_static(model: Any, input_ids: torch.Tensor, cache_length: int,
+                   compile: bool = True) -> tuple[torch.Tensor, KVState]:
+    """`prefill` for one unpadded prompt into a static cache of `cache_length` slots.
+
+    The returned state's `step` runs later single tokens (compiled with `compile`), so
+    `extend` keeps working on it; its `reorder`/`crop` are not supported.
+    """
+    from transformers import StaticCache
+
+    if input_ids.shape[0] != 1:
+        raise ValueError("the static cache path takes one prompt (batch 1)")
+    cache = StaticCache(config=model.config, max_cache_len=cache_length)
+    length = input_ids.shape[1]
+    kwargs: dict[str, Any] = {"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}
+    out = model(input_ids=input_ids, cache_position=torch.arange(length, device=input_ids.device),
+                past_key_values=cache, use_cache=True, **kwargs)
+    step = compiled_step(model) if compile else _one_token_step
+    state = KVState(cache=cache, attention_mask=None, positions=None, length=length,
+                    step=lambda token, position: step(model, cache, token, position))
+    return out.logits[:, -1, :].float(), state
+
+
+def _static_extend(state: KVState, tokens: torch.Tensor) -> torch.Tensor:
+    logits = []
+    for i in range(tokens.shape[1]):
+        position = torch.tensor([state.length], device=tokens.device)
+        logits.append(state.step(tokens[:, i:i + 1], position))  # type: ignore[misc]
+        state.length += 1
+    return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)

@@ -1,0 +1,350 @@
+"""`genlab bench`: measure generation speed (prefill and decode tokens/s, time to first
+token, inter-token latency, end-to-end time, peak memory) over a sweep of settings,
+optionally against transformers' `model.generate()` measured in the same run."""
+
+from __future__ import annotations
+
+import csv
+import sys
+from itertools import product
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.context import ModelFlags, load, settings_for
+from cli.errors import fail, user_errors
+
+if TYPE_CHECKING:
+    from genlib.bench import Case, Group, Result
+    from genlib.config import GenerationSettings
+    from genlib.models import LoadedModel
+
+BASELINES = ("none", "transformers")
+STRATEGIES = ("greedy", "sample")
+SWEPT = ("prompt_len", "new_tokens", "batch_size", "dtype", "quantize")
+
+
+def int_list(flag: str, text: str) -> list[int]:
+    """'128,256' -> [128, 256]; every value a positive integer."""
+    values = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise fail(f"{flag}: {item!r} is not a positive integer (give a comma list like "
+                       f"64,128)")
+        values.append(int(item))
+    return values
+
+
+def str_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
+    values = [v.strip() for v in text.split(",") if v.strip()]
+    if not values:
+        raise fail(f"{flag}: give at least one value")
+    for value in values:
+        if allowed is not None and value not in allowed:
+            raise fail(f"{flag}: unknown value {value!r}; use {', '.join(allowed)}")
+    return values
+
+
+def strategy_settings(names: list[str], seed: int) -> list[tuple[str, GenerationSettings]]:
+    """Each name is a strategy (greedy, sample) or a preset; sampling runs get `seed`."""
+    out = []
+    for name in names:
+        flags: dict[str, Any] = {"strategy": name} if name in STRATEGIES else {}
+        settings, _ = settings_for(None if name in STRATEGIES else name, flags)
+        if settings.strategy == "beam":
+            raise fail(f"{name}: bench measures the greedy/sampling decode loop; beam search "
+                       f"is not supported here yet")
+        if settings.do_sample and settings.seed is None:
+            settings = settings.replace(seed=seed)
+        out.append((name, settings))
+    return out
+
+
+def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: list[int],
+                new_tokens: list[int], batch_sizes: list[int], compile: bool,
+                no_cache: bool) -> list[list[Case]]:
+    """One group per configuration: genlab's plain loop, plus its compiled and no-cache
+    variants when asked for (they share prompts and the baseline)."""
+    from genlib.bench import Case
+
+    groups = []
+    for (label, settings), p, n, b in product(strategies, prompt_lens, new_tokens, batch_sizes):
+        group = [Case(label, settings, p, n, b)]
+        if compile:
+            group.append(Case(label, settings, p, n, b, compile=True))
+        if no_cache:
+            group.append(Case(label, settings, p, n, b, cache=False))
+        groups.append(group)
+    return groups
+
+
+def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, group: Group,
+           bound_tps: float | None, runs: int, warmup: int) -> dict[str, Any]:
+    """One JSON/CSV record: what was run, every metric, and how it compares."""
+    case = engine_result.case
+    metrics = engine_result.metrics()
+    row: dict[str, Any] = {
+        "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
+        "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
+        "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
+        case.new_tokens, "batch_size": case.batch_size, "compile": case.compile,
+        "runs": runs, "warmup": warmup, **metrics,
+        "speedup": group.speedup(engine_result),
+        "identical_to_baseline": group.identical(engine_result),
+        "bandwidth_bound_tps": bound_tps * case.batch_size if bound_tps else None,
+    }
+    bound = row["bandwidth_bound_tps"]
+    row["bound_fraction"] = metrics["decode_tps"] / bound if bound else None
+    return row
+
+
+def check_plot_available(plot: str | None) -> None:
+    if plot is None:
+        return
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise fail("--plot needs matplotlib: pip install 'genlab[plot]'") from None
+
+
+@user_errors
+def bench(
+    model: opt.Model = None,
+    strategy: Annotated[str, typer.Option(
+        "--strategy", "-s", help="Comma list of strategies (greedy, sample) or preset "
+        "names to measure.")] = "greedy",
+    prompt_len: Annotated[str, typer.Option(
+        "--prompt-len", help="Comma list of prompt lengths in tokens (exact).")] = "128",
+    new_tokens: Annotated[str, typer.Option(
+        "--new-tokens", help="Comma list of new-token counts (generation is forced to "
+        "this length; end tokens are ignored).")] = "256",
+    batch_size: Annotated[str, typer.Option(
+        "--batch-size", help="Comma list of batch sizes.")] = "1",
+    dtype: Annotated[str, typer.Option(
+        "--dtype", help="Comma list of dtypes: auto, float32, bfloat16, float16.")] = "auto",
+    quantize: Annotated[str, typer.Option(
+        "--quantize", help="Comma list: none, 8bit, 4bit.")] = "none",
+    runs: Annotated[int, typer.Option("--runs", min=1, help="Counted runs per "
+                                      "configuration (medians reported).")] = 3,
+    warmup: Annotated[int, typer.Option("--warmup", min=0, help="Uncounted warm-up runs "
+                                        "(at least one with --compile).")] = 1,
+    baseline: Annotated[str, typer.Option(
+        "--baseline", help="none, or transformers: model.generate() on the same inputs, "
+        "interleaved with genlab's runs.")] = "none",
+    compile: Annotated[bool, typer.Option(
+        "--compile", help="Also measure genlab's static-cache torch.compile path (batch 1; "
+        "compile time reported separately).")] = False,
+    no_cache: Annotated[bool, typer.Option(
+        "--no-cache", help="Also measure the naive loop that re-runs the whole sequence "
+        "every step (quadratic) against the KV-cache loop (linear).")] = False,
+    threads: Annotated[int | None, typer.Option(
+        "--threads", min=1, help="torch CPU threads for every engine (default: torch's).")]
+        = None,
+    seed: Annotated[int, typer.Option("--seed", help="Seed for sampling strategies.")] = 0,
+    as_json: opt.Json = False,
+    csv_path: Annotated[str | None, typer.Option(
+        "--csv", help="Also write the results as CSV to this file (`-` for stdout).")] = None,
+    plot: Annotated[str | None, typer.Option(
+        "--plot", help="Draw decode tokens/s against the swept variable into this PNG "
+        "(needs matplotlib).")] = None,
+    bandwidth: Annotated[bool, typer.Option(
+        "--bandwidth/--no-bandwidth", help="Measure memory read bandwidth and report the "
+        "bound it puts on decode tokens/s.")] = True,
+    device: opt.Device = "auto",
+    trust_remote_code: opt.TrustRemoteCode = False,
+) -> None:
+    """Measure generation speed honestly: warm-up, counted runs, medians and spread.
+
+    Examples:\n
+      genlab bench -m ../shared/models/stories260K --baseline transformers --compile\n
+      genlab bench -m ../shared/models/stories260K --no-cache --new-tokens 64,128,256,384\n
+      genlab bench -m ../shared/models/code-target --batch-size 1,4 --json
+    """
+    names = str_list("--strategy", strategy)
+    lengths = int_list("--prompt-len", prompt_len)
+    counts = int_list("--new-tokens", new_tokens)
+    batches = int_list("--batch-size", batch_size)
+    dtypes = str_list("--dtype", dtype, ("auto", "float32", "bfloat16", "float16"))
+    quants = str_list("--quantize", quantize, ("none", "8bit", "4bit"))
+    if baseline not in BASELINES:
+        raise fail(f"--baseline: unknown value {baseline!r}; use {', '.join(BASELINES)}")
+    check_plot_available(plot)
+    groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, compile,
+                         no_cache)
+    records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
+                                 runs, warmup, baseline == "transformers", threads, bandwidth)
+    emit(records, machine, as_json, csv_path, plot)
+
+
+def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],
+              quants: list[str], groups: list[list[Case]], runs: int, warmup: int,
+              baseline: bool,
+              threads: int | None, bandwidth: bool
+              ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Load the model once per (dtype, quantization) and measure every case on it."""
+    import torch
+
+    from genlib import bench as core
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    machine: dict[str, Any] = {"threads": torch.get_num_threads(),
+                               "read_bandwidth_gbs": None}
+    bytes_per_s = core.read_bandwidth() if bandwidth else None
+    if bytes_per_s:
+        machine["read_bandwidth_gbs"] = bytes_per_s / 1e9
+    records: list[dict[str, Any]] = []
+    per_sweep = sum(core.warmup_count(c, warmup) + runs for g in groups for c in g) + \
+        (len(groups) * (warmup + runs) if baseline else 0)
+    with progress_bar(len(dtypes) * len(quants) * per_sweep) as tick:
+        for dtype, quantize in product(dtypes, quants):
+            lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
+            weights = core.weight_bytes(lm.model)
+            machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights
+            bound = bytes_per_s / weights if bytes_per_s else None
+            for cases in groups:
+                group = core.measure(lm, cases, runs, warmup, baseline, tick)
+                for result in [*group.results, group.baseline]:
+                    if result is not None:
+                        records.append(record(lm, dtype, quantize, result, group, bound,
+                                              runs, warmup))
+    return records, machine
+
+
+class progress_bar:  # noqa: N801 - used as a context manager, like open()
+    """A Rich progress bar on stderr; yields a tick() that advances it by one run."""
+
+    def __init__(self, total: int) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        from cli.render import err
+
+        self._progress = Progress("measuring", BarColumn(), MofNCompleteColumn(),
+                                  TimeElapsedColumn(), console=err, transient=True)
+        self._task = self._progress.add_task("bench", total=total)
+
+    def __enter__(self) -> Any:
+        self._progress.start()
+        return lambda: self._progress.advance(self._task)
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+
+# --- Output -----------------------------------------------------------------------------
+
+def emit(records: list[dict[str, Any]], machine: dict[str, Any], as_json: bool,
+         csv_path: str | None, plot: str | None) -> None:
+    from cli import render
+
+    if as_json:
+        render.json_line({"machine": machine, "results": records})
+    else:
+        print_table(records, machine)
+    if csv_path is not None:
+        write_csv(records, csv_path)
+    if plot is not None:
+        draw_plot(records, plot)
+        render.info(f"plot written to {plot}")
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.2f}"
+
+
+def _spread(r: dict[str, Any], key: str, fmt: str = "{:,.0f}") -> str:
+    return f"{fmt.format(r[key])} [{fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])}]"
+
+
+def print_table(records: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    from cli.render import out
+
+    table = Table(show_edge=False, title=None)
+    for name in ("strategy", "engine", "dtype/quant", "prompt/new/batch",
+                 "prefill tok/s", "decode tok/s [min-max]", "ttft ms", "itl p50/p90/p99 ms",
+                 "e2e s", "peak RSS MiB", "speedup", "same tokens", "% of bw bound"):
+        table.add_column(name, justify="left" if name in ("strategy", "engine") else "right")
+    for r in records:
+        table.add_row(
+            r["strategy"], r["engine"] + (f" (compile {r['compile_s']:.1f}s)"
+                                          if r["compile_s"] else ""),
+            f"{r['torch_dtype']}/{r['quantize']}",
+            f"{r['prompt_tokens']}/{r['new_tokens']}/{r['rows']}",
+            f"{r['prefill_tps']:,.0f}", _spread(r, "decode_tps"),
+            _ms(r["ttft_s"]),
+            "/".join(_ms(r[f"itl_p{p}_s"]) for p in (50, 90, 99)), f"{r['e2e_s']:.3f}",
+            "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}",
+            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+            {True: "yes", False: "NO", None: "-"}[r["identical_to_baseline"]],
+            "-" if r["bound_fraction"] is None else f"{100 * r['bound_fraction']:.0f}%")
+    width = out.width
+    out.width = max(width, 180)  # a report: never squeeze it into 80 columns when piped
+    try:
+        out.print(table)
+    finally:
+        out.width = width
+    notes = [f"torch threads: {machine['threads']}"]
+    if machine.get("read_bandwidth_gbs"):
+        notes.append(f"read bandwidth: {machine['read_bandwidth_gbs']:.1f} GB/s")
+        for key, weights in machine.get("weight_bytes", {}).items():
+            bound = machine["read_bandwidth_gbs"] * 1e9 / weights
+            notes.append(f"weights {key}: {weights / 1e6:.1f} MB read per step -> bound "
+                         f"{bound:,.0f} tok/s at batch 1")
+    out.print("[dim]" + " · ".join(notes) + "[/]")
+
+
+def write_csv(records: list[dict[str, Any]], path: str) -> None:
+    fields = list(records[0]) if records else []
+    handle = sys.stdout if path == "-" else open(path, "w", newline="")  # noqa: SIM115
+    try:
+        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer.writeheader()
+        writer.writerows(records)
+    finally:
+        if handle is not sys.stdout:
+            handle.close()
+
+
+def swept_variable(records: list[dict[str, Any]]) -> str:
+    """The first setting that takes more than one value (else new_tokens)."""
+    keys = {"prompt_len": "prompt_len", "new_tokens": "new_tokens_requested",
+            "batch_size": "batch_size", "dtype": "dtype", "quantize": "quantize"}
+    for name in SWEPT:
+        if len({r[keys[name]] for r in records}) > 1:
+            return keys[name]
+    return "new_tokens_requested"
+
+
+def draw_plot(records: list[dict[str, Any]], path: str) -> None:
+    """Decode tokens/s against the swept variable, one line per strategy and engine."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    x_key = swept_variable(records)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    lines: dict[str, list[tuple[Any, float]]] = {}
+    for r in records:
+        lines.setdefault(f"{r['strategy']} / {r['engine']}", []).append(
+            (r[x_key], r["decode_tps"]))
+    for label, points in lines.items():
+        xs = [str(x) for x, _ in points] if isinstance(points[0][0], str) else \
+            [x for x, _ in points]
+        ax.plot(xs, [y for _, y in points], marker="o", label=label)
+    ax.set_xlabel(x_key.replace("_requested", "").replace("_", " "))
+    ax.set_ylabel("decode tokens/s")
+    ax.set_title(f"genlab bench: {records[0]['model']}" if records else "genlab bench")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as exc:
+        raise fail(f"--plot: cannot write {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)

@@ -1,0 +1,151 @@
+"""genlab bench: measurement logic on a real model, and the command's JSON/CSV/plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib import bench
+from genlib.config import GenerationSettings
+from tests.conftest import STORIES
+
+METRICS = ("prefill_tps", "decode_tps", "ttft_s", "e2e_s", "itl_p50_s", "itl_p90_s",
+           "itl_p99_s", "peak_rss_mb")
+
+
+def test_percentile_interpolates_between_ranks():
+    values = [4.0, 1.0, 3.0, 2.0]
+    assert bench.percentile(values, 50) == 2.5
+    assert bench.percentile(values, 0) == 1.0
+    assert bench.percentile(values, 100) == 4.0
+    assert math.isclose(bench.percentile(values, 90), 3.7)
+
+
+def test_prompts_have_exactly_the_requested_length(stories):
+    for length in (1, 7, 130):
+        prompts = bench.exact_prompts(stories, length, 3)
+        assert [len(p) for p in prompts] == [length] * 3
+        assert all(p[0] == 1 for p in prompts)  # the tokenizer's BOS stays first
+    assert len({tuple(p) for p in bench.exact_prompts(stories, 20, 3)}) == 3
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny models run fastest on one thread (and the test machine is shared)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_measure_forces_lengths_and_matches_transformers(stories, one_thread):
+    settings = GenerationSettings()
+    cases = [bench.Case("greedy", settings, 9, 17, 1),
+             bench.Case("greedy", settings, 9, 17, 1, cache=False)]
+    group = bench.measure(stories, cases, runs=2, warmup=0, baseline=True)
+    assert group.baseline is not None
+    for result in [*group.results, group.baseline]:
+        assert len(result.runs) == 2
+        for run in result.runs:
+            assert run.steps == 17 and run.prompt_tokens == 9
+            assert [len(ids) for ids in run.token_ids] == [17]
+            assert len(run.inter_token_s) == 16
+            assert 0 < run.ttft_s <= run.e2e_s
+        assert result.peak_rss_mb and result.peak_rss_mb > 0
+    assert group.identical(group.results[0]) is True  # KV-cache loop == generate()
+    assert group.identical(group.results[1]) is True  # naive loop == generate()
+    assert group.speedup(group.results[0]) > 0
+
+
+def test_weight_bytes_counts_tied_weights_once(stories):
+    params = {p.data_ptr(): p.numel() * 4 for p in stories.model.parameters()}
+    assert bench.weight_bytes(stories.model) == sum(params.values())
+    assert bench.weight_bytes(stories.model) < 1.2e6  # 260K float32 parameters
+
+
+def run_cli(*args: str):
+    return CliRunner().invoke(app, ["bench", "-m", str(STORIES), *args])
+
+
+@pytest.fixture(scope="module")
+def sweep_json():
+    import torch
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    before = torch.get_num_threads()
+    result = run_cli("--json", "--threads", "1", "--runs", "2", "--warmup", "0", "--prompt-len", "8",
+                     "--new-tokens", "5,12", "--batch-size", "1,2", "--strategy",
+                     "greedy,creative", "--no-cache", "--baseline", "transformers",
+                     "--no-bandwidth")
+    torch.set_num_threads(before)
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_json_has_every_metric_for_every_configuration(sweep_json):
+    results = sweep_json["results"]
+    # 2 strategies (a preset among them) x 2 lengths x 2 batch sizes, each: genlab,
+    # no-cache, transformers
+    assert len(results) == 2 * 2 * 2 * 3
+    for r in results:
+        for key in METRICS:
+            for suffix in ("", "_min", "_max") if not key.startswith(("itl", "peak")) else ("",):
+                assert isinstance(r[key + suffix], float) and r[key + suffix] >= 0, (key, r)
+        assert r["new_tokens"] == r["new_tokens_requested"]
+        assert r["prompt_tokens"] == r["prompt_len"] == 8
+        assert r["rows"] == r["batch_size"]
+    seen = {(r["strategy"], r["engine"], r["new_tokens"], r["batch_size"]) for r in results}
+    assert len(seen) == len(results)
+    assert sweep_json["machine"]["threads"] == 1
+
+
+def test_json_reports_speedup_and_greedy_identity(sweep_json):
+    for r in sweep_json["results"]:
+        if r["engine"] == "transformers":
+            assert r["speedup"] is None
+        else:
+            assert r["speedup"] > 0
+        if r["strategy"] == "greedy" and r["engine"] != "transformers":
+            assert r["identical_to_baseline"] is True, r
+        if r["strategy"] == "creative":  # a sampling preset: no identity to check
+            assert r["identical_to_baseline"] is None
+
+
+def test_csv_plot_and_table(tmp_path, one_thread):
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    pytest.importorskip("matplotlib")
+    csv_file, png = tmp_path / "b.csv", tmp_path / "b.png"
+    result = run_cli("--runs", "1", "--prompt-len", "4", "--new-tokens", "3,6",
+                     "--csv", str(csv_file), "--plot", str(png))
+    assert result.exit_code == 0, result.output
+    assert "decode tok/s" in result.stdout and "genlab" in result.stdout
+    assert "bound" in result.stdout  # the memory-bandwidth bound is measured and printed
+    rows = list(csv.DictReader(csv_file.open()))
+    assert [int(r["new_tokens"]) for r in rows] == [3, 6]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (("--prompt-len", "12,x"), "--prompt-len: 'x' is not a positive integer"),
+    (("--new-tokens", "0"), "--new-tokens: '0' is not a positive integer"),
+    (("--baseline", "vllm"), "--baseline: unknown value 'vllm'"),
+    (("--quantize", "3bit"), "--quantize: unknown value '3bit'"),
+    (("--strategy", "beam"), "beam search is not supported"),
+    (("--prompt-len", "500", "--new-tokens", "100"), "exceeds the model's 512 positions"),
+])
+def test_bad_input_is_one_line_and_exit_2(args, message):
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    result = run_cli("--no-bandwidth", *args)
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output
