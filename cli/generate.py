@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -168,6 +169,17 @@ def generate(
     compile: Annotated[bool, typer.Option(
         "--compile", rich_help_panel=opt.MODEL_PANEL, help="Static KV cache + torch.compile "
         "for one prompt: faster per token after a one-off compile.")] = False,
+    interactive: Annotated[bool, typer.Option(
+        "--interactive", "-i", help="Interactive session: load the model once, then type "
+        "prompts (/help lists the commands).")] = False,
+    input_file: Annotated[Path | None, typer.Option(
+        "--input", help="JSONL file of prompts to generate for in batches (`-` = stdin).")
+    ] = None,
+    output: Annotated[str | None, typer.Option(
+        "--output", help="JSONL results file for --input (`-` = stdout); rerunning "
+        "resumes it.")] = None,
+    batch_size: Annotated[int | None, typer.Option(
+        "--batch-size", help="Rows per forward pass with --input (default 16).")] = None,
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -182,9 +194,18 @@ def generate(
         repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
         stop_strings=stop, seed=seed, num_return_sequences=num_return_sequences,
         max_time=max_time, ignore_eos=ignore_eos)
+    if interactive or input_file is not None or output is not None or batch_size is not None:
+        from cli import batch as batch_cmd
+
+        model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code)
+        batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size)
+        if interactive:
+            from cli import repl
+
+            return repl.run(flags, preset, model_flags, chat, system)
+        return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
+                             chat, system)
     settings, loaded_preset = settings_for(preset, flags)
-    if settings.strategy == "beam":
-        raise fail("beam search has its own command: genlab beam PROMPT (same options)")
     settings = with_seed(settings)
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
