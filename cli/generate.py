@@ -81,6 +81,7 @@ def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
             "tokens_per_s": round(finish.tokens_per_second, 3),
         },
         "settings": settings.to_dict(),
+        **({"score": finish.score} if finish.score is not None else {}),
     }
 
 
@@ -92,7 +93,8 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     from genlib.decode import interrupt, stream
     from genlib.events import Finish, Prefill, Token
 
-    live = not as_json and settings.num_return_sequences == 1
+    # beam search yields only Finish events (the best beams are known at the end)
+    live = not as_json and settings.num_return_sequences == 1 and settings.strategy != "beam"
     prefill_s = 0.0
     finished: list[Finish] = []
     interrupted = False

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import typer
 
+from cli import beam as beam_cmd
 from cli import bench as bench_cmd
 from cli import compare as compare_cmd
 from cli import generate as generate_cmd
@@ -21,6 +22,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 app.command("generate")(generate_cmd.generate)
+app.command("beam")(beam_cmd.beam)
 app.command("compare")(compare_cmd.compare)
 app.command("bench")(bench_cmd.bench)
 app.command("speculate")(speculate_cmd.speculate)

@@ -109,7 +109,10 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     running finish with reason "interrupted".
     """
     if settings.strategy == "beam":
-        raise ConfigError("beam search runs through `genlab beam` / genlib.beam, not this loop")
+        from genlib import beam  # beam search has its own loop over the same forward pass
+
+        yield from beam.stream(lm, prompts, settings, seeds=seeds)
+        return
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     for prompt in prompts:

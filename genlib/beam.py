@@ -1,0 +1,516 @@
+"""Beam search over genlib's KV cache: plain, sampled, diverse and constrained.
+
+Keep the k most probable sequences at each step (seed notes: ("The", "dog", "has") wins
+over ("The", "nice", "woman") because 0.4 * 0.9 > 0.5 * 0.4). Every prompt is prefilled
+once, its cache rows repeated to k beams, and all beams of all prompts go through one
+batched forward per step; the cache rows are then reordered by parent beam.
+
+Scoring follows transformers' `generate(num_beams=k)` (v5 `_beam_search`), so results are
+token-identical to it: each step keeps the top `max(2, 1 + n_eos) * k` continuations; a
+continuation that ends (end id, stop string, token budget) among the first k becomes a
+finished hypothesis with score `sum_logprob / generated_length ** length_penalty`
+(the end token counts); the others continue. `early_stopping`: True stops when k
+hypotheses are finished; False stops when the best running beam, scored at its current
+length, cannot beat the worst finished one; "never" scores it at the longest possible
+length when length_penalty > 0 (the canonical stopping rule).
+
+Diverse beam search (Vijayakumar et al., 2016, "Diverse Beam Search"): the beams form
+`num_beam_groups` groups searched one after the other at each step; a group's scores are
+lowered by `diversity_penalty` times the number of times earlier groups picked the token
+at this step (Hamming diversity). Constrained beam search: see `genlib.constraints`.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from genlib import constraints as cons
+from genlib import forward, processors, sampling
+from genlib.config import GenerationSettings
+from genlib.detok import IncrementalDecoder
+from genlib.errors import ConfigError
+from genlib.events import Event, Finish, Prefill
+from genlib.models import LoadedModel
+from genlib.stopping import StopStrings
+
+DEAD = -1.0e9  # score of beams that must not be extended (as transformers uses)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished sequence. `logprobs` are the model's per-token log-probabilities
+    (before processors); `sum_logprob` is their sum; `score` is the search's ranking
+    score, `sum of processed logprobs / len ** length_penalty` (transformers'
+    `sequences_scores`; it equals sum_logprob / len ** lp when no processor or diversity
+    penalty changed the distribution). `constraints_satisfied` is None without
+    constraints."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    sum_logprob: float
+    score: float
+    text: str
+    finish_reason: str
+    constraints_satisfied: bool | None = None
+
+
+@dataclass(frozen=True)
+class TreeCandidate:
+    """One continuation considered at a step: `parent` is the index of the beam it
+    extends in the previous step's `kept` order (-1 for the prompt); `status` is kept,
+    finished, pruned (not among the best) or rejected (ended before its constraints
+    were met, or after the search stopped accepting)."""
+
+    group: int
+    parent: int
+    token_id: int
+    token: str
+    prob: float
+    score: float
+    status: str
+    slot: int | None = None  # its beam index next step, when kept
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    step: int
+    candidates: tuple[TreeCandidate, ...]
+
+
+@dataclass
+class BeamResult:
+    """The n-best hypotheses of one prompt, best first, and the search tree if recorded."""
+
+    prompt_index: int
+    hypotheses: list[Hypothesis]
+    tree: list[TreeStep] | None = None
+    steps: int = 0
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    logprobs: list[float]
+    state: cons.State = ()
+
+
+@dataclass
+class _Done:
+    score: float
+    beam: _Beam
+    reason: str
+    satisfied: bool
+
+
+@dataclass
+class _Search:
+    """One prompt's group of beams."""
+
+    prompt_index: int
+    group: int
+    prompt_ids: tuple[int, ...]
+    running: list[_Beam]
+    scores: torch.Tensor  # (group_size,) float32 summed processed logprobs
+    generator: torch.Generator | None
+    finished: list[_Done] = field(default_factory=list)
+    improvable: bool = True
+    done: bool = False
+
+
+@dataclass
+class _Plan:
+    settings: GenerationSettings
+    group_size: int
+    groups: int
+    n_keep: int
+    eos: frozenset[int]
+    chain: list[processors.Processor]
+    suppress_eos: processors.Processor | None
+    constraints: tuple[cons.Constraint, ...]
+    tokenizer: Any
+    deadline: float | None
+    record_tree: bool
+    tree: dict[int, list[TreeStep]] = field(default_factory=dict)
+
+
+def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+                settings: GenerationSettings, *, record_tree: bool = False,
+                seeds: Sequence[int] | None = None) -> list[BeamResult]:
+    """Beam search (plain, sampled with `do_sample`, diverse with `num_beam_groups`,
+    constrained with `force_words` / `force_any`) for every prompt; one BeamResult per
+    prompt holding its `num_return_sequences` best hypotheses. `seeds`: one per prompt
+    for beam sampling (default: derived from settings.seed)."""
+    run = _run(lm, prompts_ids, settings, record_tree, seeds)
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+           *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
+    """Beam search as genlib's event stream: a Prefill event, then one Finish per returned
+    sequence (row = prompt_index * num_return_sequences + rank, `score` set)."""
+    start = time.perf_counter()
+    prompt_seeds = None if seeds is None else list(seeds)[::settings.num_return_sequences]
+    run = _run(lm, prompts_ids, settings, False, prompt_seeds)
+    prefill_end: float | None = None
+    while True:
+        try:
+            event = next(run)
+        except StopIteration as stop:
+            results: list[BeamResult] = stop.value
+            break
+        prefill_end = event.time
+        yield event
+    end = time.perf_counter()
+    n = settings.num_return_sequences
+    for result in results:
+        for rank, hyp in enumerate(result.hypotheses):
+            yield Finish(row=result.prompt_index * n + rank, prompt_index=result.prompt_index,
+                         reason=hyp.finish_reason, token_ids=hyp.token_ids, text=hyp.text,
+                         prompt_tokens=len(prompts_ids[result.prompt_index]), start=start,
+                         first_token=prefill_end, end=end, logprobs=hyp.logprobs,
+                         score=hyp.score)
+
+
+def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+         record_tree: bool, seeds: Sequence[int] | None
+         ) -> Iterator[Prefill]:
+    """The search, as a generator that yields the Prefill event and returns the results."""
+    if not prompts_ids or any(len(p) == 0 for p in prompts_ids):
+        raise ConfigError("every prompt needs at least one token")
+    for prompt in prompts_ids:
+        lm.check_fits(len(prompt), settings.max_new_tokens)
+    plan = _make_plan(lm, settings, record_tree)
+    searches = _make_searches(lm, prompts_ids, plan, seeds)
+    start = time.perf_counter()
+    logits, state, context = _prefill_beams(lm, prompts_ids, plan)
+    yield Prefill(tuple(len(p) for p in prompts_ids), time.perf_counter() - start,
+                  time.perf_counter())
+    steps = 0
+    for step in range(settings.max_new_tokens):
+        steps = step + 1
+        parents, tokens = _search_step(plan, searches, logits, context, step)
+        if all(s.done for s in searches):
+            break
+        rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
+        new = torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None]
+        state.reorder(rows)
+        if context is not None:
+            context = torch.cat([context.index_select(0, rows), new], dim=1)
+        logits = forward.extend(lm.model, state, new)[:, -1, :]
+    return [_result(plan, searches, p, steps) for p in range(len(prompts_ids))]
+
+
+def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool) -> _Plan:
+    if settings.num_beams % settings.num_beam_groups:
+        raise ConfigError(f"num_beams ({settings.num_beams}) must be divisible by "
+                          f"num_beam_groups ({settings.num_beam_groups})")
+    if settings.num_return_sequences > settings.num_beams:
+        raise ConfigError(f"num_return_sequences ({settings.num_return_sequences}) must be "
+                          f"<= num_beams ({settings.num_beams})")
+    group_size = settings.num_beams // settings.num_beam_groups
+    eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
+    constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,
+                                         settings.max_new_tokens)
+    suppress = None
+    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
+        suppress = processors.suppress_tokens(lm.eos_ids)
+    # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
+    # even if the best ones all end.
+    n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
+    deadline = time.perf_counter() + settings.max_time if settings.max_time else None
+    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos,
+                 processors.build_processors(settings), suppress, constraints, lm.tokenizer,
+                 deadline, record_tree)
+
+
+def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan,
+                   seeds: Sequence[int] | None) -> list[_Search]:
+    """One search per (prompt, group); beam 0 of each starts at score 0 and the others
+    at DEAD, so the first step does not pick the same token k times."""
+    s = plan.settings
+    prompt_seeds = list(seeds) if seeds is not None else None
+    if prompt_seeds is None and s.do_sample:
+        base = s.seed if s.seed is not None else sampling.fresh_seed()
+        prompt_seeds = [base if i == 0 else sampling.derive_seed(base, i)
+                        for i in range(len(prompts_ids))]
+    searches = []
+    for p, prompt in enumerate(prompts_ids):
+        generator = (sampling.make_generator(prompt_seeds[p], lm.device)
+                     if s.do_sample and prompt_seeds is not None else None)
+        for g in range(plan.groups):
+            scores = torch.full((plan.group_size,), DEAD, dtype=torch.float32, device=lm.device)
+            scores[0] = 0.0
+            beams = [_Beam([], [], cons.initial_state(plan.constraints))
+                     for _ in range(plan.group_size)]
+            searches.append(_Search(p, g, tuple(prompt), beams, scores, generator))
+    return searches
+
+
+def _prefill_beams(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan
+                   ) -> tuple[torch.Tensor, forward.KVState, torch.Tensor | None]:
+    """Prefill each prompt once, then repeat its cache rows to num_beams rows."""
+    input_ids, mask = forward.left_pad(prompts_ids, lm.pad_id, lm.device)
+    logits, state = forward.prefill(lm.model, input_ids, mask)
+    rows = torch.arange(len(prompts_ids), device=lm.device).repeat_interleave(
+        plan.settings.num_beams)
+    state.reorder(rows)
+    context = None
+    if plan.chain:
+        context = input_ids.masked_fill(mask == 0, processors.PAD).index_select(0, rows)
+    return logits.index_select(0, rows), state, context
+
+
+def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logprobs: torch.Tensor,
+                        step: int) -> torch.Tensor:
+    """The core's processors applied to log-probabilities, as transformers does."""
+    s = plan.settings
+    if plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens):
+        logprobs = plan.suppress_eos(context, logprobs)
+    return processors.apply(plan.chain, context, logprobs)
+
+
+def _search_step(plan: _Plan, searches: list[_Search], logits: torch.Tensor,
+                 context: torch.Tensor | None, step: int) -> tuple[list[int], list[int]]:
+    """Advance every search by one token; return each new row's parent row and token."""
+    raw = logits.log_softmax(dim=-1)
+    processed = _processed_logprobs(plan, context, raw, step)
+    last = step + 1 == plan.settings.max_new_tokens or (
+        plan.deadline is not None and time.perf_counter() >= plan.deadline)
+    parents: list[int] = []
+    tokens: list[int] = []
+    picked: list[int] = []  # tokens earlier groups of this prompt chose at this step
+    for number, search in enumerate(searches):
+        if search.group == 0:
+            picked = []
+        first = number * plan.group_size
+        rows = slice(first, first + plan.group_size)
+        if search.done:
+            parents.extend(range(first, first + plan.group_size))
+            tokens.extend([0] * plan.group_size)
+            continue
+        scores = _diversity(plan, processed[rows], picked)
+        chosen = _group_step(plan, search, scores, raw[rows], step, last)
+        parents.extend(first + b for b, _ in chosen)
+        tokens.extend(t for _, t in chosen)
+        picked.extend(t for _, t in chosen)
+    return parents, tokens
+
+
+def _diversity(plan: _Plan, scores: torch.Tensor, picked: list[int]) -> torch.Tensor:
+    """Hamming diversity (Vijayakumar et al., 2016): lower each token's score by
+    diversity_penalty times how often earlier groups chose it at this step."""
+    if not picked or plan.settings.diversity_penalty == 0:
+        return scores
+    counts = torch.bincount(torch.tensor(picked, device=scores.device),
+                            minlength=scores.shape[-1]).to(scores.dtype)
+    return scores - plan.settings.diversity_penalty * counts
+
+
+def _candidates(plan: _Plan, search: _Search, acc: torch.Tensor) -> torch.Tensor:
+    """Flat indices (beam * vocab + token) of the continuations to consider, in the
+    order beams are allocated: best first, or banked round robin with constraints."""
+    flat = acc.reshape(-1)
+    if search.generator is not None:
+        probs = flat.softmax(-1)
+        count = min(plan.n_keep, int((probs > 0).sum()))
+        index = torch.multinomial(probs, count, generator=search.generator)
+        index = index[flat[index].argsort(descending=True, stable=True)]
+    else:
+        index = torch.topk(flat, plan.n_keep).indices
+    if not plan.constraints:
+        return index
+    return _banked(plan, search, flat, index, acc.shape[-1])
+
+
+def _banked(plan: _Plan, search: _Search, flat: torch.Tensor, index: torch.Tensor,
+            vocab: int) -> torch.Tensor:
+    """Add, for every live beam, the tokens that advance its constraints, then order all
+    candidates by bank round robin (Post & Vilar, 2018)."""
+    chosen = index.tolist()
+    seen = set(chosen)
+    for b, beam in enumerate(search.running):
+        if search.scores[b] <= DEAD / 2:
+            continue
+        for token in sorted(cons.advancing_tokens(plan.constraints, beam.state)):
+            # a token a processor banned (score -inf) cannot advance anything
+            if b * vocab + token not in seen and flat[b * vocab + token] > DEAD / 2:
+                seen.add(b * vocab + token)
+                chosen.append(b * vocab + token)
+    scores = flat[torch.tensor(chosen, device=flat.device)].tolist()
+    banks = [cons.bank(plan.constraints, cons.advance(plan.constraints,
+             search.running[i // vocab].state, i % vocab)) for i in chosen]
+    order = cons.round_robin(banks, scores)
+    return torch.tensor([chosen[i] for i in order], device=flat.device)
+
+
+def _group_step(plan: _Plan, search: _Search, scores: torch.Tensor, raw: torch.Tensor,
+                step: int, last: bool) -> list[tuple[int, int]]:
+    """One step of one group: pick continuations, finish or keep them, update the
+    stopping heuristic. Returns (parent beam, token) for the group's new beams."""
+    k = plan.group_size
+    total = scores + search.scores[:, None]
+    index = _candidates(plan, search, total)
+    acc = total.reshape(-1)[index]
+    kept, leftovers, records = _sort_out(plan, search, index, acc, raw, step, last)
+    _trim_finished(search, k)
+    live = len(kept)
+    # Like transformers: if fewer than k continuations go on, ended ones fill the beam
+    # with a DEAD score so they are never extended into a result.
+    kept += leftovers[:k - live]
+    new_scores = acc[torch.tensor([rank for rank, _, _ in kept], device=acc.device)]
+    new_scores[live:] += DEAD
+    if len(kept) < k:  # fewer candidates than beams (sampling from a cut distribution)
+        pad = k - len(kept)
+        kept += [kept[0]] * pad  # copies of a real continuation, never extended
+        new_scores = torch.cat([new_scores, new_scores.new_full((pad,), DEAD)])
+    search.running = [beam for _, beam, _ in kept]
+    search.scores = new_scores
+    if plan.record_tree:
+        plan.tree.setdefault(search.prompt_index, []).append(TreeStep(step, tuple(records)))
+    _update_stop(plan, search, step, last or live == 0)
+    return [(b, beam.tokens[-1]) for _, beam, b in kept]
+
+
+Picked = list[tuple[int, _Beam, int]]  # (candidate rank, beam, parent beam index)
+
+
+def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tensor,
+              raw: torch.Tensor, step: int, last: bool
+              ) -> tuple[Picked, Picked, list[TreeCandidate]]:
+    """Walk the candidates in order: an ending one among the first k becomes a finished
+    hypothesis, the first k others go on; the rest are pruned."""
+    s = plan.settings
+    k = plan.group_size
+    vocab = raw.shape[-1]
+    finished_scores = (acc / ((step + 1) ** s.length_penalty)).tolist()
+    accepting = search.improvable and not (len(search.finished) == k and s.early_stopping is True)
+    kept: Picked = []
+    leftovers: Picked = []
+    records: list[TreeCandidate] = []
+    skipped = 0  # ended before meeting its constraints: takes no finishing slot
+    for rank, (flat, lp) in enumerate(zip(index.tolist(), raw.reshape(-1)[index].tolist())):
+        b, token = divmod(flat, vocab)
+        parent = search.running[b]
+        beam = _Beam(parent.tokens + [token], parent.logprobs + [lp],
+                     cons.advance(plan.constraints, parent.state, token)
+                     if plan.constraints else ())
+        reason = _end_reason(plan, search, beam, token, last)
+        status = "pruned"
+        if reason is not None:
+            status = "rejected"
+            ok = cons.satisfied(beam.state)
+            if reason == "eos" and not ok:
+                skipped += 1
+            elif rank - skipped < k and accepting:
+                search.finished.append(_Done(finished_scores[rank], beam, reason, ok))
+                status = "finished"
+            leftovers.append((rank, beam, b))
+        elif len(kept) < k:
+            kept.append((rank, beam, b))
+            status = "kept"
+        if plan.record_tree:
+            records.append(TreeCandidate(search.group, b, token, _token_text(plan, token),
+                                         math.exp(lp), float(acc[rank]), status,
+                                         len(kept) - 1 if status == "kept" else None))
+    return kept, leftovers, records
+
+
+def _end_reason(plan: _Plan, search: _Search, beam: _Beam, token: int, last: bool
+                ) -> str | None:
+    if token in plan.eos:
+        return "eos"
+    if plan.settings.stop_strings and _hits_stop(plan, search, beam):
+        return "stop"
+    if last:
+        over = plan.deadline is not None and time.perf_counter() >= plan.deadline
+        return "time" if over and len(beam.tokens) < plan.settings.max_new_tokens else "length"
+    return None
+
+
+def _hits_stop(plan: _Plan, search: _Search, beam: _Beam) -> bool:
+    """Whether the beam's newest text completes a stop string. Only a window of recent
+    tokens is decoded (a stop string of n characters spans at most n tokens), with one
+    token of left context so a leading space survives; a match must end after it."""
+    stops = plan.settings.stop_strings
+    window = max(len(stop) for stop in stops) + 1
+    ids = (search.prompt_ids[-1:] + tuple(beam.tokens))[-window:]
+    context = len(_plain_decode(plan.tokenizer, ids[:1]))
+    text = _plain_decode(plan.tokenizer, ids)
+    return any(text.find(stop, max(0, context - len(stop) + 1)) >= 0 for stop in stops)
+
+
+def _plain_decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(list(ids), skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False))
+
+
+def _trim_finished(search: _Search, k: int) -> None:
+    """Keep the k best finished hypotheses (met constraints first)."""
+    search.finished.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
+    del search.finished[k:]
+
+
+def _update_stop(plan: _Plan, search: _Search, step: int, ended: bool) -> None:
+    """transformers' early-stop rule: stop once k hypotheses are finished and the best
+    running beam, scored at its best hypothetical length, cannot beat the worst."""
+    s = plan.settings
+    k = plan.group_size
+    full = len(search.finished) == k
+    if full and search.improvable:
+        length = step + 1
+        if s.early_stopping == "never" and s.length_penalty > 0:
+            length = s.max_new_tokens
+        best = (search.scores.max() / (length ** s.length_penalty)).item()
+        search.improvable = best > min(d.score for d in search.finished)
+    search.done = ended or not search.improvable or (full and s.early_stopping is True)
+
+
+def _decode(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of `ids` after the prompt, as the streaming decoder would print it."""
+    decoder = IncrementalDecoder(tokenizer, tuple(prompt_ids))
+    return "".join(decoder.push(t) for t in ids) + decoder.flush()
+
+
+def _token_text(plan: _Plan, token: int) -> str:
+    return str(plan.tokenizer.convert_ids_to_tokens(token))
+
+
+def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int
+            ) -> BeamResult:
+    """Merge the groups' finished hypotheses, best first. With constraints, only those
+    that meet them, possibly fewer than num_return_sequences; if none does, the best
+    ones flagged constraints_satisfied=False."""
+    done = [d for s in searches if s.prompt_index == prompt_index for d in s.finished]
+    if not done:  # nothing ended (e.g. interrupted): fall back to the running beams
+        done = [_Done(float(sc) / max(len(b.tokens), 1) ** plan.settings.length_penalty, b,
+                      "length", cons.satisfied(b.state))
+                for s in searches if s.prompt_index == prompt_index
+                for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    done.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
+    if done and done[0].satisfied:  # outputs that miss a forced phrase are shown only if all do
+        done = [d for d in done if d.satisfied]
+    prompt = searches[prompt_index * plan.groups].prompt_ids
+    hyps = [_hypothesis(plan, prompt, d) for d in done[:plan.settings.num_return_sequences]]
+    return BeamResult(prompt_index, hyps, plan.tree.get(prompt_index) if plan.record_tree
+                      else None, steps)
+
+
+def _hypothesis(plan: _Plan, prompt: tuple[int, ...], done: _Done) -> Hypothesis:
+    text = _decode(plan.tokenizer, prompt, done.beam.tokens)
+    if done.reason == "stop":
+        stops = StopStrings(plan.settings.stop_strings)
+        stops.feed(text)
+        text = stops.final_text
+    return Hypothesis(tuple(done.beam.tokens), tuple(done.beam.logprobs),
+                      float(sum(done.beam.logprobs)), done.score, text, done.reason,
+                      cons.satisfied(done.beam.state) if plan.constraints else None)

@@ -1,0 +1,303 @@
+"""Beam search: parity with transformers' generate(num_beams=k), a hand-checked toy model,
+beam sampling, diverse groups, the event stream and the `genlab beam` command."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib.beam import beam_search
+from genlib.config import GenerationSettings
+from genlib.decode import generate
+from genlib.models import LoadedModel
+from tests.conftest import STORIES
+
+PROMPTS = ["Once upon a time", "The little dog"]
+
+
+def beam(**changes) -> GenerationSettings:
+    """Beam settings built directly, so num_beams=1 stays 1 (resolve_settings makes it 4)."""
+    return GenerationSettings(strategy="beam", **changes)
+
+
+def hf_beam(lm: LoadedModel, prompts: list[list[int]], s: GenerationSettings):
+    """transformers' own beam search on the same (left-padded) prompts."""
+    from genlib.forward import left_pad
+
+    ids, mask = left_pad(prompts, lm.pad_id, lm.device)
+    out = lm.model.generate(
+        ids, attention_mask=mask, num_beams=s.num_beams, length_penalty=s.length_penalty,
+        early_stopping=s.early_stopping, max_new_tokens=s.max_new_tokens,
+        num_return_sequences=s.num_return_sequences, do_sample=False,
+        no_repeat_ngram_size=s.no_repeat_ngram_size or None,
+        eos_token_id=list(lm.eos_ids), pad_token_id=lm.pad_id,
+        return_dict_in_generate=True, output_scores=True)
+    rows = out.sequences[:, ids.shape[1]:].tolist()
+    return rows, out.sequences_scores.tolist()
+
+
+def assert_same_as_hf(lm: LoadedModel, prompts: list[list[int]], s: GenerationSettings):
+    results = beam_search(lm, prompts, s)
+    rows, scores = hf_beam(lm, prompts, s)
+    mine = [h for r in results for h in r.hypotheses]
+    assert len(mine) == len(rows)
+    for hyp, row, score in zip(mine, rows, scores):
+        assert list(hyp.token_ids) == row[:len(hyp.token_ids)]
+        assert hyp.score == pytest.approx(score, rel=1e-5, abs=1e-6)
+        if len(hyp.token_ids) < len(row):  # transformers pads shorter outputs
+            assert hyp.finish_reason in ("eos", "stop")
+
+
+@pytest.mark.parametrize("k, length_penalty, early_stopping, max_new", [
+    (2, 1.0, False, 30),
+    (4, 1.0, True, 30),
+    (4, 0.5, "never", 24),
+    (8, 2.0, False, 24),
+    (3, -1.0, False, 20),
+])
+def test_parity_with_transformers_on_stories260k(stories, k, length_penalty, early_stopping,
+                                                 max_new):
+    s = beam(num_beams=k, length_penalty=length_penalty, early_stopping=early_stopping,
+             max_new_tokens=max_new, num_return_sequences=k)
+    assert_same_as_hf(stories, [stories.encode(PROMPTS[0])], s)
+
+
+def test_parity_batched_prompts_and_no_repeat_ngram(stories):
+    s = beam(num_beams=3, max_new_tokens=20, num_return_sequences=2, no_repeat_ngram_size=3,
+             early_stopping=True)
+    assert_same_as_hf(stories, [stories.encode(p) for p in PROMPTS], s)
+
+
+def test_parity_on_tiny_random_models(tiny):
+    s = beam(num_beams=3, max_new_tokens=15, num_return_sequences=3, length_penalty=0.7)
+    assert_same_as_hf(tiny, [tiny.encode(PROMPTS[0]), tiny.encode(PROMPTS[1])], s)
+
+
+def test_one_beam_equals_greedy(stories):
+    ids = stories.encode(PROMPTS[0])
+    greedy = generate(stories, [ids], GenerationSettings(max_new_tokens=60))[0]
+    hyp = beam_search(stories, [ids], beam(num_beams=1, max_new_tokens=60))[0].hypotheses[0]
+    assert hyp.token_ids == greedy.token_ids
+    assert hyp.logprobs == pytest.approx(greedy.logprobs, abs=1e-5)
+
+
+def test_one_group_equals_plain_beam_search(stories):
+    ids = [stories.encode(PROMPTS[1])]
+    plain = beam_search(stories, ids, beam(num_beams=4, max_new_tokens=20,
+                                           num_return_sequences=4))[0]
+    grouped = beam_search(stories, ids, beam(num_beams=4, num_beam_groups=1, max_new_tokens=20,
+                                             num_return_sequences=4))[0]
+    assert [h.token_ids for h in plain.hypotheses] == [h.token_ids for h in grouped.hypotheses]
+
+
+def test_diverse_groups_differ(stories):
+    ids = [stories.encode(PROMPTS[0])]
+    plain = beam_search(stories, ids, beam(num_beams=4, max_new_tokens=16,
+                                           num_return_sequences=4))[0]
+    diverse = beam_search(stories, ids, beam(num_beams=4, num_beam_groups=2,
+                                             diversity_penalty=5.0, max_new_tokens=16,
+                                             num_return_sequences=4))[0]
+    texts = [h.text for h in diverse.hypotheses]
+    assert len(set(texts)) == 4
+    assert texts != [h.text for h in plain.hypotheses]
+    # group 1 was pushed off group 0's first token at every step: the two groups' first
+    # tokens differ
+    steps = diverse_tree_first_tokens(stories, ids)
+    assert steps[0] != steps[1]
+
+
+def diverse_tree_first_tokens(lm, ids):
+    s = beam(num_beams=2, num_beam_groups=2, diversity_penalty=5.0, max_new_tokens=3)
+    tree = beam_search(lm, ids, s, record_tree=True)[0].tree
+    first = [c for step in tree if step.step == 0 for c in step.candidates if c.status == "kept"]
+    return {c.group: c.token_id for c in first}
+
+
+def test_hypothesis_fields_are_consistent(stories):
+    s = beam(num_beams=4, max_new_tokens=60, length_penalty=1.0, num_return_sequences=4)
+    for hyp in beam_search(stories, [stories.encode(PROMPTS[0])], s)[0].hypotheses:
+        assert len(hyp.logprobs) == len(hyp.token_ids)
+        assert hyp.sum_logprob == pytest.approx(sum(hyp.logprobs), abs=1e-6)
+        assert hyp.score == pytest.approx(hyp.sum_logprob / len(hyp.token_ids), rel=1e-4)
+        assert hyp.constraints_satisfied is None
+        assert hyp.finish_reason in ("eos", "length")
+
+
+def test_beam_sampling_is_seeded_and_uses_processors(stories):
+    ids = [stories.encode(PROMPTS[0])]
+    s = beam(num_beams=3, do_sample=True, seed=7, temperature=3.0, max_new_tokens=12,
+             num_return_sequences=3)
+    first = [h.token_ids for h in beam_search(stories, ids, s)[0].hypotheses]
+    again = [h.token_ids for h in beam_search(stories, ids, s)[0].hypotheses]
+    other = [h.token_ids for h in beam_search(
+        stories, ids, dataclasses.replace(s, seed=8))[0].hypotheses]
+    assert first == again
+    assert first != other
+    # top_k=1 leaves each beam one token: beam sampling then reproduces greedy decoding
+    greedy = generate(stories, ids, GenerationSettings(max_new_tokens=12))[0]
+    cut = beam(num_beams=2, do_sample=True, seed=1, top_k=1, max_new_tokens=12)
+    assert beam_search(stories, ids, cut)[0].hypotheses[0].token_ids == greedy.token_ids
+
+
+def test_stop_strings_end_beams(stories):
+    s = beam(num_beams=3, max_new_tokens=16, stop_strings=("Lily",), num_return_sequences=3,
+             early_stopping=True)
+    for hyp in beam_search(stories, [stories.encode(PROMPTS[0])], s)[0].hypotheses:
+        assert "Lily" not in hyp.text
+    assert beam_search(stories, [stories.encode(PROMPTS[0])], s)[0].hypotheses[0] \
+        .finish_reason == "stop"
+
+
+def test_stream_dispatches_beam_with_scores(stories):
+    from genlib.config import resolve_settings
+    from genlib.decode import stream
+    from genlib.events import Finish, Prefill
+
+    s = resolve_settings({"strategy": "beam", "num_beams": 3, "num_return_sequences": 2,
+                          "max_new_tokens": 12})
+    events = list(stream(stories, [stories.encode(p) for p in PROMPTS], s))
+    assert isinstance(events[0], Prefill)
+    finishes = [e for e in events if isinstance(e, Finish)]
+    assert [f.row for f in finishes] == [0, 1, 2, 3]
+    assert [f.prompt_index for f in finishes] == [0, 0, 1, 1]
+    assert all(f.score is not None for f in finishes)
+    assert finishes[0].score >= finishes[1].score
+
+
+# A hand-built model: next-token probabilities depend on the last token only (the
+# example of the seed notes / the Hugging Face "how to generate" blog).
+WORDS = ["<eos>", "The", "nice", "dog", "car", "woman", "house", "guy", "and", "runs", "has",
+         "is", "drives", "turns"]
+TABLE = {"The": {"nice": 0.5, "dog": 0.4, "car": 0.1},
+         "nice": {"woman": 0.4, "house": 0.3, "guy": 0.3},
+         "dog": {"and": 0.05, "runs": 0.05, "has": 0.9},
+         "car": {"is": 0.3, "drives": 0.5, "turns": 0.2}}
+
+
+class WordTokenizer:
+    bos_token_id = None
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [WORDS.index(w) for w in text.split()]}
+
+    def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
+        return "".join(" " + WORDS[i] for i in ids if not (skip_special_tokens and i == 0))
+
+    def convert_ids_to_tokens(self, i):
+        return WORDS[i]
+
+
+class HistoryCache:
+    """Keeps each row's tokens; reordered like a KV cache."""
+
+    def __init__(self, ids):
+        self.ids = ids
+
+    def reorder_cache(self, rows):
+        self.ids = self.ids.index_select(0, rows)
+
+
+class TableModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from transformers import LlamaConfig
+
+        self.config = LlamaConfig(num_hidden_layers=1, hidden_size=8, num_attention_heads=1,
+                                  vocab_size=len(WORDS))
+        self.head = torch.nn.Linear(1, len(WORDS), bias=False)
+        probs = torch.full((len(WORDS), len(WORDS)), 1e-6)
+        probs[:, 0] = 1.0  # after a last word, the sentence ends
+        for word, nxt in TABLE.items():
+            row = probs[WORDS.index(word)]
+            row[0] = 1e-6
+            for w, p in nxt.items():
+                row[WORDS.index(w)] = p
+        self.register_buffer("logits_table", (probs / probs.sum(-1, keepdim=True)).log())
+
+    def get_output_embeddings(self):
+        return self.head
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=True):
+        if isinstance(past_key_values, HistoryCache):
+            past_key_values.ids = torch.cat([past_key_values.ids, input_ids], 1)
+        else:
+            past_key_values = HistoryCache(input_ids)
+        return SimpleNamespace(logits=self.logits_table[input_ids],
+                               past_key_values=past_key_values)
+
+
+@pytest.fixture(scope="module")
+def toy():
+    return LoadedModel(model=TableModel(), tokenizer=WordTokenizer(), ref="toy",
+                       device=torch.device("cpu"), dtype=torch.float32, eos_ids=(0,), pad_id=0,
+                       max_positions=None)
+
+
+def test_toy_best_beam_is_known_by_hand(toy):
+    s = beam(num_beams=2, max_new_tokens=3, length_penalty=0.0, early_stopping="never",
+             num_return_sequences=2)
+    result = beam_search(toy, [[WORDS.index("The")]], s, record_tree=True)[0]
+    best, second = result.hypotheses
+    assert best.text == " dog has" and best.finish_reason == "eos"
+    assert best.score == pytest.approx(math.log(0.4 * 0.9), abs=1e-4)  # 0.36 > 0.5 * 0.4
+    assert second.text == " nice woman"
+    assert second.score == pytest.approx(math.log(0.5 * 0.4), abs=1e-4)
+    greedy = generate(toy, [[WORDS.index("The")]], GenerationSettings(max_new_tokens=3))[0]
+    assert greedy.text == " nice woman"
+    step1 = {c.token: c.status for c in result.tree[1].candidates}
+    assert step1["has"] == "kept" and step1["woman"] == "kept" and step1["house"] == "pruned"
+
+
+def test_toy_length_penalty_and_early_stopping(toy):
+    # with 3 beams, "nice house"/"nice guy" (0.15) also finish; n-best is ordered by score
+    s = beam(num_beams=3, max_new_tokens=3, length_penalty=1.0, early_stopping=True,
+             num_return_sequences=3)
+    hyps = beam_search(toy, [[WORDS.index("The")]], s)[0].hypotheses
+    assert [h.text for h in hyps][:2] == [" dog has", " nice woman"]
+    assert hyps[0].score == pytest.approx(math.log(0.36) / 3, abs=1e-4)  # eos counts
+
+
+runner = CliRunner()
+MODEL = ["-m", str(STORIES)]
+
+
+def test_cli_beam_json_has_nbest_and_greedy():
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "3", "-n", "12",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert len(data["hypotheses"]) == 3
+    assert data["greedy"]["text"].startswith(", there was a little girl named Lily")
+    scores = [h["score"] for h in data["hypotheses"]]
+    assert scores == sorted(scores, reverse=True)
+
+
+def test_cli_beam_tree_shows_kept_and_pruned():
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "6",
+                                 "--tree", "--tree-steps", "2"])
+    assert result.exit_code == 0, result.output
+    assert "kept" in result.stdout and "pruned" in result.stdout
+    assert "tree cut after 2 of 6 steps" in result.stdout
+    assert "greedy" in result.stdout
+
+
+def test_generate_runs_beam_preset():
+    result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-p", "beam", "-n",
+                                 "10", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["settings"]["strategy"] == "beam" and "score" in data
+
+
+def test_cli_bad_early_stopping_is_one_line_exit_2():
+    result = runner.invoke(app, ["beam", "hi", *MODEL, "--early-stopping", "maybe"])
+    assert result.exit_code == 2
+    assert "early_stopping" in result.output and "Traceback" not in result.output
