@@ -143,9 +143,20 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                  f"{s.tokens_per_second / baseline_tps:.2f}x[/] (formula predicts "
                  f"{s.predicted_speedup():.2f}x)")
     err.print(line)
+    if baseline_tps and s.steps:
+        cost = verify_cost(s, baseline_tps)
+        err.print(f"  verify cost      a target forward over gamma+1 tokens took {cost:.2f}x "
+                  f"a plain decoding step (the formula assumes 1x; with it: "
+                  f"{s.predicted_speedup(cost):.2f}x)")
     if identical is not None and not do_sample:
         err.print("  greedy output identical to plain decoding: "
                   + ("[green]yes[/]" if identical else "[red]NO[/]"))
+
+
+def verify_cost(s: Summary, baseline_tps: float) -> float:
+    """Seconds per verify forward / seconds per plain decoding step: the formula takes
+    this as 1, which holds where a forward is memory-bound (GPUs), less so on a CPU."""
+    return (s.target_seconds / s.steps) * baseline_tps if s.steps else 0.0
 
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
@@ -160,6 +171,9 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, 
                      "tokens_per_s": round(base_tps, 3),
                      "identical": base_finish.token_ids == finish.token_ids}
         speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
+        base_json["verify_cost"] = round(verify_cost(s, base_tps), 4)
+        base_json["predicted_speedup_with_verify_cost"] = round(
+            s.predicted_speedup(verify_cost(s, base_tps)), 4)
     return {
         "model": target.ref, "drafter": drafter, "prompt": prompt, "text": finish.text,
         "finish_reason": finish.reason, "new_tokens": finish.new_tokens,
@@ -211,6 +225,9 @@ def speculate(
         "--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
     system: Annotated[str | None, typer.Option(
         "--system", help="System message (with --chat).")] = None,
+    truncate_prompt: Annotated[bool, typer.Option(
+        "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit "
+        "in the target's context (default: refuse).")] = False,
     as_json: opt.Json = False,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
@@ -245,12 +262,23 @@ def speculate(
     target = load(model_flags)
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code)) \
         if draft_ref is not None else None
-    ids = encode_prompt(target, text, chat, system, False, settings.max_new_tokens)
+    ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
     code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
                   num_draft_tokens, adaptive, baseline, as_json)
     if code:
         raise typer.Exit(code)
+
+
+def warm_up(lm: LoadedModel, ids: list[int]) -> None:
+    """One short forward, so first-call costs (allocation, lazy init) fall on neither
+    the speculative run nor the baseline."""
+    import torch
+
+    from genlib import forward
+
+    head = torch.tensor([ids[:2]], dtype=torch.long, device=lm.device)
+    forward.prefill(lm.model, head, torch.ones_like(head))
 
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
@@ -261,6 +289,9 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     from genlib.events import Finish
     from genlib.speculative import summarize
 
+    for lm in (target, draft):
+        if lm is not None:
+            warm_up(lm, ids)
     events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
                                              num_draft_tokens, adaptive, live=not as_json)
     finish = next(e for e in events if isinstance(e, Finish))

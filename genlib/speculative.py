@@ -41,7 +41,7 @@ from genlib.drafters import (
     prefill_all_but_last,
     check_same_vocabulary,
 )
-from genlib.errors import ConfigError
+from genlib.errors import ConfigError, ContextLengthError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
 from genlib.stopping import StopStrings
@@ -232,8 +232,14 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
     if num_draft_tokens < 1:
         raise ConfigError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
-    if draft_lm is not None:
-        draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens)
+    limit = draft_lm.max_positions if draft_lm is not None else None
+    if draft_lm is not None and limit is not None and \
+            len(prompt_ids) + settings.max_new_tokens > limit:
+        raise ContextLengthError(
+            f"the draft model {draft_lm.ref} has only {limit} positions: prompt "
+            f"({len(prompt_ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) do not "
+            f"fit; lower --max-new-tokens to {max(limit - len(prompt_ids), 0)} or use a draft "
+            f"with a longer context (or --prompt-lookup N)")
 
 
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
@@ -317,7 +323,7 @@ class Summary:
     decode_seconds: float = 0.0  # end of prefill to finish
     prefill_seconds: float = 0.0
     by_position: list[list[int]] = field(default_factory=list)  # [proposed, accepted] per i
-    gammas: list[int] = field(default_factory=list)
+    gammas: list[int] = field(default_factory=list)  # tokens proposed, per step
 
     @property
     def acceptance_rate(self) -> float:
@@ -356,17 +362,32 @@ class Summary:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
-    def predicted_speedup(self) -> float:
+    def predicted_speedup(self, verify_cost: float = 1.0) -> float:
         """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha, c and mean
-        gamma: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))."""
-        return predicted_speedup(self.alpha, self.mean_gamma, self.cost_ratio)
+        gamma: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)).
+
+        The formula takes a target forward over gamma+1 tokens to cost one plain decoding
+        step. Pass `verify_cost` (measured verify seconds / plain step seconds) where that
+        is not so (CPUs): c is measured against the verify forward, so the whole
+        per-block cost scales by it and the prediction divides by it."""
+        if not self.gammas:
+            return 0.0
+        # gamma varies per step (adaptive, or lookup finding shorter or no matches): sum
+        # the formula's expected tokens and costs over the steps actually taken.
+        tokens = sum(expected_tokens(self.alpha, g) for g in self.gammas)
+        cost = sum(g * self.cost_ratio + 1 for g in self.gammas)
+        return tokens / cost / verify_cost
 
 
 def predicted_speedup(alpha: float, gamma: float, c: float) -> float:
     """Expected wall-time speed-up over plain decoding (Leviathan et al. 2023, eq. 1):
     (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1))."""
-    tokens = gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
-    return tokens / (gamma * c + 1)
+    return expected_tokens(alpha, gamma) / (gamma * c + 1)
+
+
+def expected_tokens(alpha: float, gamma: float) -> float:
+    """Tokens one step yields: (1 - alpha^(gamma+1)) / (1 - alpha) (Leviathan eq. 1)."""
+    return gamma + 1 if alpha >= 1.0 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
 
 
 def summarize(events: Iterable[Event]) -> Summary:
@@ -393,8 +414,7 @@ def _add_verify(s: Summary, v: Verify) -> None:
     s.draft_seconds += v.draft_seconds
     s.target_seconds += v.target_seconds
     s.draft_forwards += v.draft_forwards
-    if v.proposed:
-        s.gammas.append(v.proposed)
+    s.gammas.append(v.proposed)
     while len(s.by_position) < v.proposed:
         s.by_position.append([0, 0])
     for i in range(v.proposed):

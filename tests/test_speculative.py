@@ -19,7 +19,7 @@ from genlib import forward
 from genlib.config import resolve_settings
 from genlib.decode import generate, make_plan
 from genlib.drafters import ModelDrafter, lookup
-from genlib.errors import ConfigError, ModelLoadError
+from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
@@ -306,6 +306,13 @@ def test_refusals_name_the_fix() -> None:
         list(speculative_stream(target, [1, 2], greedy))
     with pytest.raises(ModelLoadError, match="vocabulary"):
         list(speculative_stream(target, [1, 2], greedy, draft_lm=tiny_lm(2, vocab=7)))
+
+
+@needs_models
+def test_draft_context_limit_is_named(stories, xs) -> None:
+    settings = resolve_settings({"max_new_tokens": 300})  # stories260K: 512, llama2xs: 256
+    with pytest.raises(ContextLengthError, match="draft model .* only 256 positions"):
+        list(speculative_stream(stories, stories.encode("Hi"), settings, draft_lm=xs))
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:

@@ -1,0 +1,199 @@
+"""Speculative decoding speed, in one run: plain greedy vs draft-model speculation vs
+prompt-lookup speculation, with acceptance and the speed-up Leviathan et al.'s formula
+predicts from the measured acceptance and draft/target cost ratio.
+
+    python benchmarks/bench_speculative.py [--repeats 3] [--max-new-tokens 200] [--json]
+
+Pairs: ../shared/models/code-target + code-draft (the realistic speed case, when present)
+and stories260K + llama2xs (same size: shows acceptance, not speed). Every figure is a
+median over --repeats runs after one warm-up, all in this process, so ratios compare
+like with like on a noisy shared machine. Decode speed = new tokens / (finish - end of
+prefill), the same clock for every mode.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+MODELS = ROOT.parent / "shared" / "models"
+
+CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
+CODE_FUNCTION = (
+    "def merge_sorted(left, right):\n"
+    "    result = []\n"
+    "    i = j = 0\n"
+    "    while i < len(left) and j < len(right):\n"
+    "        if left[i] <= right[j]:\n"
+    "            result.append(left[i])\n"
+    "            i += 1\n"
+    "        else:\n"
+    "            result.append(right[j])\n"
+    "            j += 1\n"
+    "    result.extend(left[i:])\n"
+    "    result.extend(right[j:])\n"
+    "    return result\n"
+)
+# Extractive: the answer is text already in the context (a copy of the function).
+CODE_EXTRACTIVE = (f"{CODE_FUNCTION}\n\n# The same function again, unchanged:\n\n"
+                   f"def merge_sorted(left, right):\n")
+STORY_PROMPT = "Once upon a time"
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
+         "in the park. One day, she saw a big, red ball.")
+STORY_EXTRACTIVE = f"{STORY} {STORY} {STORY[:40]}"
+
+
+@dataclass
+class Case:
+    pair: str
+    target: str
+    draft: str
+    prompt: str
+    extractive: str
+    max_new_tokens: int
+
+
+def cases(max_new: int) -> list[Case]:
+    out = []
+    if (MODELS / "code-target").is_dir() and (MODELS / "code-draft").is_dir():
+        out.append(Case("code", "code-target", "code-draft", CODE_PROMPT, CODE_EXTRACTIVE,
+                        max_new))
+    # llama2xs has 256 positions: prompt + new tokens must fit.
+    out.append(Case("stories", "stories260K", "llama2xs", STORY_PROMPT, STORY_EXTRACTIVE,
+                    min(max_new, 150)))
+    return out
+
+
+def decode_rate(events: list[Any]) -> tuple[float, tuple[int, ...]]:
+    from genlib.events import Finish, Prefill
+
+    prefill = next(e for e in events if isinstance(e, Prefill))
+    finish = next(e for e in events if isinstance(e, Finish))
+    seconds = finish.end - prefill.time
+    return finish.new_tokens / seconds, finish.token_ids
+
+
+def measure(run: Any, repeats: int) -> tuple[float, list[Any]]:
+    """One warm-up, then the median decode tokens/s of `repeats` runs; last run's events."""
+    run()
+    rates, events = [], []
+    for _ in range(repeats):
+        events = list(run())
+        rates.append(decode_rate(events)[0])
+    return statistics.median(rates), events
+
+
+def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: int
+               ) -> list[dict[str, Any]]:
+    from genlib.config import resolve_settings
+    from genlib.decode import stream
+    from genlib.models import ModelSpec, load_model
+    from genlib.speculative import summarize
+
+    target = load_model(ModelSpec(str(MODELS / case.target), device="cpu"))
+    draft = load_model(ModelSpec(str(MODELS / case.draft), device="cpu"))
+    settings = resolve_settings({"max_new_tokens": case.max_new_tokens, "ignore_eos": True})
+    rows = []
+    for prompt_name, prompt in (("open", case.prompt), ("extractive", case.extractive)):
+        ids = target.encode(prompt)
+        plain_tps, plain_events = measure(lambda ids=ids: stream(target, [ids], settings),
+                                          repeats)
+        plain_ids = decode_rate(plain_events)[1]
+        rows.append(_row(case, prompt_name, "plain greedy", plain_tps, plain_tps, None, True))
+        modes = [("prompt lookup", {"prompt_lookup": ngram, "num_draft_tokens": lookup_gamma})]
+        if prompt_name == "open":
+            modes.insert(0, ("draft model", {"draft_lm": draft, "num_draft_tokens": gamma}))
+        for mode, kw in modes:
+            from genlib.speculative import speculative_stream
+
+            tps, events = measure(lambda ids=ids, kw=kw: speculative_stream(
+                target, ids, settings, **kw), repeats)
+            same = decode_rate(events)[1] == plain_ids
+            rows.append(_row(case, prompt_name, mode, tps, plain_tps, summarize(events), same))
+    return rows
+
+
+def _row(case: Case, prompt: str, mode: str, tps: float, plain_tps: float, summary: Any,
+         identical: bool) -> dict[str, Any]:
+    row: dict[str, Any] = {"pair": case.pair, "target": case.target, "prompt": prompt,
+                           "mode": mode, "tokens_per_s": round(tps, 1),
+                           "speedup": round(tps / plain_tps, 3), "identical": identical}
+    if summary is not None:
+        predicted = summary.predicted_speedup()
+        verify_cost = summary.target_seconds / summary.steps * plain_tps
+        costed = summary.predicted_speedup(verify_cost)
+        row.update({"acceptance": round(summary.acceptance_rate, 3),
+                    "alpha": round(summary.alpha, 3),
+                    "tokens_per_forward": round(summary.tokens_per_forward, 2),
+                    "cost_ratio": round(summary.cost_ratio, 3),
+                    "verify_cost": round(verify_cost, 2),
+                    "predicted": round(predicted, 3),
+                    "measured_over_predicted": round(tps / plain_tps / predicted, 3),
+                    "predicted_with_verify_cost": round(costed, 3),
+                    "measured_over_costed": round(tps / plain_tps / costed, 3)})
+    return row
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    head = ("| pair | prompt | mode | tok/s | speed-up | acceptance | alpha | tokens/fwd | c "
+            "| verify cost | predicted | measured/predicted | predicted with verify cost "
+            "| measured/that | same tokens |")
+    lines = [head, "|" + " --- |" * 15]
+    for r in rows:
+        get = r.get
+        lines.append(
+            f"| {r['pair']} | {r['prompt']} | {r['mode']} | {r['tokens_per_s']} | "
+            f"{r['speedup']:.2f}x | {_pct(get('acceptance'))} | {get('alpha', '-')} | "
+            f"{get('tokens_per_forward', '-')} | {get('cost_ratio', '-')} | "
+            f"{get('verify_cost', '-')} | "
+            f"{_x(get('predicted'))} | {get('measured_over_predicted', '-')} | "
+            f"{_x(get('predicted_with_verify_cost'))} | {get('measured_over_costed', '-')} | "
+            f"{'yes' if r['identical'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=200)
+    parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--lookup-tokens", type=int, default=10)
+    parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads (default: torch's own choice)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    rows = []
+    for case in cases(args.max_new_tokens):
+        rows.extend(bench_case(case, args.repeats, args.num_draft_tokens, args.lookup_tokens,
+                               args.ngram))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(f"torch threads: {torch.get_num_threads()}, greedy, ignore_eos, "
+              f"gamma {args.num_draft_tokens} (lookup {args.lookup_tokens}, n-gram "
+              f"{args.ngram}), median of {args.repeats} after a warm-up\n")
+        print(markdown(rows))
+
+
+if __name__ == "__main__":
+    main()
