@@ -1,0 +1,85 @@
+"""Batch generation speed: tokens/s for 64 prompts of mixed lengths at several
+--batch-size values, through the same code path as `genlab generate --input`
+(genlib.batch: grouping, per-line seeds, left-padded batched decode).
+
+    python benchmarks/bench_batch.py                      # stories260K, batch 1, 8, 32
+    python benchmarks/bench_batch.py --threads 1 --repeats 2
+
+Ratios are against batch 1 in the same run (the machine is shared and noisy).
+Target from the issue: batch 32 >= 8x the tokens/s of batch 1.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
+WORDS = ("Once upon a time there was a little girl named Lily who loved to play in the park "
+         "with her dog Max. One day they found a big red ball under a tree and the sun was "
+         "shining so they ran and laughed all afternoon until mom called them home for "
+         "dinner and a warm bath before bed").split()
+
+
+def prompts(n: int, seed: int = 0) -> list[str]:
+    """n JSONL lines with prompts from 2 to ~60 words, every length class mixed."""
+    rng = random.Random(seed)
+    return [json.dumps({"id": i, "prompt": " ".join(WORDS[:rng.randint(2, len(WORDS))])})
+            for i in range(n)]
+
+
+def measure(lm, lines: list[str], batch_size: int, settings: dict) -> tuple[int, float]:
+    from genlib import batch as gb
+
+    run = gb.RunDefaults(preset_settings={}, flags=settings, seed=0)
+    jobs = gb.parse_lines(lines, run)
+    for job in jobs:
+        gb.encode(lm, job, run)
+    start = time.perf_counter()
+    tokens = sum(f.new_tokens for _, f in gb.generate_jobs(lm, jobs, batch_size))
+    return tokens, time.perf_counter() - start
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=str(DEFAULT_MODEL))
+    parser.add_argument("--prompts", type=int, default=64)
+    parser.add_argument("--batch-sizes", default="1,8,32")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="every line generates exactly --max-new-tokens")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    parser.add_argument("--repeats", type=int, default=1, help="best of N per batch size")
+    args = parser.parse_args()
+
+    import torch
+
+    from genlib.models import ModelSpec, load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    lm = load_model(ModelSpec(args.model))
+    lines = prompts(args.prompts)
+    settings = {"max_new_tokens": args.max_new_tokens, "ignore_eos": args.ignore_eos or None}
+    settings = {k: v for k, v in settings.items() if v is not None}
+    measure(lm, lines[:4], 4, settings)  # warm-up
+    print(f"model {args.model} · {args.prompts} prompts · max_new_tokens "
+          f"{args.max_new_tokens}{' (ignore_eos)' if args.ignore_eos else ''} · greedy · "
+          f"torch threads {torch.get_num_threads()}")
+    print(f"{'batch':>6} {'tokens':>8} {'seconds':>8} {'tok/s':>9} {'vs batch 1':>11}")
+    baseline = None
+    for size in (int(s) for s in args.batch_sizes.split(",")):
+        runs = [measure(lm, lines, size, settings) for _ in range(args.repeats)]
+        tokens, seconds = min(runs, key=lambda r: r[1])
+        rate = tokens / seconds
+        baseline = baseline or rate
+        print(f"{size:>6} {tokens:>8} {seconds:>8.2f} {rate:>9.1f} {rate / baseline:>10.2f}x",
+              flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,260 @@
+"""JSONL batch generation: parsing and validation with line numbers, per-line settings
+and seeds, grouping, batch-size invariance, resume (with repair), and the CLI run,
+including a real subprocess killed with SIGKILL mid-run and resumed."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib import batch as gb
+from genlib.errors import ChatTemplateError
+from genlib.sampling import derive_seed
+from tests.conftest import ROOT, STORIES
+
+RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7)
+MODEL = ["-m", str(STORIES)]
+WORDS = "Once upon a time there was a little girl named Lily who loved to play in the park".split()
+
+
+def lines_of(*objects: object) -> list[str]:
+    return [o if isinstance(o, str) else json.dumps(o) for o in objects]
+
+
+def mixed_prompts(n: int, **extra: object) -> list[str]:
+    """n lines of different lengths; every other line sampled at temperature 0.8."""
+    out = []
+    for i in range(n):
+        line: dict[str, object] = {"id": f"p{i}", "prompt": " ".join(WORDS[:4 + (i * 7) % 13])}
+        if i % 2:
+            line["temperature"] = 0.8
+        out.append(json.dumps({**line, **extra}))
+    return out
+
+
+# ---------------------------------------------------------------- parsing
+
+
+def test_bad_lines_are_reported_with_their_line_number():
+    items = gb.parse_lines(lines_of(
+        {"prompt": "ok"},
+        "{not json",
+        "",  # blank lines are skipped, numbering still counts them
+        [1, 2],
+        {"id": "x"},
+        {"id": "y", "prompt": "a", "temprature": 0.5},
+        {"id": "z", "prompt": "a", "top_p": 2},
+        {"id": 1.5, "prompt": "a"},
+        {"id": "w", "prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+    ), RUN)
+    errors = {i.line: i.message for i in items if isinstance(i, gb.LineError)}
+    assert isinstance(items[0], gb.Job) and items[0].id == 1
+    assert errors[2].startswith("line 2: not valid JSON")
+    assert errors[4] == 'line 4: expected a JSON object like {"prompt": "..."}, got list'
+    assert errors[5].startswith('line 5: give exactly one of "prompt"')
+    assert errors[6] == ("line 6: unknown setting 'temprature' (did you mean 'temperature'?); "
+                         "`genlab presets keys` lists them all")
+    assert errors[7] == "line 7: top_p must be 0 < top_p <= 1, got 2.0"
+    assert errors[8] == "line 8: id must be a string or an integer, got 1.5"
+    assert errors[9].startswith('line 9: give exactly one of "prompt"')
+    assert [i.id for i in items if isinstance(i, gb.LineError)] == [2, 4, "x", "y", "z", 8, "w"]
+
+
+def test_duplicate_ids_refuse_the_file():
+    with pytest.raises(gb.BatchFileError, match="line 3: id 1 is also the id of line 1"):
+        gb.parse_lines(lines_of({"prompt": "a"}, {"id": "b", "prompt": "b"},
+                                {"id": 1, "prompt": "c"}), RUN)
+
+
+def test_line_settings_win_over_run_settings_and_seeds_derive_from_the_id():
+    run = gb.RunDefaults(preset_settings={"temperature": 0.5, "top_p": 0.9},
+                         flags={"max_new_tokens": 16}, seed=7)
+    first, second, third = gb.parse_lines(lines_of(
+        {"custom_id": "a", "prompt": "x"},
+        {"id": "b", "prompt": "x", "temperature": 1.2, "max_new_tokens": 4},
+        {"id": "c", "prompt": "x", "preset": "greedy", "seed": 99},
+    ), run)
+    assert first.id == "a" and first.settings.temperature == 0.5
+    assert first.settings.top_p == 0.9 and first.settings.max_new_tokens == 16
+    assert first.settings.seed == derive_seed(7, "a")
+    assert second.settings.temperature == 1.2 and second.settings.max_new_tokens == 4
+    assert second.settings.seed == derive_seed(7, "b")
+    assert third.settings.seed == 99  # a line's own seed is used as given
+
+
+def test_grouping_keeps_settings_apart_and_respects_the_batch_size(stories):
+    items = gb.parse_lines(lines_of(*mixed_prompts(7)), RUN)
+    for job in items:
+        gb.encode(stories, job, RUN)
+    batches = gb.plan_batches(items, 2)
+    assert sorted(j.id for b in batches for j in b) == sorted(j.id for j in items)
+    for batch in batches:
+        assert 1 <= len(batch) <= 2
+        assert len({gb.batch_key(j.settings) for j in batch}) == 1
+    assert len(gb.plan_batches(items, 32)) == 2  # greedy lines and sampled lines
+
+
+def test_messages_need_a_chat_template(stories):
+    (job,) = gb.parse_lines(lines_of({"messages": [{"role": "user", "content": "hi"}]}), RUN)
+    with pytest.raises(ChatTemplateError, match='"messages" cannot be used'):
+        gb.encode(stories, job, RUN)
+
+
+# ---------------------------------------------------------------- generation
+
+
+def generate_texts(lm, lines: list[str], batch_size: int) -> dict[object, str]:
+    jobs = gb.parse_lines(lines, RUN)
+    for job in jobs:
+        gb.encode(lm, job, RUN)
+    return {job.id: finish.text for job, finish in gb.generate_jobs(lm, jobs, batch_size)}
+
+
+def test_outputs_do_not_depend_on_the_batch_size(stories):
+    lines = mixed_prompts(8)
+    one = generate_texts(stories, lines, 1)
+    assert one["p0"] == ", there was a little girl named Lily. She loved to play"  # golden
+    assert generate_texts(stories, lines, 3) == one
+    assert generate_texts(stories, lines, 8) == one
+    # and on a "resumed" run that only has some of the lines
+    assert generate_texts(stories, lines[3:], 4) == {k: one[k] for k in one if k not in
+                                                     ("p0", "p1", "p2")}
+    assert len(set(one.values())) == 8  # the sampled lines really differ from each other
+
+
+def test_another_run_seed_changes_sampled_lines_only(stories):
+    lines = mixed_prompts(4)
+    base = generate_texts(stories, lines, 4)
+    jobs = gb.parse_lines(lines, gb.RunDefaults({}, {"max_new_tokens": 16}, seed=8))
+    for job in jobs:
+        gb.encode(stories, job, RUN)
+    other = {j.id: f.text for j, f in gb.generate_jobs(stories, jobs, 4)}
+    assert other["p0"] == base["p0"] and other["p2"] == base["p2"]  # greedy
+    assert other["p1"] != base["p1"] or other["p3"] != base["p3"]  # sampled
+
+
+# ---------------------------------------------------------------- output file
+
+
+def test_scan_output_repairs_a_half_written_last_line(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a", "text": "x"}\n{"id": 2, "error": "bad"}\n{"id": "c", "te')
+    done, cut = gb.scan_output(out)
+    assert set(done) == {gb.id_key("a"), gb.id_key(2)} and cut == len('{"id": "c", "te')
+    assert out.read_text().endswith('"bad"}\n')
+    assert gb.scan_output(out) == (done, 0)
+
+
+def test_scan_output_refuses_a_file_that_is_not_results(tmp_path: Path):
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    with pytest.raises(gb.BatchFileError, match="line 2 is not valid JSON"):
+        gb.scan_output(out)
+
+
+# ---------------------------------------------------------------- CLI
+
+runner = CliRunner()
+
+
+def invoke(*args: str, input: str | None = None):
+    return runner.invoke(app, ["generate", *MODEL, *args], input=input)
+
+
+def read_results(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_cli_writes_one_line_per_input_line_and_resumes(tmp_path: Path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([*mixed_prompts(3), '{"id": "bad", "prompt": "x", "top_k": -1}',
+                              "{oops"]) + "\n")
+    first = invoke("--input", str(src), "--output", str(out), "-n", "8", "--batch-size", "2")
+    assert first.exit_code == 1  # two lines failed
+    records = {r["id"]: r for r in read_results(out)}
+    assert set(records) == {"p0", "p1", "p2", "bad", 5}
+    assert records["bad"] == {"id": "bad", "error": "line 4: top_k must be >= 0, got -1"}
+    assert records[5]["error"].startswith("line 5: not valid JSON")
+    assert records["p0"]["text"] == ", there was a little girl"
+    assert records["p0"]["new_tokens"] == 8 and records["p0"]["finish_reason"] == "length"
+    assert records["p1"]["settings"]["temperature"] == 0.8
+    assert "line 4: top_k must be >= 0" in first.stderr
+    assert "5 lines · 3 generated · 2 failed" in first.stderr
+
+    second = invoke("--input", str(src), "--output", str(out), "-n", "8")
+    assert second.exit_code == 1  # earlier failures still count
+    assert len(read_results(out)) == 5  # nothing doubled
+    assert "5 already done (2 of them failed)" in second.stderr
+
+
+def test_cli_output_dash_writes_jsonl_to_stdout(tmp_path: Path):
+    result = invoke("--input", "-", "--output", "-", "-n", "5",
+                    input='{"prompt": "Once upon a time"}\n')
+    assert result.exit_code == 0, result.output
+    (record,) = [json.loads(x) for x in result.stdout.splitlines()]
+    assert record["id"] == 1 and record["text"] == ", there was a little"
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--input", "x.jsonl"], "--input needs --output"),
+    (["--output", "o.jsonl"], "--output and --batch-size only apply with --input"),
+    (["-i", "--input", "x.jsonl"], "--interactive and --input exclude each other"),
+    (["hello", "--input", "x.jsonl", "--output", "o"], "a prompt argument cannot be combined"),
+    (["--input", "missing.jsonl", "--output", "o.jsonl"], "input file missing.jsonl does not"),
+    (["--input", "-", "--output", "-", "--batch-size", "0"], "--batch-size must be >= 1"),
+])
+def test_cli_refuses_bad_mode_flags(args: list[str], message: str):
+    result = invoke(*args)
+    assert result.exit_code == 2
+    assert message in result.stderr and "Traceback" not in result.output
+
+
+@pytest.mark.slow
+def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_path: Path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(mixed_prompts(16, ignore_eos=True)) + "\n")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    def command(out: Path, batch_size: int) -> list[str]:
+        return [sys.executable, "-m", "cli", "generate", *MODEL, "--input", str(src),
+                "--output", str(out), "-n", "32", "--seed", "3", "--batch-size",
+                str(batch_size)]
+
+    killed = tmp_path / "killed.jsonl"
+    proc = subprocess.Popen(command(killed, 4), cwd=ROOT, env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if killed.exists() and killed.read_text().count("\n") >= 3:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(read_results(killed))
+    assert 3 <= partial < 16, "the run should have been killed midway"
+    with killed.open("a") as fh:  # what a crash in the middle of a write leaves
+        fh.write('{"id": "p15", "text": "half')
+
+    resumed = subprocess.run(command(killed, 4), cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "removed a half-written last line" in resumed.stderr
+    clean = tmp_path / "clean.jsonl"
+    done = subprocess.run(command(clean, 7), cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+
+    resumed_records = read_results(killed)
+    ids = [r["id"] for r in resumed_records]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(16))  # each id exactly once
+    expected = {r["id"]: r["text"] for r in read_results(clean)}
+    assert {r["id"]: r["text"] for r in resumed_records} == expected
