@@ -239,3 +239,15 @@ def test_cli_user_errors(args, message):
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_cli_quantize_comparison_keeps_a_failed_run_in_its_column(stories):
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
+                                 "--quantize", "none,4bit", "--json", "-"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kind"] == "models"
+    none, four = data["runs"]
+    assert (none["quantize"], none["error"], none["agreement"]) == ("none", None, 1.0)
+    assert none["text"].startswith(", there was")
+    assert four["quantize"] == "4bit" and "--quantize 8bit or none" in four["error"]
