@@ -38,6 +38,7 @@ class Tally:
     failed_before: int = 0
     tokens: int = 0
     interrupted: bool = False
+    generating_s: float = 0.0  # model loading excluded, for tokens/s
 
 
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
@@ -86,7 +87,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         todo = _write_line_errors(items, done, writer, tally)
         if todo:
             lm = load(model_flags, preset)
-            _generate(lm, todo, run_defaults, batch_size, writer, tally, start)
+            _generate(lm, todo, run_defaults, batch_size, writer, tally)
     except KeyboardInterrupt:
         tally.interrupted = True
     finally:
@@ -154,7 +155,7 @@ def _encode_all(lm: Any, jobs: list[Job], writer: ResultWriter, tally: Tally,
 
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
-              writer: ResultWriter, tally: Tally, start: float) -> None:
+              writer: ResultWriter, tally: Tally) -> None:
     from cli import render
     from genlib.batch import error_record, generate_jobs, result_record
 
@@ -162,6 +163,7 @@ def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
     progress = _progress(len(jobs))
     task = progress.add_task("generating", total=len(jobs), tps="")
     progress.update(task, advance=len(jobs) - len(ready))
+    start = time.perf_counter()
     with progress:
         for job, outcome in generate_jobs(lm, ready, batch_size):
             if isinstance(outcome, str):
@@ -176,8 +178,9 @@ def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
                 writer.write(result_record(job, outcome))
                 tally.done += 1
                 tally.tokens += outcome.new_tokens
-            elapsed = max(time.perf_counter() - start, 1e-9)
-            progress.update(task, advance=1, tps=f"{tally.tokens / elapsed:,.0f} tok/s")
+            tally.generating_s = time.perf_counter() - start
+            rate = tally.tokens / max(tally.generating_s, 1e-9)
+            progress.update(task, advance=1, tps=f"{rate:,.0f} tok/s")
 
 
 def _progress(total: int) -> Progress:
@@ -199,7 +202,7 @@ def _summary(tally: Tally, seconds: float) -> None:
         parts.append(f"{tally.skipped} already done"
                      + (f" ({tally.failed_before} of them failed)" if tally.failed_before
                         else ""))
-    rate = tally.tokens / seconds if seconds > 0 else 0.0
+    rate = tally.tokens / tally.generating_s if tally.generating_s > 0 else 0.0
     parts += [f"{tally.tokens:,} tokens", f"{seconds:.1f} s", f"{rate:,.0f} tok/s"]
     if tally.interrupted:
         parts.append("interrupted: rerun the same command to finish")
