@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -83,15 +84,16 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
 
 def loop(session: Session) -> None:
     """Read, run, repeat, until /quit, Ctrl-D or Ctrl-C at an empty prompt."""
+    reader = PromptReader()
     while True:
         try:
-            text = read_prompt()
+            text = reader.read()
         except EOFError:
             render.out.print()
             return
         except KeyboardInterrupt:
             render.out.print()
-            if not pending_line():
+            if not reader.interrupted_text:
                 return
             continue  # Ctrl-C on a typed line drops it, as shells do
         if not text.strip():
@@ -139,8 +141,35 @@ def _read_block(rest: str, read: Any) -> str:
         lines.append(line)
 
 
-def pending_line() -> str:
-    """What was typed on the line Ctrl-C interrupted ("" if readline is unavailable)."""
+class PromptReader:
+    """`input()` that remembers what Ctrl-C interrupted: an empty prompt (leave the
+    session) or typed text (drop just that)."""
+
+    def __init__(self) -> None:
+        self.showing = PROMPT
+        self.interrupted_text = ""
+
+    def __call__(self, prompt: str) -> str:
+        self.showing = prompt
+        return input(prompt)
+
+    def read(self) -> str:
+        self.interrupted_text = ""
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            return read_prompt(self)
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        # readline still holds the typed line here; it clears it once the
+        # KeyboardInterrupt propagates, so look now.
+        typed = _line_buffer()
+        self.interrupted_text = typed or ("(block)" if self.showing == CONTINUE else "")
+        raise KeyboardInterrupt
+
+
+def _line_buffer() -> str:
     try:
         import readline
     except ImportError:
