@@ -203,9 +203,11 @@ def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Genera
             break
         rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
         new = torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None]
-        state.reorder(rows)
+        if parents != list(range(len(parents))):  # the cache copy is skipped when no beam moved
+            state.reorder(rows)
+            context = context.index_select(0, rows) if context is not None else None
         if context is not None:
-            context = torch.cat([context.index_select(0, rows), new], dim=1)
+            context = torch.cat([context, new], dim=1)
         logits = forward.extend(lm.model, state, new)[:, -1, :]
     return [_result(plan, searches, p, steps) for p in range(len(prompts_ids))]
 
