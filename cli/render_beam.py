@@ -98,7 +98,7 @@ def _grow(top: Tree, steps: Sequence[TreeStep], max_children: int) -> None:
                     current[c.slot] = node.add(_label(c))
             hidden = sum(1 for c in cands[max_children:] if c.slot is None)
             if hidden:
-                node.add(Text(f"... {hidden} more candidates not kept", style="dim"))
+                node.add(Text(f"... {hidden} more not kept", style="dim"))
         previous = current
 
 
