@@ -81,8 +81,8 @@ def sweep_json():
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
     before = torch.get_num_threads()
-    result = run_cli("--json", "--threads", "1", "--runs", "2", "--warmup", "0", "--prompt-len", "8",
-                     "--new-tokens", "5,12", "--batch-size", "1,2", "--strategy",
+    result = run_cli("--json", "--threads", "1", "--runs", "2", "--warmup", "0",
+                     "--prompt-len", "8", "--new-tokens", "5,12", "--batch-size", "1,2", "--strategy",
                      "greedy,creative", "--no-cache", "--baseline", "transformers",
                      "--no-bandwidth")
     torch.set_num_threads(before)
