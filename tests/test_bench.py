@@ -149,3 +149,12 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+def test_compiled_variant_only_at_batch_one():
+    from cli.bench import build_cases
+
+    groups = build_cases([("greedy", GenerationSettings())], [8], [4], [1, 2], compile=True,
+                         no_cache=True)
+    engines = [[bench.engine_name(c) for c in g] for g in groups]
+    assert engines == [["genlab", "genlab+compile", "no-cache"], ["genlab", "no-cache"]]
