@@ -37,6 +37,7 @@ def hf_beam(lm: LoadedModel, prompts: list[list[int]], s: GenerationSettings):
         early_stopping=s.early_stopping, max_new_tokens=s.max_new_tokens,
         num_return_sequences=s.num_return_sequences, do_sample=False,
         no_repeat_ngram_size=s.no_repeat_ngram_size or None,
+        repetition_penalty=s.repetition_penalty, min_new_tokens=s.min_new_tokens or None,
         eos_token_id=list(lm.eos_ids), pad_token_id=lm.pad_id,
         return_dict_in_generate=True, output_scores=True)
     rows = out.sequences[:, ids.shape[1]:].tolist()
@@ -69,9 +70,9 @@ def test_parity_with_transformers_on_stories260k(stories, k, length_penalty, ear
     assert_same_as_hf(stories, [stories.encode(PROMPTS[0])], s)
 
 
-def test_parity_batched_prompts_and_no_repeat_ngram(stories):
+def test_parity_batched_prompts_and_processors(stories):
     s = beam(num_beams=3, max_new_tokens=20, num_return_sequences=2, no_repeat_ngram_size=3,
-             early_stopping=True)
+             repetition_penalty=1.3, min_new_tokens=4, early_stopping=True)
     assert_same_as_hf(stories, [stories.encode(p) for p in PROMPTS], s)
 
 
@@ -295,6 +296,14 @@ def test_generate_runs_beam_preset():
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["settings"]["strategy"] == "beam" and "score" in data
+
+
+def test_cli_sampling_preset_runs_beam_sampling():
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-p", "creative", "-k",
+                                 "2", "-n", "6", "--seed", "5", "--json", "--no-greedy"])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.stdout)["settings"]
+    assert settings["do_sample"] is True and settings["seed"] == 5
 
 
 def test_cli_bad_early_stopping_is_one_line_exit_2():
