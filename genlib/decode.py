@@ -119,8 +119,9 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
         lm.check_fits(len(prompt), settings.max_new_tokens)
     expanded = expand_prompts(prompts, settings.num_return_sequences)
     plan = make_plan(lm, settings, len(expanded), seeds)
-    rows = [_Row(i, ids, IncrementalDecoder(lm.tokenizer, ids), StopStrings(settings.stop_strings))
-            for i, ids in expanded]
+    single_token_texts: dict[int, str] = {}
+    rows = [_Row(i, ids, IncrementalDecoder(lm.tokenizer, ids, single_token_texts),
+                 StopStrings(settings.stop_strings)) for i, ids in expanded]
     yield from _decode_loop(lm, plan, rows, compile)
 
 

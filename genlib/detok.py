@@ -18,13 +18,23 @@ PROMPT_CONTEXT = 4  # prompt tokens kept as left context for the first window
 class IncrementalDecoder:
     """Turns one row's token ids into text pieces as they arrive."""
 
-    def __init__(self, tokenizer: Any, prompt_ids: list[int] | tuple[int, ...] = ()):
+    def __init__(self, tokenizer: Any, prompt_ids: list[int] | tuple[int, ...] = (),
+                 shared_cache: dict[int, str] | None = None):
         self._tokenizer = tokenizer
+        # Decodes of one-token windows (the steady state's "before" text), shared by the
+        # rows of a batch: halves the tokenizer calls per token.
+        self._single = shared_cache if shared_cache is not None else {}
         self._ids: list[int] = list(prompt_ids[-PROMPT_CONTEXT:])
         self._prefix = 0  # start of the decode window
         self._read = len(self._ids)  # end of the text already emitted
 
     def _decode(self, ids: list[int]) -> str:
+        if len(ids) == 1:
+            text = self._single.get(ids[0])
+            if text is None:
+                text = self._single[ids[0]] = self._tokenizer.decode(
+                    ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            return text
         return self._tokenizer.decode(ids, skip_special_tokens=True,
                                       clean_up_tokenization_spaces=False)
 
