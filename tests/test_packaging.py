@@ -16,6 +16,9 @@ def test_non_editable_install_finds_builtin_presets(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "--no-build-isolation",
                     "--quiet", "--target", str(target), str(ROOT)], check=True, timeout=300)
     assert (target / "genlab_presets" / "creative.yaml").is_file()
+    for name in ("code-small", "code-tiny"):  # the built-in models ship in the wheel
+        assert (target / "genlib" / "assets" / name / "model.safetensors").is_file()
+        assert (target / "genlib" / "assets" / name / "tokenizer.json").is_file()
     code = ("from genlib.presets import available_names, builtin_dir\n"
             "from genlib.models import DEFAULT_MODEL\n"
             "print(builtin_dir()); print(','.join(available_names())); print(DEFAULT_MODEL)")
