@@ -187,3 +187,13 @@ def test_chat_applies_template_with_system_message(chat_model):
                     "-n", "5", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["prompt_tokens"] == len(ids)
+
+
+def test_no_model_named_uses_the_builtin_model_offline(monkeypatch):
+    monkeypatch.delenv("GENLAB_MODEL", raising=False)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    result = invoke("generate", "def fibonacci(n):", "-n", "24", "--json")
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    assert record["model"].endswith("code-small") and record["new_tokens"] >= 1
+    assert record["text"].strip()
