@@ -127,10 +127,15 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
 
 def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
              compile: bool) -> tuple[torch.Tensor, forward.KVState]:
-    """Prefill into a static, compiled cache when asked and possible, else a dynamic one."""
-    if compile and input_ids.shape[0] == 1 and lm.quantize == "none":
+    """Prefill a single row through the lean forward (compiled with `compile`), or into a
+    static, compiled cache, when possible; else into a dynamic cache."""
+    if input_ids.shape[0] == 1 and lm.quantize == "none":
         length = forward.static_cache_length(input_ids.shape[1] + new_tokens, lm.max_positions)
-        return forward.prefill_static(lm.model, input_ids, length, compile=True)
+        lean = forward.lean_model(lm.model)
+        if lean is not None:
+            return forward.prefill_lean(lean, input_ids, length, compile=compile)
+        if compile:
+            return forward.prefill_static(lm.model, input_ids, length, compile=True)
     return forward.prefill(lm.model, input_ids, mask)
 
 

@@ -192,3 +192,46 @@ def _static_extend(state: KVState, tokens: torch.Tensor) -> torch.Tensor:
         logits.append(state.step(tokens[:, i:i + 1], position))  # type: ignore[misc]
         state.length += 1
     return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
+
+
+# --- Lean forward (Llama-style models, batch 1) ----------------------------------------
+# transformers' forward costs a small model more in bookkeeping than in arithmetic;
+# `genlib.lean` runs the same arithmetic directly (see its module doc). Set GENLAB_LEAN=0
+# to keep every generation on transformers' forward.
+
+_lean_models: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def lean_model(model: Any) -> Any:
+    """The model's `LeanLlama` (built once per model), or None when it is not eligible
+    or GENLAB_LEAN=0."""
+    import os
+
+    from genlib.lean import LeanLlama
+
+    if os.environ.get("GENLAB_LEAN", "1") == "0":
+        return None
+    if model not in _lean_models:
+        _lean_models[model] = LeanLlama.from_model(model)
+    return _lean_models[model]
+
+
+def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
+                 compile: bool = False) -> tuple[torch.Tensor, KVState]:
+    """`prefill` for one unpadded prompt through a `LeanLlama` with room for
+    `cache_length` tokens; the state's `step` runs later tokens (compiled with `compile`),
+    so `extend` keeps working on it. Its `reorder` is not supported."""
+    logits = lean.prefill(input_ids, cache_length)
+    run = lean.compiled_step if compile else lean.step
+    generation = lean.prefills
+
+    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        # One set of KV buffers per model: a generation interleaved with a later one on
+        # the same model would read the other's cache.
+        if lean.prefills != generation:
+            raise RuntimeError("a later generation on this model reused its KV buffers")
+        return run(token)[:, None]
+
+    state = KVState(cache=lean, attention_mask=None, positions=None, length=input_ids.shape[1],
+                    step=step)
+    return logits, state

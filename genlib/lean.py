@@ -1,0 +1,271 @@
+"""A lean forward pass for Llama-architecture models, for one unpadded row (batch 1).
+
+transformers' `LlamaForCausalLM.forward` spends most of a small model's decode step on
+bookkeeping around the arithmetic: module calls, mask creation, config lookups, rotary
+tables recomputed every step, cache objects. `LeanLlama` runs the same arithmetic in the
+same order on the model's own weight tensors (no copies), with the rotary tables computed
+once for every position and the KV cache preallocated, so a step is little more than its
+matrix products (as llama2.c's and gpt-fast's forward functions are).
+
+    lean = LeanLlama.from_model(hf_model)    # None when the model is not plain Llama
+    logits = lean.prefill(input_ids)         # (1, T) -> (1, vocab) float32
+    logits = lean.step(token)                # (1, 1) -> (1, vocab) float32
+
+`compiled_step` is the same step under torch.compile: the KV buffers are attributes
+updated in place at a position held in a 0-d tensor and attention runs over the whole
+buffer with a mask, so shapes never change and one graph serves every step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+# Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases).
+_ARCHS = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class _Layer:
+    """One decoder layer: its norm weights, its projections transposed for `x @ w` (views
+    of the model's tensors, except q/k/v and gate/up concatenated into one product each),
+    and its KV buffers."""
+
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # (hidden, (heads + 2 * kv_heads) * head_dim)
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # (hidden, 2 * intermediate)
+    down: torch.Tensor
+    keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
+    values: torch.Tensor | None = None
+
+
+def eligible(model: Any) -> bool:
+    """True when `model` is a plain (unquantized, default-rope) Llama-style causal LM."""
+    config = getattr(model, "config", None)
+    if config is None or getattr(config, "model_type", None) not in _ARCHS:
+        return False
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        return False
+    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
+        return False
+    if getattr(config, "model_type") != "qwen2" and getattr(config, "attention_bias", False):
+        return False
+    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return False
+    if getattr(config, "quantization_config", None) is not None:
+        return False
+    if getattr(config, "pretraining_tp", 1) != 1:
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return False
+    # Every projection must be a plain Linear (bitsandbytes and friends subclass it but
+    # keep packed weights); the o/gate/up/down projections must have no bias.
+    for layer in inner.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
+                     mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+            if type(proj) is not torch.nn.Linear or proj.weight.dtype != model.lm_head.weight.dtype:
+                return False
+        if any(p.bias is not None for p in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
+                                             mlp.down_proj)):
+            return False
+    return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
+
+
+class LeanLlama:
+    """Llama's forward for one row, with preallocated KV buffers (see the module doc)."""
+
+    def __init__(self, model: Any) -> None:
+        config = model.config
+        inner = model.model
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
+        self.scale = self.head_dim ** -0.5
+        self.eps = config.rms_norm_eps
+        self.max_positions = config.max_position_embeddings
+        self.embed = inner.embed_tokens.weight
+        self.norm = inner.norm.weight
+        self.lm_head = model.lm_head.weight.t()
+        self.dtype = self.embed.dtype
+        self.device = self.embed.device
+        self.layers = [self._layer(layer) for layer in inner.layers]
+        self.cos, self.sin = self._rotary_tables(inner.rotary_emb.inv_freq)
+        self.length = 0  # tokens in the KV buffers
+        self.capacity = 0
+        self.prefills = 0  # counts generations, so a stale one's steps can be refused
+        self.position = torch.zeros((), dtype=torch.long, device=self.device)
+        self._compiled: Any = None
+
+    @classmethod
+    def from_model(cls, model: Any) -> LeanLlama | None:
+        """A LeanLlama over `model`'s weights, or None when the model is not eligible."""
+        return cls(model) if eligible(model) else None
+
+    @staticmethod
+    @torch.no_grad()
+    def _layer(layer: Any) -> _Layer:
+        attn, mlp = layer.self_attn, layer.mlp
+        # One product instead of three (two): the same dot products, so the same values
+        # (tests/test_lean.py checks the logits are bit-identical).
+        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t()
+        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [b if b is not None else p.weight.new_zeros(p.weight.shape[0])
+             for b, p in zip(biases, (attn.q_proj, attn.k_proj, attn.v_proj))])
+        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
+        return _Layer(input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=bias,
+                      o=attn.o_proj.weight.t(), post_norm=layer.post_attention_layernorm.weight,
+                      gate_up=gate_up, down=mlp.down_proj.weight.t())
+
+    def _rotary_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        # As LlamaRotaryEmbedding.forward computes them (float32, then the model's dtype),
+        # once for every position instead of once per step. The sine table carries
+        # rotate_half's sign, so rotate_half(x) * sin == roll(x, half) * signed_sin.
+        positions = torch.arange(self.max_positions, device=self.device).float()
+        freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float)[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = emb.shape[-1] // 2
+        sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype) * sign.to(self.dtype)
+
+    # --- KV buffers -------------------------------------------------------------------
+
+    def reserve(self, capacity: int) -> None:
+        """Make the KV buffers hold `capacity` tokens (reallocated only when that changes)
+        and empty them."""
+        capacity = min(capacity, self.max_positions)
+        if capacity != self.capacity:
+            shape = (1, self.kv_heads, capacity, self.head_dim)
+            for layer in self.layers:
+                layer.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+            self.capacity = capacity
+        self.length = 0
+
+    def crop(self, length: int) -> None:
+        """Forget everything after the first `length` cached tokens."""
+        self.length = min(self.length, length)
+
+    # --- Forward (rows are positions: x is (tokens, hidden)) ---------------------------
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # LlamaRMSNorm: in float32, then back to the input dtype before the weight.
+        h = x if x.dtype == torch.float32 else x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (1, heads, T, d), k and v (1, kv_heads, T, d), rotary applied to q and k."""
+        t = x.shape[0]
+        h = self._rms_norm(x, layer.input_norm)
+        qkv = (torch.mm(h, layer.qkv) if layer.qkv_bias is None
+               else torch.addmm(layer.qkv_bias, h, layer.qkv))
+        qkv = qkv.view(t, -1, self.head_dim)
+        rotary = self.heads + self.kv_heads
+        qk = qkv[:, :rotary]
+        # apply_rotary_pos_emb on q and k at once: x * cos + rotate_half(x) * sin.
+        qk = (qk * cos) + (qk.roll(self.head_dim // 2, -1) * sin)
+        q = qk[:, :self.heads].transpose(0, 1)[None]
+        k = qk[:, self.heads:].transpose(0, 1)[None]
+        return q, k, qkv[:, rotary:].transpose(0, 1)[None]
+
+    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
+        # silu on a strided view takes another (scalar) path for the row tails: make the
+        # gate contiguous, as transformers' separate gate_proj output is.
+        return x + torch.mm(F.silu(gate.contiguous()) * up, layer.down)
+
+    def _attend(self, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor,
+                sin: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self._qkv(layer, x, cos, sin)
+        end = start + t
+        keys, values = layer.keys, layer.values
+        keys[:, :, start:end] = k  # type: ignore[index]
+        values[:, :, start:end] = v  # type: ignore[index]
+        # SDPA with grouped heads, causal over the prompt, as transformers' sdpa path runs it.
+        out = F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end],  # type: ignore[index]
+            is_causal=t > 1, scale=self.scale, enable_gqa=True)
+        return x + torch.mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.mm(self._rms_norm(x[-1:], self.norm), self.lm_head).float()
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start, t = self.length, input_ids.shape[1]
+        if start + t > self.capacity:
+            raise ValueError(f"{start + t} tokens exceed the KV buffers' {self.capacity}")
+        if t > 1 and start != 0:
+            raise ValueError("several tokens at once only as the first call (prefill)")
+        cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
+        x = F.embedding(input_ids[0], self.embed)
+        for layer in self.layers:
+            x = self._mlp(layer, self._attend(layer, x, start, cos, sin))
+        self.length = start + t
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def prefill(self, input_ids: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+        """Run one prompt (1, T) from position 0 into buffers of `capacity` tokens
+        (default: the model's positions); the last position's logits (1, vocab) float32."""
+        if input_ids.shape[0] != 1:
+            raise ValueError("the lean forward takes one row (batch 1)")
+        self.reserve(capacity or self.max_positions)
+        self.prefills += 1
+        return self._forward(input_ids)
+
+    @torch.inference_mode()
+    def step(self, token: torch.Tensor) -> torch.Tensor:
+        """Feed one token (1, 1) after the cached ones; its logits (1, vocab) float32."""
+        return self._forward(token)
+
+    # --- Compiled step ----------------------------------------------------------------
+
+    def _static_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        # Fixed shapes: write slot `position`, attend over the whole buffer with a mask.
+        index = position.view(1)
+        cos = self.cos.index_select(0, index)[:, None]
+        sin = self.sin.index_select(0, index)[:, None]
+        visible = (torch.arange(self.capacity, device=self.device) <= position).view(1, 1, -1)
+        x = F.embedding(token[0], self.embed)
+        for layer in self.layers:
+            q, k, v = self._qkv(layer, x, cos, sin)
+            layer.keys.index_copy_(2, index, k)  # type: ignore[union-attr]
+            layer.values.index_copy_(2, index, v)  # type: ignore[union-attr]
+            x = x + torch.mm(self._attend_all(q, layer, visible), layer.o)
+            x = self._mlp(layer, x)
+        return self._logits(x)
+
+    def _attend_all(self, q: torch.Tensor, layer: _Layer, visible: torch.Tensor) -> torch.Tensor:
+        # Softmax attention written out (inductor fuses it; SDPA's kernel would be an
+        # opaque call over the whole buffer), each query head grouped with its KV head.
+        groups = self.heads // self.kv_heads
+        q = q.reshape(self.kv_heads, groups, 1, self.head_dim)
+        keys, values = layer.keys[0, :, None], layer.values[0, :, None]  # type: ignore[index]
+        scores = (q * keys).sum(-1) * self.scale  # (kv_heads, groups, capacity)
+        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        return (weights[..., None] * values).sum(-2).reshape(1, -1)
+
+    @torch.inference_mode()
+    def compiled_step(self, token: torch.Tensor) -> torch.Tensor:
+        """`step` under torch.compile (the first call per buffer size compiles)."""
+        if self._compiled is None:
+            self._compiled = torch.compile(self._static_step, fullgraph=True, dynamic=False,
+                                           options={"cpp_wrapper": True})
+        if self.length >= self.capacity:
+            raise ValueError(f"{self.length + 1} tokens exceed the KV buffers' {self.capacity}")
+        self.position.fill_(self.length)
+        logits = self._compiled(token, self.position)
+        self.length += 1
+        return logits

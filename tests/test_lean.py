@@ -1,0 +1,185 @@
+"""The lean Llama forward (genlib/lean.py) against transformers' own forward and
+generate(): the same logits, the same greedy tokens, on real and tiny random models."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genlib import decode, forward
+from genlib.config import resolve_settings
+from genlib.lean import LeanLlama
+from tests.conftest import CODE_TARGET, shared_model, tiny_config
+
+STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the"]
+
+
+def greedy(n: int):
+    return resolve_settings({"max_new_tokens": n, "ignore_eos": True})
+
+
+def hf_generate(lm, ids: list[int], n: int) -> list[int]:
+    """transformers' generate(), greedy, run to n tokens whatever end ids it meets."""
+    inputs = torch.tensor([ids])
+    out = lm.model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=lm.pad_id)
+    return out[0, len(ids):].tolist()
+
+
+def genlab_greedy(lm, ids: list[int], n: int) -> list[int]:
+    return list(decode.generate(lm, [ids], greedy(n))[0].token_ids)
+
+
+def hf_forward_greedy(lm, ids: list[int], n: int, monkeypatch) -> list[int]:
+    """genlab's loop over transformers' forward (the lean path switched off)."""
+    with monkeypatch.context() as patch:
+        patch.setenv("GENLAB_LEAN", "0")
+        return genlab_greedy(lm, ids, n)
+
+
+def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False) -> list[int]:
+    logits = lean.prefill(torch.tensor([ids]), len(ids) + n)
+    step = lean.compiled_step if compiled else lean.step
+    out: list[int] = []
+    for _ in range(n):
+        token = logits.argmax(-1, keepdim=True)
+        out.append(int(token))
+        logits = step(token)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+    """A tiny random Llama with grouped-query attention (4 heads, 2 KV heads)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
+
+
+@pytest.fixture(scope="module")
+def code_target():
+    return shared_model(CODE_TARGET)
+
+
+@pytest.mark.parametrize("prompt", STORY_PROMPTS)
+def test_lean_greedy_matches_hf_forward_and_generate_on_stories(stories, prompt, monkeypatch):
+    assert forward.lean_model(stories.model) is not None
+    ids = stories.encode(prompt)
+    ours = genlab_greedy(stories, ids, 200)
+    assert ours == hf_forward_greedy(stories, ids, 200, monkeypatch)
+    assert ours == hf_generate(stories, ids, 200)
+
+
+def test_lean_greedy_matches_generate_on_llama2xs(llama2xs, monkeypatch):
+    for prompt in STORY_PROMPTS[:2]:
+        ids = llama2xs.encode(prompt)
+        n = 240 - len(ids)  # llama2xs has 256 positions
+        ours = genlab_greedy(llama2xs, ids, n)
+        assert ours == hf_forward_greedy(llama2xs, ids, n, monkeypatch)
+        assert ours == hf_generate(llama2xs, ids, n)
+
+
+def test_lean_greedy_matches_generate_on_code_target(code_target):
+    ids = code_target.encode("def fibonacci(n):\n    ")
+    assert forward.lean_model(code_target.model) is not None
+    assert genlab_greedy(code_target, ids, 64) == hf_generate(code_target, ids, 64)
+
+
+def test_lean_greedy_matches_generate_on_tiny_gqa_llama(tiny_llama):
+    lean = LeanLlama.from_model(tiny_llama)
+    assert lean is not None and lean.kv_heads < lean.heads
+    for ids in ([1, 5, 9, 200, 33], [1, 400, 2, 17, 17, 17, 90, 3]):
+        inputs = torch.tensor([ids])
+        expected = tiny_llama.generate(inputs, attention_mask=torch.ones_like(inputs),
+                                       max_new_tokens=100, min_new_tokens=100, do_sample=False,
+                                       pad_token_id=0)[0, len(ids):].tolist()
+        assert lean_greedy(lean, ids, 100) == expected
+
+
+@pytest.mark.parametrize("which", ["stories", "tiny"])
+def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_llama, which):
+    model = stories.model if which == "stories" else tiny_llama
+    lean = LeanLlama.from_model(model)
+    ids = torch.tensor([[1, 43, 67, 120, 9, 300, 41]])
+    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
+    torch.testing.assert_close(lean.prefill(ids, 64), hf_logits, rtol=1e-4, atol=1e-4)
+    for token in (42, 7, 300, 2, 1):
+        t = torch.tensor([[token]])
+        torch.testing.assert_close(lean.step(t), forward.extend(model, state, t)[:, -1],
+                                   rtol=1e-4, atol=1e-4)
+    assert lean.length == state.length == 12
+
+
+def test_crop_rolls_back_to_an_earlier_length(stories):
+    lean = LeanLlama.from_model(stories.model)
+    ids = torch.tensor([stories.encode("Once upon a time")])
+    lean.prefill(ids, 64)
+    first = lean.step(torch.tensor([[42]]))
+    lean.step(torch.tensor([[7]]))
+    lean.crop(ids.shape[1])
+    torch.testing.assert_close(lean.step(torch.tensor([[42]])), first, rtol=0, atol=0)
+
+
+def test_qwen2_with_qkv_biases_matches_generate():
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(1)
+    model = AutoModelForCausalLM.from_config(tiny_config("qwen2")).eval()
+    lean = LeanLlama.from_model(model)
+    assert lean is not None and lean.layers[0].qkv_bias is not None
+    ids = [1, 5, 9, 200, 33]
+    inputs = torch.tensor([ids])
+    expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=60,
+                              min_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert lean_greedy(lean, ids, 60) == expected[0, len(ids):].tolist()
+
+
+def test_other_architectures_are_not_eligible_and_still_generate(stories_tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    from genlib.models import wrap_model
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
+    assert LeanLlama.from_model(model) is None
+    lm = wrap_model(model, stories_tokenizer, ref="tiny-gpt2")
+    ids = lm.encode("Once upon a time")
+    assert genlab_greedy(lm, ids, 30) == hf_generate(lm, ids, 30)
+
+
+def test_rope_scaling_is_not_eligible():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = tiny_config("llama")
+    scaled = LlamaConfig(**{**config.to_dict(), "rope_parameters": {
+        "rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0}})
+    assert LeanLlama.from_model(LlamaForCausalLM(scaled)) is None
+
+
+def test_genlab_lean_0_switches_the_lean_path_off(stories, monkeypatch):
+    monkeypatch.setenv("GENLAB_LEAN", "0")
+    assert forward.lean_model(stories.model) is None
+    ids = torch.tensor([stories.encode("Once upon a time")])
+    _, state = decode._prefill(stories, ids, torch.ones_like(ids), 10, compile=False)
+    assert state.step is None  # transformers' dynamic cache
+
+
+def test_a_later_generation_on_the_same_model_invalidates_the_earlier_one(stories):
+    ids = stories.encode("Once upon a time")
+    first = decode.stream(stories, [ids], greedy(20))
+    next(first), next(first)  # prefill and the first token
+    assert len(decode.generate(stories, [ids], greedy(5))[0].token_ids) == 5
+    with pytest.raises(RuntimeError, match="reused its KV buffers"):
+        list(first)
+
+
+def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
+    """torch.compile over the fixed-shape step (about 10 s per model on 2 cores)."""
+    ids = stories.encode("Once upon a time")
+    expected = genlab_greedy(stories, ids, 120)
+    events = list(decode.stream(stories, [ids], greedy(120), compile=True))
+    assert list(events[-1].token_ids) == expected
+    lean = LeanLlama.from_model(tiny_llama)
+    prompt = [1, 5, 9, 200]
+    assert lean_greedy(lean, prompt, 40, compiled=True) == lean_greedy(lean, prompt, 40)
