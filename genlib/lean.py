@@ -3,8 +3,9 @@
 transformers' `LlamaForCausalLM.forward` spends most of a small model's decode step on
 bookkeeping around the arithmetic: module calls, mask creation, config lookups, rotary
 tables recomputed every step, cache objects. `LeanLlama` runs the same arithmetic in the
-same order on the model's own weight tensors (no copies), with the rotary tables computed
-once for every position and the KV cache preallocated, so a step is little more than its
+same order on the model's own weight tensors (copied only to fuse the q/k/v and the
+gate/up products, which gives bit-identical values), with the rotary tables computed once
+for every position and the KV cache preallocated, so a step is little more than its
 matrix products (as llama2.c's and gpt-fast's forward functions are).
 
     lean = LeanLlama.from_model(hf_model)    # None when the model is not plain Llama
@@ -13,19 +14,34 @@ matrix products (as llama2.c's and gpt-fast's forward functions are).
 
 `compiled_step` is the same step under torch.compile: the KV buffers are attributes
 updated in place at a position held in a 0-d tensor and attention runs over the whole
-buffer with a mask, so shapes never change and one graph serves every step.
+buffer with a mask, so shapes never change and one graph serves every step. Its
+products are reductions inductor generates (`_matvec`), not torch.mm: the logits differ
+in the last bits, the tokens do not in the tests.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-# Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases).
+# Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
+# mistral only with no sliding window, which `eligible` checks).
 _ARCHS = ("llama", "mistral", "qwen2")
+SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
+
+
+Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _matvec(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
+    """x (1, K) @ w_t (K, N) as a reduction along the weight's contiguous rows: under
+    torch.compile this becomes one fused, vectorized, multi-threaded loop reading the
+    weight once, where torch.mm's GEMV leaves most of the memory bandwidth unused."""
+    return (w_t.t() * x).sum(-1)[None]
 
 
 @dataclass
@@ -163,13 +179,14 @@ class LeanLlama:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+             mm: Matmul = torch.mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (1, heads, T, d), k and v (1, kv_heads, T, d), rotary applied to q and k."""
         t = x.shape[0]
         h = self._rms_norm(x, layer.input_norm)
-        qkv = (torch.mm(h, layer.qkv) if layer.qkv_bias is None
-               else torch.addmm(layer.qkv_bias, h, layer.qkv))
+        qkv = mm(h, layer.qkv)
+        if layer.qkv_bias is not None:
+            qkv = qkv + layer.qkv_bias  # as nn.Linear adds it: after the product
         qkv = qkv.view(t, -1, self.head_dim)
         rotary = self.heads + self.kv_heads
         qk = qkv[:, :rotary]
@@ -179,11 +196,11 @@ class LeanLlama:
         k = qk[:, self.heads:].transpose(0, 1)[None]
         return q, k, qkv[:, rotary:].transpose(0, 1)[None]
 
-    def _mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
-        gate, up = torch.mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
+    def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = torch.mm) -> torch.Tensor:
+        gate, up = mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         # silu on a strided view takes another (scalar) path for the row tails: make the
         # gate contiguous, as transformers' separate gate_proj output is.
-        return x + torch.mm(F.silu(gate.contiguous()) * up, layer.down)
+        return x + mm(F.silu(gate.contiguous()) * up, layer.down)
 
     def _attend(self, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor,
                 sin: torch.Tensor) -> torch.Tensor:
@@ -199,8 +216,8 @@ class LeanLlama:
             is_causal=t > 1, scale=self.scale, enable_gqa=True)
         return x + torch.mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
 
-    def _logits(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.mm(self._rms_norm(x[-1:], self.norm), self.lm_head).float()
+    def _logits(self, x: torch.Tensor, mm: Matmul = torch.mm) -> torch.Tensor:
+        return mm(self._rms_norm(x[-1:], self.norm), self.lm_head).float()
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         start, t = self.length, input_ids.shape[1]
@@ -240,12 +257,12 @@ class LeanLlama:
         visible = (torch.arange(self.capacity, device=self.device) <= position).view(1, 1, -1)
         x = F.embedding(token[0], self.embed)
         for layer in self.layers:
-            q, k, v = self._qkv(layer, x, cos, sin)
+            q, k, v = self._qkv(layer, x, cos, sin, _matvec)
             layer.keys.index_copy_(2, index, k)  # type: ignore[union-attr]
             layer.values.index_copy_(2, index, v)  # type: ignore[union-attr]
-            x = x + torch.mm(self._attend_all(q, layer, visible), layer.o)
-            x = self._mlp(layer, x)
-        return self._logits(x)
+            x = x + _matvec(self._attend_all(q, layer, visible), layer.o)
+            x = self._mlp(layer, x, _matvec)
+        return self._logits(x, _matvec)
 
     def _attend_all(self, q: torch.Tensor, layer: _Layer, visible: torch.Tensor) -> torch.Tensor:
         # Softmax attention written out (inductor fuses it; SDPA's kernel would be an
@@ -257,12 +274,22 @@ class LeanLlama:
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
         return (weights[..., None] * values).sum(-2).reshape(1, -1)
 
+    def _compile_options(self) -> dict[str, Any]:
+        # The C++ wrapper saves a Python call per kernel. A small model's kernels are
+        # shorter than waking a second thread for each of them: run those on one.
+        options: dict[str, Any] = {"cpp_wrapper": True}
+        weight_bytes = sum(t.numel() * t.element_size() for layer in self.layers
+                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
+        if weight_bytes + self.lm_head.numel() * self.lm_head.element_size() < SMALL_BYTES:
+            options["cpp.threads"] = 1
+        return options
+
     @torch.inference_mode()
     def compiled_step(self, token: torch.Tensor) -> torch.Tensor:
         """`step` under torch.compile (the first call per buffer size compiles)."""
         if self._compiled is None:
             self._compiled = torch.compile(self._static_step, fullgraph=True, dynamic=False,
-                                           options={"cpp_wrapper": True})
+                                           options=self._compile_options())
         if self.length >= self.capacity:
             raise ValueError(f"{self.length + 1} tokens exceed the KV buffers' {self.capacity}")
         self.position.fill_(self.length)

@@ -37,12 +37,14 @@ def hf_forward_greedy(lm, ids: list[int], n: int, monkeypatch) -> list[int]:
         return genlab_greedy(lm, ids, n)
 
 
-def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False) -> list[int]:
+def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False,
+                eos: int = 2) -> list[int]:
+    """Greedy over the lean forward, never picking `eos` (as min_new_tokens does)."""
     logits = lean.prefill(torch.tensor([ids]), len(ids) + n)
     step = lean.compiled_step if compiled else lean.step
     out: list[int] = []
     for _ in range(n):
-        token = logits.argmax(-1, keepdim=True)
+        token = logits.index_fill(-1, torch.tensor([eos]), float("-inf")).argmax(-1, keepdim=True)
         out.append(int(token))
         logits = step(token)
     return out
@@ -183,3 +185,32 @@ def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
     lean = LeanLlama.from_model(tiny_llama)
     prompt = [1, 5, 9, 200]
     assert lean_greedy(lean, prompt, 40, compiled=True) == lean_greedy(lean, prompt, 40)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 64])
+def test_mistral_without_sliding_window_matches_generate(sliding_window):
+    from transformers import AutoModelForCausalLM, MistralConfig
+
+    torch.manual_seed(2)
+    config = MistralConfig(vocab_size=512, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, initializer_range=0.3,
+                           sliding_window=sliding_window, bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    lean = LeanLlama.from_model(model)
+    if sliding_window is not None:  # a window changes the attention: not Llama's math
+        assert lean is None
+        return
+    ids = [1, 5, 9, 200, 33]
+    inputs = torch.tensor([ids])
+    expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=60,
+                              min_new_tokens=60, do_sample=False, pad_token_id=0)
+    assert lean_greedy(lean, ids, 60) == expected[0, len(ids):].tolist()
+
+
+def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target):
+    """The compiled step's products are its own reductions, not torch.mm's: same tokens."""
+    ids = code_target.encode("def fibonacci(n):\n    ")
+    expected = genlab_greedy(code_target, ids, 64)
+    events = list(decode.stream(code_target, [ids], greedy(64), compile=True))
+    assert list(events[-1].token_ids) == expected
