@@ -59,6 +59,10 @@ class _Layer:
     down: torch.Tensor
     keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
     values: torch.Tensor | None = None
+    # The compiled step's copies, (1, kv_heads, head_dim, capacity): its attention then
+    # runs along contiguous positions (about a quarter faster on stories260K).
+    keys_t: torch.Tensor | None = None
+    values_t: torch.Tensor | None = None
 
 
 def eligible(model: Any) -> bool:
@@ -117,6 +121,7 @@ class LeanLlama:
         self.cos, self.sin = self._rotary_tables(inner.rotary_emb.inv_freq)
         self.length = 0  # tokens in the KV buffers
         self.capacity = 0
+        self._compiled_current = False
         self.prefills = 0  # counts generations, so a stale one's steps can be refused
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
         self._compiled: Any = None
@@ -164,8 +169,10 @@ class LeanLlama:
             for layer in self.layers:
                 layer.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 layer.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                layer.keys_t = layer.values_t = None
             self.capacity = capacity
         self.length = 0
+        self._compiled_current = False  # whether keys_t/values_t hold the cache
 
     def crop(self, length: int) -> None:
         """Forget everything after the first `length` cached tokens."""
@@ -245,6 +252,8 @@ class LeanLlama:
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token (1, 1) after the cached ones; its logits (1, vocab) float32."""
+        if self._compiled_current:
+            self._sync(to_compiled=False)
         return self._forward(token)
 
     # --- Compiled step ----------------------------------------------------------------
@@ -258,8 +267,8 @@ class LeanLlama:
         x = F.embedding(token[0], self.embed)
         for layer in self.layers:
             q, k, v = self._qkv(layer, x, cos, sin, _matvec)
-            layer.keys.index_copy_(2, index, k)  # type: ignore[union-attr]
-            layer.values.index_copy_(2, index, v)  # type: ignore[union-attr]
+            layer.keys_t.index_copy_(3, index, k.transpose(2, 3))  # type: ignore[union-attr]
+            layer.values_t.index_copy_(3, index, v.transpose(2, 3))  # type: ignore[union-attr]
             x = x + _matvec(self._attend_all(q, layer, visible), layer.o)
             x = self._mlp(layer, x, _matvec)
         return self._logits(x, _matvec)
@@ -268,11 +277,31 @@ class LeanLlama:
         # Softmax attention written out (inductor fuses it; SDPA's kernel would be an
         # opaque call over the whole buffer), each query head grouped with its KV head.
         groups = self.heads // self.kv_heads
-        q = q.reshape(self.kv_heads, groups, 1, self.head_dim)
-        keys, values = layer.keys[0, :, None], layer.values[0, :, None]  # type: ignore[index]
-        scores = (q * keys).sum(-1) * self.scale  # (kv_heads, groups, capacity)
+        q = q.reshape(self.kv_heads, groups, self.head_dim, 1)
+        keys, values = layer.keys_t[0, :, None], layer.values_t[0, :, None]  # type: ignore[index]
+        scores = (q * keys).sum(-2) * self.scale  # (kv_heads, groups, capacity)
         weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return (weights[..., None] * values).sum(-2).reshape(1, -1)
+        return (weights[:, :, None, :] * values).sum(-1).reshape(1, -1)
+
+    def _sync(self, to_compiled: bool) -> None:
+        """Copy the cached tokens to the layout the next step reads (once per switch
+        between `step` and `compiled_step`, i.e. once per compiled generation)."""
+        n = self.length
+        for layer in self.layers:
+            keys, values = layer.keys, layer.values
+            assert keys is not None and values is not None  # allocated by reserve
+            if layer.keys_t is None:
+                layer.keys_t = keys.transpose(2, 3).contiguous()
+                layer.values_t = values.transpose(2, 3).contiguous()
+            keys_t, values_t = layer.keys_t, layer.values_t
+            assert values_t is not None
+            if to_compiled:
+                keys_t[..., :n] = keys[:, :, :n].transpose(2, 3)
+                values_t[..., :n] = values[:, :, :n].transpose(2, 3)
+            else:
+                keys[:, :, :n] = keys_t[..., :n].transpose(2, 3)
+                values[:, :, :n] = values_t[..., :n].transpose(2, 3)
+        self._compiled_current = to_compiled
 
     def _compile_options(self) -> dict[str, Any]:
         # The C++ wrapper saves a Python call per kernel. A small model's kernels are
@@ -292,6 +321,8 @@ class LeanLlama:
                                            options=self._compile_options())
         if self.length >= self.capacity:
             raise ValueError(f"{self.length + 1} tokens exceed the KV buffers' {self.capacity}")
+        if not self._compiled_current:
+            self._sync(to_compiled=True)
         self.position.fill_(self.length)
         logits = self._compiled(token, self.position)
         self.length += 1

@@ -184,7 +184,16 @@ def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
     assert list(events[-1].token_ids) == expected
     lean = LeanLlama.from_model(tiny_llama)
     prompt = [1, 5, 9, 200]
-    assert lean_greedy(lean, prompt, 40, compiled=True) == lean_greedy(lean, prompt, 40)
+    eager = lean_greedy(lean, prompt, 40)
+    assert lean_greedy(lean, prompt, 40, compiled=True) == eager
+    # Switching between the two mid-generation carries the cache across.
+    logits = lean.prefill(torch.tensor([prompt]), 64)
+    mixed = []
+    for i in range(12):
+        token = logits.argmax(-1, keepdim=True)
+        mixed.append(int(token))
+        logits = (lean.compiled_step if i // 4 == 1 else lean.step)(token)
+    assert mixed == eager[:12]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 64])
