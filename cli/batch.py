@@ -184,8 +184,13 @@ def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
 
 
 def _progress(total: int) -> Progress:
-    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                               TimeRemainingColumn)
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+    )
 
     from cli.render import err
 

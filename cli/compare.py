@@ -440,7 +440,7 @@ def compare(
       genlab compare "Once upon a time" -m ../shared/models/stories260K -n 200\n
       genlab compare "Once upon a time" -p greedy -p creative --variant "repetition_penalty=1.3"\n
       genlab compare "def add(a, b):" --samples 3 --seed 1 --json out.json\n
-      genlab compare "Once upon a time" --models ../shared/models/stories260K,../shared/models/llama2xs
+      genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
     from cli.generate import read_prompt
     from genlib.compare import build_strategies, strategy_from_variant, with_seed

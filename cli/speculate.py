@@ -240,7 +240,7 @@ def speculate(
     when sampling). Accepted draft tokens print green, the target's own bold.
 
     Examples:\n
-      genlab speculate "def parse(line):" -m ../shared/models/code-target -d ../shared/models/code-draft\n
+      genlab speculate "def parse(line):" -m TARGET -d DRAFT\n
       genlab speculate "Once upon a time" -m ../shared/models/stories260K --prompt-lookup 3\n
       genlab speculate "import os" -t 0.8 --seed 1 --adaptive --json
     """

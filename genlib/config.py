@@ -38,7 +38,8 @@ class Spec:
 
 
 SPECS: dict[str, Spec] = {
-    "strategy": Spec("choice", None, "greedy, sample or beam (default: inferred from the other settings)",
+    "strategy": Spec("choice", None,
+                     "greedy, sample or beam (default: inferred from the other settings)",
                      choices=STRATEGIES, optional=True),
     "do_sample": Spec("bool", None, "sample instead of taking the argmax (beam: beam sampling)",
                       optional=True),

@@ -71,7 +71,7 @@ def accepts_logits_to_keep(model: Any) -> bool:
     return _forward_takes_logits_to_keep(type(model))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_takes_logits_to_keep(model_class: type) -> bool:
     # Signature inspection costs ~50 us: do it once per model class, not per call.
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters

@@ -75,7 +75,7 @@ def eligible(model: Any) -> bool:
         return False
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return False
-    if getattr(config, "model_type") != "qwen2" and getattr(config, "attention_bias", False):
+    if config.model_type != "qwen2" and getattr(config, "attention_bias", False):
         return False
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return False

@@ -8,9 +8,9 @@ path separator or a `.yaml`/`.yml` suffix is read as a file path.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from dataclasses import dataclass, field
-import importlib.util
 from pathlib import Path
 from typing import Any
 

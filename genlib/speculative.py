@@ -38,8 +38,8 @@ from genlib.drafters import (
     Drafter,
     ModelDrafter,
     PromptLookupDrafter,
-    prefill_all_but_last,
     check_same_vocabulary,
+    prefill_all_but_last,
 )
 from genlib.errors import ConfigError, ContextLengthError
 from genlib.events import Event, Finish, Prefill, Token, Verify

@@ -82,8 +82,8 @@ def sweep_json():
         pytest.skip("stories260K not present")
     before = torch.get_num_threads()
     result = run_cli("--json", "--threads", "1", "--runs", "2", "--warmup", "0",
-                     "--prompt-len", "8", "--new-tokens", "5,12", "--batch-size", "1,2", "--strategy",
-                     "greedy,creative", "--no-cache", "--baseline", "transformers",
+                     "--prompt-len", "8", "--new-tokens", "5,12", "--batch-size", "1,2",
+                     "--strategy", "greedy,creative", "--no-cache", "--baseline", "transformers",
                      "--no-bandwidth")
     torch.set_num_threads(before)
     assert result.exit_code == 0, result.output

@@ -6,9 +6,9 @@ import json
 import os
 import shutil
 import signal
-import time
 import subprocess
 import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
@@ -181,8 +181,8 @@ def test_chat_applies_template_with_system_message(chat_model):
     lm = load_model(ModelSpec(str(chat_model)))
     ids = lm.encode_chat([{"role": "system", "content": "Be kind."},
                           {"role": "user", "content": "Hi"}])
-    assert lm.tokenizer.decode(ids) == lm.tokenizer.decode(
-        lm.tokenizer("<system>Be kind.\n<user>Hi\n<assistant>", add_special_tokens=False)["input_ids"])
+    expected = lm.tokenizer("<system>Be kind.\n<user>Hi\n<assistant>", add_special_tokens=False)
+    assert lm.tokenizer.decode(ids) == lm.tokenizer.decode(expected["input_ids"])
     result = invoke("generate", "Hi", "-m", str(chat_model), "--chat", "--system", "Be kind.",
                     "-n", "5", "--json")
     assert result.exit_code == 0, result.output
