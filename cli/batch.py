@@ -42,8 +42,17 @@ class Tally:
 
 
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
-                output: str | None, batch_size: int | None) -> None:
-    """The ways to run `genlab generate` exclude each other; say which flag to drop."""
+                output: str | None, batch_size: int | None,
+                single_prompt_flags: dict[str, bool] | None = None) -> None:
+    """The ways to run `genlab generate` exclude each other; say which flag to drop.
+
+    `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
+    only: given with -i or --input they are refused rather than silently ignored."""
+    mode = "--interactive" if interactive else "--input"
+    given = [name for name, on in (single_prompt_flags or {}).items() if on]
+    if (interactive or input_path is not None) and given:
+        raise fail(f"{', '.join(given)} only apply to a single prompt, not with {mode}; "
+                   f"drop {'them' if len(given) > 1 else 'it'}")
     if interactive and input_path is not None:
         raise fail("--interactive and --input exclude each other; use one")
     if prompt is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -21,7 +22,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 
 def user_errors(command: F) -> F:
-    """Decorator: GenlabError -> `error: ...` and its exit code (2 input, 1 runtime)."""
+    """Decorator: GenlabError -> `error: ...` and its exit code (2 input, 1 runtime);
+    any other exception -> one `error: unexpected ...` line and exit 1."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -29,5 +31,14 @@ def user_errors(command: F) -> F:
             return command(*args, **kwargs)
         except GenlabError as exc:
             raise fail(str(exc), exc.exit_code) from None
+        except Exception as exc:
+            if type(exc).__module__.startswith(("typer", "click")):
+                raise  # Typer's own exits and usage errors
+            # Anything else is a bug or an environment failure: still one line for the
+            # user, and the traceback on request for a bug report.
+            if os.environ.get("GENLAB_DEBUG"):
+                raise
+            raise fail(f"unexpected {type(exc).__name__}: {exc} (run with GENLAB_DEBUG=1 "
+                       f"for the traceback)", 1) from None
 
     return wrapper  # type: ignore[return-value]

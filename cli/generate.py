@@ -47,7 +47,7 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
     if truncate and lm.max_positions is not None:
         room = lm.max_positions - max_new_tokens
         if room < 1:
-            lm.check_fits(1, max_new_tokens)
+            lm.check_fits(len(ids), max_new_tokens)
         if len(ids) > room:
             ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
                 else ids[len(ids) - room:]
@@ -200,7 +200,9 @@ def generate(
         from cli import batch as batch_cmd
 
         model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code)
-        batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size)
+        batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
+                              {"--json": as_json, "--stats": show_stats,
+                               "--truncate-prompt": truncate_prompt, "--compile": compile})
         if interactive:
             from cli import repl
 

@@ -57,7 +57,7 @@ NoRepeatNgram = Annotated[int | None, typer.Option(
     help="Never repeat an n-gram of this size.")]
 Stop = Annotated[list[str] | None, typer.Option(
     "--stop", rich_help_panel=DECODING_PANEL,
-    help="Stop string (repeatable); it is not printed.")]
+    help="Stop string (repeatable; \\n and \\t escapes work); it is not printed.")]
 Seed = Annotated[int | None, typer.Option(
     "--seed", rich_help_panel=DECODING_PANEL, help="Random seed for sampling.")]
 NumReturn = Annotated[int | None, typer.Option(
@@ -71,10 +71,17 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
                                     help="Print JSON instead of text.")]
 
 
+def unescape(text: str) -> str:
+    r"""Python-style escapes in a flag value: `--stop "\n\n"` means two newlines."""
+    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+
+
 def setting_flags(**flags: Any) -> dict[str, Any]:
     """The settings the user gave on the command line (None = not given)."""
     if flags.get("stop_strings") == []:
         flags["stop_strings"] = None
+    if flags.get("stop_strings"):
+        flags["stop_strings"] = [unescape(s) for s in flags["stop_strings"]]
     if flags.get("ignore_eos") is False:
         flags["ignore_eos"] = None
     return {k: v for k, v in flags.items() if v is not None}

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -151,7 +152,12 @@ class PromptReader:
 
     def __call__(self, prompt: str) -> str:
         self.showing = prompt
-        return input(prompt)
+        if sys.stdout.isatty():
+            return input(prompt)
+        # stdout carries only generated text: with it redirected, prompt on stderr.
+        sys.stderr.write(prompt)
+        sys.stderr.flush()
+        return input()
 
     def read(self) -> str:
         self.interrupted_text = ""

@@ -295,8 +295,11 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
                                              num_draft_tokens, adaptive, live=not as_json)
     finish = next(e for e in events if isinstance(e, Finish))
+    interrupted = interrupted or finish.reason == "interrupted"
     summary = summarize(events)
     plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
+    if plain is not None and plain[0].reason == "interrupted":
+        plain, interrupted = None, True  # a cut-off baseline would give a false comparison
     if as_json:
         render.json_line(result_json(target, drafter, text, finish, summary, plain, settings,
                                      num_draft_tokens, adaptive))
@@ -304,4 +307,4 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
         render_report(summary, drafter, plain[1] if plain else None,
                       plain[0].token_ids == finish.token_ids if plain else None,
                       settings.do_sample)
-    return INTERRUPTED if interrupted or finish.reason == "interrupted" else 0
+    return INTERRUPTED if interrupted else 0

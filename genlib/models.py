@@ -72,12 +72,16 @@ class LoadedModel:
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
         """ContextLengthError unless prompt + new tokens fit in the model's positions."""
         limit = self.max_positions
-        if limit is not None and prompt_len + max_new_tokens > limit:
+        if limit is None or prompt_len + max_new_tokens <= limit:
+            return
+        if prompt_len >= limit:
             raise ContextLengthError(
-                f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                f"the model's {limit} positions; lower --max-new-tokens to "
-                f"{max(limit - prompt_len, 0)} or shorten the prompt (--truncate-prompt "
-                f"keeps its last tokens)")
+                f"the prompt alone ({prompt_len} tokens) fills the model's {limit} positions; "
+                f"shorten it (generate --truncate-prompt keeps its last tokens)")
+        raise ContextLengthError(
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+            f"model's {limit} positions; lower max_new_tokens to {limit - prompt_len} or "
+            f"shorten the prompt (generate --truncate-prompt keeps its last tokens)")
 
 
 def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:

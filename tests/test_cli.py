@@ -55,10 +55,14 @@ def test_preset_and_flag_precedence_in_json():
 
 
 def test_num_return_sequences_prints_each_output():
-    result = invoke("generate", "Once", *MODEL, "-n", "6", "-t", "1.0", "--seed", "2",
-                    "--num-return-sequences", "3", "--json")
+    args = ["generate", "Once upon a time", *MODEL, "-n", "30", "-t", "1.0", "--seed", "2",
+            "--json"]
+    result = invoke(*args, "--num-return-sequences", "3")
     records = [json.loads(line) for line in result.stdout.splitlines()]
     assert [r["sequence"] for r in records] == [0, 1, 2]
+    assert len({r["text"] for r in records}) == 3  # each row draws its own tokens
+    single = json.loads(invoke(*args).stdout)
+    assert single["token_ids"] == records[0]["token_ids"]  # row 0 uses --seed itself
 
 
 def test_stop_string_not_printed():
@@ -90,13 +94,65 @@ def test_user_errors_are_one_line_and_exit_2(args, fragment):
     assert result.stderr.strip().startswith("error:")
 
 
-def test_truncate_prompt_is_opt_in():
+def test_truncate_prompt_is_opt_in(llama2xs):
+    from cli.generate import encode_prompt
+
     long_prompt = "Once upon a time " * 60
+    refused = invoke("generate", long_prompt, "-m", str(LLAMA2XS), "-n", "100")
+    assert refused.exit_code == 2 and "256 positions" in refused.stderr
     result = invoke("generate", long_prompt, "-m", str(LLAMA2XS), "-n", "100",
                     "--truncate-prompt", "--json")
     assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt_tokens"] == 256 - 100
+    full = llama2xs.encode(long_prompt)
+    kept = encode_prompt(llama2xs, long_prompt, False, None, True, 100)
+    assert kept == full[:1] + full[len(full) - 155:]  # BOS, then the prompt's last tokens
+
+
+def test_context_message_when_the_prompt_alone_is_too_long():
+    result = invoke("generate", "the dog ran. " * 200, *MODEL, "-n", "5")
+    assert result.exit_code == 2
+    assert "the prompt alone" in result.stderr and "to 0" not in result.stderr
+
+
+def test_stop_flag_understands_escapes():
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "200", "--stop", "\\n",
+                    "--json")
     record = json.loads(result.stdout)
-    assert record["prompt_tokens"] + 100 <= 256
+    assert record["finish_reason"] == "stop" and "\n" not in record["text"]
+    assert record["settings"]["stop_strings"] == ["\n"]
+
+
+@pytest.mark.parametrize("flag", ["--json", "--stats", "--truncate-prompt", "--compile"])
+def test_batch_and_interactive_refuse_single_prompt_flags(tmp_path, flag):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once"}\n')
+    for mode in (["--input", str(prompts)], ["-i"]):
+        result = invoke("generate", *MODEL, *mode, flag)
+        assert result.exit_code == 2, result.output
+        assert f"{flag} only apply to a single prompt" in result.stderr
+
+
+def test_unexpected_errors_are_one_line_exit_1(monkeypatch):
+    import cli.generate
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(cli.generate, "run_generation", broken)
+    result = invoke("generate", "Once", *MODEL, "-n", "2")
+    assert result.exit_code == 1
+    assert result.stderr.strip() == ("error: unexpected RuntimeError: boom (run with "
+                                     "GENLAB_DEBUG=1 for the traceback)")
+
+
+def test_interactive_prompt_goes_to_stderr_when_stdout_is_piped():
+    proc = subprocess.run([*genlab_exe(), "generate", "-i", *MODEL, "-n", "6"],
+                          input="Once upon a time\n/quit\n", capture_output=True, text=True,
+                          cwd=ROOT, timeout=120, env={**os.environ, "NO_COLOR": "1"})
+    assert proc.returncode == 0, proc.stderr
+    assert "genlab>" not in proc.stdout and "genlab>" in proc.stderr
+    assert ", there was a little" in proc.stdout
 
 
 def test_presets_list_and_show():
