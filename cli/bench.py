@@ -173,6 +173,8 @@ def bench(
     if baseline not in BASELINES:
         raise fail(f"--baseline: unknown value {baseline!r}; use {', '.join(BASELINES)}")
     check_plot_available(plot)
+    if as_json and csv_path == "-":
+        raise fail("--json and --csv - both write to stdout; send the CSV to a file")
     groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, compile,
                          no_cache)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
@@ -243,8 +245,8 @@ def emit(records: list[dict[str, Any]], machine: dict[str, Any], as_json: bool,
 
     if as_json:
         render.json_line({"machine": machine, "results": records})
-    else:
-        print_table(records, machine)
+    else:  # with the CSV on stdout, the table goes to stderr
+        print_table(records, machine, render.err if csv_path == "-" else render.out)
     if csv_path is not None:
         write_csv(records, csv_path)
     if plot is not None:
@@ -260,10 +262,8 @@ def _spread(r: dict[str, Any], key: str, fmt: str = "{:,.0f}") -> str:
     return f"{fmt.format(r[key])} [{fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])}]"
 
 
-def print_table(records: list[dict[str, Any]], machine: dict[str, Any]) -> None:
+def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any) -> None:
     from rich.table import Table
-
-    from cli.render import out
 
     table = Table(show_edge=False, title=None)
     for name in ("strategy", "engine", "dtype/quant", "prompt/new/batch",

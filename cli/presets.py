@@ -15,16 +15,21 @@ app = typer.Typer(help="List and inspect decoding presets.", no_args_is_help=Tru
 @user_errors
 def list_() -> None:
     """Name, strategy and description of every preset (built-in and yours)."""
+    from rich.markup import escape
     from rich.table import Table
 
     from cli.render import out
     from genlib.config import resolve_settings
+    from genlib.errors import PresetError
     from genlib.presets import builtin_dir, list_presets, user_dir
 
     table = Table(title=None, show_edge=False)
     for column in ("name", "strategy", "description", "source"):
         table.add_column(column, overflow="fold")
-    for preset in list_presets():
+    for name, preset in list_presets():
+        if isinstance(preset, PresetError):
+            table.add_row(name, "[red]error[/]", escape(str(preset)), "")
+            continue
         strategy = resolve_settings(None, preset.settings).strategy
         source = "built-in" if preset.path.parent == builtin_dir().resolve() else str(preset.path)
         table.add_row(preset.name, strategy, preset.description, source)

@@ -263,8 +263,8 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
     merged["strategy"] = strategy
     if strategy == "beam":
         merged["do_sample"] = bool(explicit.get("do_sample") or False)
-        if merged["num_beams"] == 1:
-            merged["num_beams"] = 4
+        if "num_beams" not in explicit:
+            merged["num_beams"] = 4  # a sensible beam width; an explicit 1 is honoured
     else:
         merged["do_sample"] = strategy == "sample"
     _check_combination(merged)

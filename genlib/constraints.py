@@ -46,17 +46,32 @@ def build_constraints(tokenizer: Any, force_words: Sequence[str], force_any: Seq
     Raises ConfigError when a phrase has no tokens or when the shortest way to meet every
     constraint needs more than `max_new_tokens` tokens: such a search could never succeed.
     """
-    constraints = [Constraint(w, (_phrase_ids(tokenizer, w),)) for w in force_words]
+    constraints = [Constraint(w, _spellings(tokenizer, w)) for w in force_words]
     for spec in force_any:
         options = [o for o in spec.split("|") if o.strip()]
         if not options:
             raise ConfigError(f"force_any {spec!r} has no phrase; write it as 'A|B|C'")
-        constraints.append(Constraint(spec, tuple(_phrase_ids(tokenizer, o) for o in options)))
+        spellings = tuple(dict.fromkeys(s for o in options for s in _spellings(tokenizer, o)))
+        constraints.append(Constraint(spec, spellings))
     needed = sum(c.min_tokens for c in constraints)
     if needed > max_new_tokens:
         raise ConfigError(f"the forced phrases need at least {needed} tokens but max_new_tokens "
                           f"is {max_new_tokens}; raise --max-new-tokens or force fewer phrases")
     return tuple(constraints)
+
+
+def _spellings(tokenizer: Any, phrase: str) -> tuple[tuple[int, ...], ...]:
+    """The token sequences a phrase can appear as: on its own, and mid-text after a space.
+
+    Byte-level BPE tokenizers spell " return" (one token, "Ġreturn") differently from
+    "return"; sentencepiece ones usually agree. Leading whitespace-only tokens of the
+    mid-text spelling are dropped (the space belongs to the text before).
+    """
+    alone = _phrase_ids(tokenizer, phrase)
+    spaced = list(_phrase_ids(tokenizer, " " + phrase))
+    while len(spaced) > 1 and not tokenizer.decode(spaced[:1]).strip():
+        spaced.pop(0)
+    return tuple(dict.fromkeys((alone, tuple(spaced))))
 
 
 def _phrase_ids(tokenizer: Any, phrase: str) -> tuple[int, ...]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from genlib.errors import GenlabError
+
 
 @dataclass
 class KVState:
@@ -229,7 +231,9 @@ def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
         # One set of KV buffers per model: a generation interleaved with a later one on
         # the same model would read the other's cache.
         if lean.prefills != generation:
-            raise RuntimeError("a later generation on this model reused its KV buffers")
+            raise GenlabError("two generations on one model were interleaved, and the lean "
+                              "forward keeps one KV cache per model; run them one after "
+                              "the other, or set GENLAB_LEAN=0")
         return run(token)[:, None]
 
     state = KVState(cache=lean, attention_mask=None, positions=None, length=input_ids.shape[1],

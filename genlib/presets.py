@@ -71,11 +71,17 @@ def available_names() -> list[str]:
     return sorted(names)
 
 
-def find_preset(ref: str, relative_to: Path | None = None) -> Path:
-    """Path of the preset `ref` (a name or a path); PresetError if there is none."""
+def find_preset(ref: str, relative_to: Path | None = None, skip: tuple[Path, ...] = ()
+                ) -> Path:
+    """Path of the preset `ref` (a name or a path); PresetError if there is none.
+
+    A relative path is read against `relative_to` (the folder of the preset that
+    extends it). Files in `skip` are passed over, so a user preset `creative.yaml` can
+    `extends: creative` to build on the built-in of the same name.
+    """
     if _looks_like_path(ref):
         path = Path(ref).expanduser()
-        if not path.is_absolute() and relative_to is not None and not path.exists():
+        if not path.is_absolute() and relative_to is not None:
             path = relative_to / path
         if not path.is_file():
             raise PresetError(f"preset file {ref} does not exist")
@@ -83,7 +89,7 @@ def find_preset(ref: str, relative_to: Path | None = None) -> Path:
     for folder in _search_dirs():
         for suffix in SUFFIXES:
             candidate = folder / f"{ref}{suffix}"
-            if candidate.is_file():
+            if candidate.is_file() and candidate.resolve() not in skip:
                 return candidate
     from genlib.config import closest_key
 
@@ -114,7 +120,10 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None = None
                 ) -> Preset:
     """Load, validate and flatten a preset (its `extends` chain applied, child wins)."""
-    path = find_preset(ref, relative_to).resolve()
+    try:
+        path = find_preset(ref, relative_to, skip=_seen).resolve()
+    except PresetError:
+        path = find_preset(ref, relative_to).resolve()  # only the skipped file: a cycle
     if path in _seen:
         chain = " -> ".join(p.stem for p in (*_seen, path))
         raise PresetError(f"{path}: preset extends itself ({chain})")
@@ -142,6 +151,14 @@ def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None
     )
 
 
-def list_presets() -> list[Preset]:
-    """Every preset visible by name (user presets shadow built-ins of the same name)."""
-    return [load_preset(name) for name in available_names()]
+def list_presets() -> list[tuple[str, Preset | PresetError]]:
+    """(name, preset) for every preset visible by name (user presets shadow built-ins of
+    the same name); one that cannot be loaded comes with its error instead, so one bad
+    file hides nothing."""
+    out: list[tuple[str, Preset | PresetError]] = []
+    for name in available_names():
+        try:
+            out.append((name, load_preset(name)))
+        except PresetError as exc:
+            out.append((name, exc))
+    return out

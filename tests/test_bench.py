@@ -158,3 +158,16 @@ def test_compiled_variant_only_at_batch_one():
                          no_cache=True)
     engines = [[bench.engine_name(c) for c in g] for g in groups]
     assert engines == [["genlab", "genlab+compile", "no-cache"], ["genlab", "no-cache"]]
+
+
+def test_csv_on_stdout_is_clean_csv(one_thread):
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    result = run_cli("--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "3",
+                     "--no-bandwidth", "--csv", "-")
+    assert result.exit_code == 0, result.output
+    rows = list(csv.DictReader(result.stdout.splitlines()))
+    assert len(rows) == 1 and rows[0]["engine"] == "genlab" and rows[0]["new_tokens"] == "3"
+    assert "decode tok/s" in result.stderr  # the table went to stderr
+    both = run_cli("--runs", "1", "--json", "--csv", "-")
+    assert both.exit_code == 2 and "both write to stdout" in both.stderr

@@ -97,12 +97,13 @@ def test_every_strategy_has_a_column(default_run):
         assert result.metrics["diversity"] is not None
 
 
-def test_beam_column_runs_or_shows_its_error(default_run):
+def test_beam_column_is_real_beam_search(default_run, stories):
+    from genlib.beam import beam_search
+
     beam = next(r for r in default_run.results if r.strategy.label == "beam")
-    if beam.error is not None:  # decode.stream does not dispatch beam search yet
-        assert "beam" in beam.error and beam.samples == []
-    else:
-        assert beam.samples and beam.samples[0].token_ids
+    assert beam.error is None and len(beam.samples) == 1
+    [result] = beam_search(stories, [stories.encode(PROMPT)], beam.strategy.settings)
+    assert list(beam.samples[0].token_ids) == list(result.hypotheses[0].token_ids)
 
 
 def test_metrics_are_those_of_the_samples(default_run):

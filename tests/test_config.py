@@ -34,6 +34,7 @@ def test_strategy_inference_and_explicit_strategy_wins():
     assert resolve_settings({"top_k": 5}).strategy == "sample"
     assert resolve_settings({"num_beams": 3}).strategy == "beam"
     assert resolve_settings({"strategy": "beam"}).num_beams == 4
+    assert resolve_settings({"strategy": "beam", "num_beams": 1}).num_beams == 1
     explicit = resolve_settings({"strategy": "greedy"}, {"strategy": "sample", "top_p": 0.8})
     assert explicit.strategy == "greedy" and not explicit.do_sample
     assert explicit.unused == ("top_p",)

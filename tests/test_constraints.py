@@ -98,3 +98,15 @@ def test_cli_force_and_impossible_budget():
                               "elephant in the room"])
     assert bad.exit_code == 2
     assert "max_new_tokens" in bad.output and "Traceback" not in bad.output
+
+
+def test_a_forced_word_matches_its_mid_text_spelling_on_byte_level_bpe():
+    """Byte-level BPE spells " return" as one token unlike "return": both count."""
+    from transformers import AutoTokenizer
+
+    from genlib.constraints import _spellings
+    from genlib.models import DEFAULT_MODEL
+
+    tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
+    texts = {tok.decode(list(s)) for s in _spellings(tok, "return")}
+    assert texts == {"return", " return"}

@@ -19,11 +19,12 @@ def user_presets(tmp_path, monkeypatch):
 
 def test_builtins_exist_and_resolve(user_presets):
     assert BUILTINS <= set(available_names())
-    strategies = {p.name: resolve_settings(None, p.settings).strategy for p in list_presets()}
+    strategies = {p.name: resolve_settings(None, p.settings).strategy
+                  for _, p in list_presets()}
     assert strategies["greedy"] == "greedy" and strategies["beam"] == "beam"
     assert strategies["creative"] == strategies["precise"] == strategies["topk"] == "sample"
     assert resolve_settings(None, load_preset("creative").settings).top_p < 1.0
-    assert all(p.description for p in list_presets())
+    assert all(p.description for _, p in list_presets())
 
 
 def test_user_preset_in_folder_extends_builtin(user_presets):
@@ -90,3 +91,26 @@ def test_cycles_missing_and_typos(tmp_path, user_presets):
 
 def test_builtin_dir_holds_yaml_only():
     assert {p.suffix for p in builtin_dir().iterdir()} == {".yaml"}
+
+
+def test_user_preset_can_extend_the_builtin_of_the_same_name(user_presets):
+    (user_presets / "creative.yaml").write_text("extends: creative\ntemperature: 1.1\n")
+    preset = load_preset("creative")
+    assert preset.settings["temperature"] == 1.1 and preset.settings["top_p"] == 0.92
+
+
+def test_relative_extends_is_read_next_to_the_preset(tmp_path, user_presets, monkeypatch):
+    (user_presets / "base.yaml").write_text("top_k: 7\n")
+    (user_presets / "child.yaml").write_text("extends: base.yaml\n")
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    (elsewhere / "base.yaml").write_text("top_k: 99\n")
+    monkeypatch.chdir(elsewhere)
+    assert load_preset("child").settings == {"top_k": 7}
+
+
+def test_one_broken_preset_does_not_hide_the_others(user_presets):
+    (user_presets / "broken.yaml").write_text("temprature: 1\n")
+    listed = dict(list_presets())
+    assert isinstance(listed["broken"], PresetError)
+    assert listed["creative"].settings["top_p"] == 0.92
