@@ -152,13 +152,9 @@ def beam(
     no_greedy: Annotated[bool, typer.Option(
         "--no-greedy", rich_help_panel=opt.OUTPUT_PANEL,
         help="Skip the greedy run shown for contrast.")] = False,
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
-    system: Annotated[str | None, typer.Option(
-        "--system", help="System message (with --chat).")] = None,
-    truncate_prompt: Annotated[bool, typer.Option(
-        "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit.")
-    ] = False,
+    chat: opt.Chat = False,
+    system: opt.System = None,
+    truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",

@@ -154,13 +154,9 @@ def generate(
     num_return_sequences: opt.NumReturn = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
-    chat: Annotated[bool, typer.Option(
-        "--chat", help="Apply the tokenizer's chat template to the prompt.")] = False,
-    system: Annotated[str | None, typer.Option(
-        "--system", help="System message (with --chat).")] = None,
-    truncate_prompt: Annotated[bool, typer.Option(
-        "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit "
-        "in the model's context (default: refuse).")] = False,
+    chat: opt.Chat = False,
+    system: opt.System = None,
+    truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
     show_stats: Annotated[bool, typer.Option(
         "--stats", help="Print tokens, time to first token and tokens/s to stderr.")] = False,

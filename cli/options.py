@@ -67,6 +67,14 @@ MaxTime = Annotated[float | None, typer.Option(
 IgnoreEos = Annotated[bool | None, typer.Option(
     "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
 
+Chat = Annotated[bool, typer.Option(
+    "--chat", help="Apply the tokenizer's chat template to the prompt.")]
+System = Annotated[str | None, typer.Option(
+    "--system", help="System message (with --chat).")]
+TruncatePrompt = Annotated[bool, typer.Option(
+    "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit in the "
+    "model's context (default: refuse).")]
+
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
                                     help="Print JSON instead of text.")]
 
