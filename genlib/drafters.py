@@ -68,14 +68,18 @@ class ModelDrafter:
     """Drafts with a small model. Its cache always holds a prefix of the committed ids
     (never all of them), so each proposal feeds at least one token."""
 
-    def __init__(self, lm: LoadedModel, sample: bool):
+    def __init__(self, lm: LoadedModel, sample: bool, *, capacity: int | None = None,
+                 lean: bool = True):
         self.lm = lm
         self.sample = sample
+        self.capacity = capacity  # tokens the cache must hold (default: all positions)
+        self.lean = lean  # False when the draft is the target itself: one lean cache each
         self.state: forward.KVState | None = None
         self.cached: list[int] = []
 
     def start(self, prompt_ids: Sequence[int]) -> None:
-        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids)
+        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, self.capacity,
+                                                       lean=self.lean)
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
                 generator: torch.Generator | None) -> Draft:
@@ -144,14 +148,22 @@ def lookup(ids: Sequence[int], max_ngram: int, gamma: int) -> list[int]:
     return []
 
 
-def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int]
-                          ) -> tuple[forward.KVState, list[int]]:
+def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | None = None,
+                          *, lean: bool = True) -> tuple[forward.KVState, list[int]]:
     """A cache of ids[:-1]: the last token is fed by the first step, which then yields
-    the logits for the first new position (one code path for every step)."""
+    the logits for the first new position (one code path for every step).
+
+    Through the lean forward when the model allows it (and `lean`), with room for
+    `capacity` tokens (default: the model's positions); else transformers' forward."""
     head = list(ids[:-1])
     if not head:
         return forward.KVState(forward.new_cache(lm.model), None, None, 0), []
     input_ids = torch.tensor([head], dtype=torch.long, device=lm.device)
+    fast = forward.lean_model(lm.model) if lean and lm.quantize == "none" else None
+    if fast is not None:
+        slots = forward.static_cache_length(capacity or fast.max_positions, lm.max_positions)
+        _, state = forward.prefill_lean(fast, input_ids, slots)
+        return state, head
     _, state = forward.prefill(lm.model, input_ids, torch.ones_like(input_ids))
     return state, head
 

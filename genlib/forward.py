@@ -34,6 +34,10 @@ class KVState:
     # Set by `prefill_static`: the one-token step over a preallocated (static) cache,
     # compiled or not. `extend` uses it for single tokens; see `prefill_static`.
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # Set by `prefill_lean`: several tokens in one forward (speculative verification),
+    # and rollback to a length.
+    extend_many: Callable[[torch.Tensor], torch.Tensor] | None = None
+    crop_to: Callable[[int], None] | None = None
 
     def reorder(self, rows: torch.Tensor) -> None:
         """Keep/duplicate batch rows (beam search): row i becomes old row rows[i]."""
@@ -47,6 +51,10 @@ class KVState:
         """Forget everything after the first `length` cached tokens (speculative rollback)."""
         removed = self.length - length
         if removed <= 0:
+            return
+        if self.crop_to is not None:
+            self.crop_to(length)
+            self.length = length
             return
         self.cache.crop(-removed)  # transformers 5: a negative count removes that many
         if self.attention_mask is not None:
@@ -114,6 +122,10 @@ def extend(model: Any, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
     (batch, k, vocab) as float32. The state grows by k."""
     k = tokens.shape[1]
     if state.step is not None:
+        if k > 1 and state.extend_many is not None:
+            logits = state.extend_many(tokens)
+            state.length += k
+            return logits
         return _static_extend(state, tokens)
     positions = None
     if state.attention_mask is not None:
@@ -227,15 +239,26 @@ def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
     run = lean.compiled_step if compile else lean.step
     generation = lean.prefills
 
-    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def current() -> None:
         # One set of KV buffers per model: a generation interleaved with a later one on
         # the same model would read the other's cache.
         if lean.prefills != generation:
             raise GenlabError("two generations on one model were interleaved, and the lean "
                               "forward keeps one KV cache per model; run them one after "
                               "the other, or set GENLAB_LEAN=0")
+
+    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+        current()
         return run(token)[:, None]
 
+    def extend_many(tokens: torch.Tensor) -> torch.Tensor:
+        current()
+        return lean.extend(tokens)
+
+    def crop_to(length: int) -> None:
+        current()
+        lean.crop(length)
+
     state = KVState(cache=lean, attention_mask=None, positions=None, length=input_ids.shape[1],
-                    step=step)
+                    step=step, extend_many=extend_many, crop_to=crop_to)
     return logits, state

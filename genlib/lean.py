@@ -210,34 +210,38 @@ class LeanLlama:
         return x + mm(F.silu(gate.contiguous()) * up, layer.down)
 
     def _attend(self, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor,
-                sin: torch.Tensor) -> torch.Tensor:
+                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self._qkv(layer, x, cos, sin)
         end = start + t
         keys, values = layer.keys, layer.values
         keys[:, :, start:end] = k  # type: ignore[index]
         values[:, :, start:end] = v  # type: ignore[index]
-        # SDPA with grouped heads, causal over the prompt, as transformers' sdpa path runs it.
+        # SDPA with grouped heads, causal over the prompt, as transformers' sdpa path runs it;
+        # several tokens after a cached prefix (speculative verify) take an explicit mask.
         out = F.scaled_dot_product_attention(
             q, keys[:, :, :end], values[:, :, :end],  # type: ignore[index]
-            is_causal=t > 1, scale=self.scale, enable_gqa=True)
+            attn_mask=mask, is_causal=t > 1 and mask is None, scale=self.scale,
+            enable_gqa=True)
         return x + torch.mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
 
     def _logits(self, x: torch.Tensor, mm: Matmul = torch.mm) -> torch.Tensor:
-        return mm(self._rms_norm(x[-1:], self.norm), self.lm_head).float()
+        return mm(self._rms_norm(x, self.norm), self.lm_head).float()
 
-    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
         start, t = self.length, input_ids.shape[1]
         if start + t > self.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {self.capacity}")
-        if t > 1 and start != 0:
-            raise ValueError("several tokens at once only as the first call (prefill)")
+        mask = None
+        if t > 1 and start > 0:  # token i sees the cached prefix and tokens 0..i
+            slots = torch.arange(start + t, device=self.device)
+            mask = slots[None, :] <= start + torch.arange(t, device=self.device)[:, None]
         cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
         x = F.embedding(input_ids[0], self.embed)
         for layer in self.layers:
-            x = self._mlp(layer, self._attend(layer, x, start, cos, sin))
+            x = self._mlp(layer, self._attend(layer, x, start, cos, sin, mask))
         self.length = start + t
-        return self._logits(x)
+        return self._logits(x if all_logits else x[-1:])
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
@@ -248,6 +252,14 @@ class LeanLlama:
         self.reserve(capacity or self.max_positions)
         self.prefills += 1
         return self._forward(input_ids)
+
+    @torch.inference_mode()
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed several tokens (1, k) after the cached ones (speculative verification);
+        the logits of every one of them, (1, k, vocab) float32."""
+        if self._compiled_current:
+            self._sync(to_compiled=False)
+        return self._forward(tokens, all_logits=True)[None]
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:

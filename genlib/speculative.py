@@ -118,7 +118,10 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
 def start(target: LoadedModel, prompt_ids: Sequence[int], plan: Plan, drafter: Drafter
           ) -> Speculation:
     """Prefill target and drafter with the prompt (all but its last token)."""
-    state, _ = prefill_all_but_last(target, prompt_ids)
+    capacity = len(prompt_ids) + plan.settings.max_new_tokens
+    state, _ = prefill_all_but_last(target, prompt_ids, capacity)
+    if isinstance(drafter, ModelDrafter) and drafter.capacity is None:
+        drafter.capacity = capacity
     drafter.start(prompt_ids)
     return Speculation(target, plan, drafter, list(prompt_ids), state, len(prompt_ids))
 
@@ -215,7 +218,8 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
         return PromptLookupDrafter(prompt_lookup)
     assert draft_lm is not None
     check_same_vocabulary(target, draft_lm)
-    return ModelDrafter(draft_lm, sample=settings.do_sample)
+    return ModelDrafter(draft_lm, sample=settings.do_sample,
+                        lean=draft_lm.model is not target.model)
 
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,

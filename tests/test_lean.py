@@ -114,6 +114,25 @@ def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_ll
     assert lean.length == state.length == 12
 
 
+@pytest.mark.parametrize("which", ["stories", "tiny"])
+def test_several_tokens_after_a_prefix_equal_hf_logits(stories, tiny_llama, which):
+    """Speculative verification: k tokens after a cached prefix in one lean forward."""
+    model = stories.model if which == "stories" else tiny_llama
+    lean = LeanLlama.from_model(model)
+    ids = torch.tensor([[1, 43, 67, 120, 9, 300, 41]])
+    _, state = forward.prefill(model, ids, torch.ones_like(ids))
+    lean.prefill(ids, 64)
+    block = torch.tensor([[42, 7, 300, 2, 11]])
+    torch.testing.assert_close(lean.extend(block), forward.extend(model, state, block),
+                               rtol=1e-4, atol=1e-4)
+    assert lean.length == state.length == 12
+    lean.crop(9)  # roll back past two of them; the next step sees only the first two
+    state.crop(9)
+    nxt = torch.tensor([[5]])
+    torch.testing.assert_close(lean.step(nxt), forward.extend(model, state, nxt)[:, -1],
+                               rtol=1e-4, atol=1e-4)
+
+
 def test_crop_rolls_back_to_an_earlier_length(stories):
     lean = LeanLlama.from_model(stories.model)
     ids = torch.tensor([stories.encode("Once upon a time")])
