@@ -170,17 +170,13 @@ def beam(
     """
     if sample is None and preset is not None:
         sample = preset_samples(preset) or None
-    flags = opt.setting_flags(
-        strategy="beam", num_beams=num_beams, length_penalty=length_penalty,
+    flags = opt.decoding_flags(
+        locals(), strategy="beam", num_beams=num_beams, length_penalty=length_penalty,
         early_stopping=None if early_stopping is None
         else parse_value("early_stopping", early_stopping),
-        num_return_sequences=num_return_sequences, do_sample=sample,
-        num_beam_groups=num_beam_groups, diversity_penalty=diversity_penalty,
-        force_words=force or None, force_any=force_any or None,
-        max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-        stop_strings=stop, seed=seed, max_time=max_time, ignore_eos=ignore_eos)
+        do_sample=sample, num_beam_groups=num_beam_groups,
+        diversity_penalty=diversity_penalty, force_words=force or None,
+        force_any=force_any or None)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     if settings.num_return_sequences == 1 and num_return_sequences is None:

@@ -186,12 +186,7 @@ def generate(
       echo "Once upon a time" | genlab generate -m ../shared/models/stories260K -p creative\n
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
-    flags = opt.setting_flags(
-        strategy=strategy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-        stop_strings=stop, seed=seed, num_return_sequences=num_return_sequences,
-        max_time=max_time, ignore_eos=ignore_eos)
+    flags = opt.decoding_flags(locals())
     if interactive or input_file is not None or output is not None or batch_size is not None:
         from cli import batch as batch_cmd
 

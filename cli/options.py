@@ -84,6 +84,25 @@ def unescape(text: str) -> str:
     return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
 
 
+# Parameter names of the shared decoding options above -> the setting each one sets.
+DECODING_PARAMS = {
+    "strategy": "strategy", "max_new_tokens": "max_new_tokens",
+    "min_new_tokens": "min_new_tokens", "temperature": "temperature", "top_k": "top_k",
+    "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
+    "repetition_penalty": "repetition_penalty", "no_repeat_ngram_size": "no_repeat_ngram_size",
+    "stop": "stop_strings", "seed": "seed", "num_return_sequences": "num_return_sequences",
+    "max_time": "max_time", "ignore_eos": "ignore_eos",
+}
+
+
+def decoding_flags(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """The settings given through the shared decoding options of a command, whose
+    parameters are `params` (the command's `locals()`), plus the command's own `extra`."""
+    picked = {setting: params[name] for name, setting in DECODING_PARAMS.items()
+              if name in params}
+    return setting_flags(**(picked | extra))
+
+
 def setting_flags(**flags: Any) -> dict[str, Any]:
     """The settings the user gave on the command line (None = not given)."""
     if flags.get("stop_strings") == []:

@@ -242,11 +242,7 @@ def speculate(
     """
     from genlib.models import resolve_model_ref
 
-    flags = opt.setting_flags(
-        strategy=strategy, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-        temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, typical_p=typical_p,
-        repetition_penalty=repetition_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-        stop_strings=stop, seed=seed, max_time=max_time, ignore_eos=ignore_eos)
+    flags = opt.decoding_flags(locals())
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
         raise fail("speculative decoding does greedy or sampling, not beam search")

@@ -27,8 +27,9 @@ from genlib.stopping import StopStrings
 
 
 @dataclass
-class _Row:
-    """What the loop tracks for one output sequence."""
+class Row:
+    """What a decode loop tracks for one output sequence (shared with speculative
+    decoding, so both stop, detokenize and report exactly alike)."""
 
     prompt_index: int
     prompt_ids: tuple[int, ...]
@@ -51,6 +52,14 @@ class Plan:
     suppress_eos: processors.Processor | None
     needs_context: bool
     seeds: list[int]
+
+
+def new_row(lm: LoadedModel, prompt_index: int, prompt_ids: Sequence[int],
+            settings: GenerationSettings, shared_texts: dict[int, str] | None = None) -> Row:
+    """A fresh row: its detokenizer (seeded with the prompt) and stop-string matcher."""
+    ids = tuple(prompt_ids)
+    return Row(prompt_index, ids, IncrementalDecoder(lm.tokenizer, ids, shared_texts),
+               StopStrings(settings.stop_strings))
 
 
 def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[tuple[int, tuple[int, ...]]]:
@@ -120,8 +129,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     expanded = expand_prompts(prompts, settings.num_return_sequences)
     plan = make_plan(lm, settings, len(expanded), seeds)
     single_token_texts: dict[int, str] = {}
-    rows = [_Row(i, ids, IncrementalDecoder(lm.tokenizer, ids, single_token_texts),
-                 StopStrings(settings.stop_strings)) for i, ids in expanded]
+    rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
     yield from _decode_loop(lm, plan, rows, compile)
 
 
@@ -139,7 +147,7 @@ def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_t
     return forward.prefill(lm.model, input_ids, mask)
 
 
-def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row], compile: bool = False
+def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = False
                  ) -> Iterator[Event]:
     settings = plan.settings
     start = time.perf_counter()
@@ -161,7 +169,7 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row], compile: bool = 
             picked = torch.stack([tokens.float(), logprobs.float()]).tolist()
             for pos, (tok, lp) in enumerate(zip(map(int, picked[0]), picked[1])):
                 row = rows[active[pos]]
-                event, reason = _advance(lm, row, active[pos], tok, lp, step, now)
+                event, reason = advance(lm, row, active[pos], tok, lp, step, now)
                 if event is not None:
                     yield event
                 if reason is None and deadline is not None and now >= deadline:
@@ -169,7 +177,7 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row], compile: bool = 
                 if reason is None and step + 1 == settings.max_new_tokens:
                     reason = "length"
                 if reason is not None:
-                    yield from _finish(row, active[pos], reason, start)
+                    yield from finish_row(row, active[pos], reason, start)
                     done.append(pos)
             if len(done) == len(active):
                 return
@@ -183,10 +191,10 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[_Row], compile: bool = 
     except KeyboardInterrupt:
         for row_number in active:
             if not rows[row_number].finished:
-                yield from _finish(rows[row_number], row_number, "interrupted", start)
+                yield from finish_row(rows[row_number], row_number, "interrupted", start)
 
 
-def _advance(lm: LoadedModel, row: _Row, row_number: int, token: int, logprob: float,
+def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: float,
              step: int, now: float) -> tuple[Token | None, str | None]:
     """Record one token for a row; return its event and a finish reason (or None)."""
     row.ids.append(token)
@@ -203,7 +211,7 @@ def _advance(lm: LoadedModel, row: _Row, row_number: int, token: int, logprob: f
     return event, None
 
 
-def _finish(row: _Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
+def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
     """The Finish event, carrying any text still pending (`tail`)."""
     row.finished = True
     tail = ""

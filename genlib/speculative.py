@@ -31,8 +31,7 @@ import torch
 
 from genlib import forward, processors
 from genlib.config import GenerationSettings
-from genlib.decode import Plan, _advance, _finish, _Row, make_plan
-from genlib.detok import IncrementalDecoder
+from genlib.decode import Plan, Row, advance, finish_row, make_plan, new_row
 from genlib.drafters import (
     Draft,
     Drafter,
@@ -44,7 +43,6 @@ from genlib.drafters import (
 from genlib.errors import ConfigError, ContextLengthError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
-from genlib.stopping import StopStrings
 
 DEFAULT_DRAFT_TOKENS = 5  # draft model: transformers starts its heuristic higher (20)
 DEFAULT_LOOKUP_TOKENS = 10  # prompt lookup drafts for free: transformers' usual 10
@@ -263,13 +261,11 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup)
     plan = make_plan(target_lm, settings, 1)
-    ids = tuple(prompt_ids)
-    row = _Row(0, ids, IncrementalDecoder(target_lm.tokenizer, ids),
-               StopStrings(settings.stop_strings))
+    row = new_row(target_lm, 0, prompt_ids, settings)
     yield from _speculative_loop(target_lm, plan, drafter, row, GammaSchedule(gamma, adaptive))
 
 
-def _speculative_loop(target: LoadedModel, plan: Plan, drafter: Drafter, row: _Row,
+def _speculative_loop(target: LoadedModel, plan: Plan, drafter: Drafter, row: Row,
                       schedule: GammaSchedule) -> Iterator[Event]:
     settings = plan.settings
     begin = time.perf_counter()
@@ -286,21 +282,21 @@ def _speculative_loop(target: LoadedModel, plan: Plan, drafter: Drafter, row: _R
                          result.target_seconds, result.draft_forwards, time.perf_counter())
             reason = yield from _emit(target, row, result, settings.max_new_tokens, deadline)
             if reason is not None:
-                yield from _finish(row, 0, reason, begin)
+                yield from finish_row(row, 0, reason, begin)
                 return
     except KeyboardInterrupt:
         if not row.finished:
-            yield from _finish(row, 0, "interrupted", begin)
+            yield from finish_row(row, 0, "interrupted", begin)
 
 
-def _emit(target: LoadedModel, row: _Row, result: StepResult, max_new_tokens: int,
+def _emit(target: LoadedModel, row: Row, result: StepResult, max_new_tokens: int,
           deadline: float | None) -> Iterator[Event]:
-    """Token events for one step's tokens, through the core loop's `_advance` (end ids,
+    """Token events for one step's tokens, through the core loop's `advance` (end ids,
     stop strings); returns the finish reason, if the row ended inside this step."""
     now = time.perf_counter()
     for token, drafted, logprob in zip(result.tokens, result.from_draft, result.logprobs):
         step = len(row.ids)
-        event, reason = _advance(target, row, 0, token, logprob, step, now)
+        event, reason = advance(target, row, 0, token, logprob, step, now)
         if event is not None:
             yield replace(event, draft=drafted)
         if reason is None and deadline is not None and now >= deadline:

@@ -253,3 +253,18 @@ def test_no_model_named_uses_the_builtin_model_offline(monkeypatch):
     record = json.loads(result.stdout)
     assert record["model"].endswith("code-small") and record["new_tokens"] >= 1
     assert record["text"].strip()
+
+
+def test_decoding_flags_map_every_shared_option():
+    import inspect
+
+    from cli import beam, generate, speculate
+    from cli.options import DECODING_PARAMS, decoding_flags
+
+    assert set(DECODING_PARAMS) <= set(inspect.signature(generate.generate).parameters)
+    for command in (beam.beam, speculate.speculate):  # no typo can drop a flag silently
+        names = set(inspect.signature(command).parameters)
+        assert set(DECODING_PARAMS) - names <= {"strategy", "num_return_sequences"}
+    flags = decoding_flags({"stop": ["\\n"], "top_k": 5, "seed": None, "prompt": "x"},
+                           strategy="beam")
+    assert flags == {"stop_strings": ["\n"], "top_k": 5, "strategy": "beam"}
