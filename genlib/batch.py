@@ -178,9 +178,6 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
 
     under = {**run.preset_settings, **run.flags, **line_preset}
     settings = resolve_settings(overrides, under, source=where)
-    if settings.strategy == "beam":
-        raise ConfigError(f"{where}: beam search is not available in batch mode; "
-                          f"use `genlab beam` for this prompt")
     if settings.num_return_sequences != 1:
         raise ConfigError(f"{where}: num_return_sequences must be 1 in batch mode; "
                           f"repeat the line with other ids for more outputs")

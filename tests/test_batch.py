@@ -131,6 +131,22 @@ def test_outputs_do_not_depend_on_the_batch_size(stories):
     assert len(set(one.values())) == 8  # the sampled lines really differ from each other
 
 
+def test_beam_lines_run_beam_search_at_any_batch_size(stories):
+    from genlib.beam import beam_search
+    from genlib.config import resolve_settings
+    from genlib.presets import load_preset
+
+    prompts = {"a": "Once upon a time", "b": "The little dog ran to the", "c": "Lily"}
+    lines = lines_of(*({"id": k, "prompt": p, "preset": "beam", "max_new_tokens": 16}
+                       for k, p in prompts.items()))
+    one = generate_texts(stories, lines, 1)
+    assert generate_texts(stories, lines, 3) == one
+    settings = resolve_settings({"max_new_tokens": 16}, load_preset("beam").settings)
+    for key, prompt in prompts.items():
+        [best] = beam_search(stories, [stories.encode(prompt)], settings)
+        assert one[key] == best.hypotheses[0].text
+
+
 def test_another_run_seed_changes_sampled_lines_only(stories):
     lines = mixed_prompts(4)
     base = generate_texts(stories, lines, 4)
