@@ -51,6 +51,15 @@ def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False,
     return out
 
 
+def assert_lean_matches_generate(model, lean: LeanLlama, n: int = 60) -> None:
+    """60 forced greedy tokens of a tiny random model: lean == transformers' generate()."""
+    ids = [1, 5, 9, 200, 33]
+    inputs = torch.tensor([ids])
+    expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0)
+    assert lean_greedy(lean, ids, n) == expected[0, len(ids):].tolist()
+
+
 @pytest.fixture(scope="module")
 def tiny_llama():
     """A tiny random Llama with grouped-query attention (4 heads, 2 KV heads)."""
@@ -150,11 +159,7 @@ def test_qwen2_with_qkv_biases_matches_generate():
     model = AutoModelForCausalLM.from_config(tiny_config("qwen2")).eval()
     lean = LeanLlama.from_model(model)
     assert lean is not None and lean.layers[0].qkv_bias is not None
-    ids = [1, 5, 9, 200, 33]
-    inputs = torch.tensor([ids])
-    expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=60,
-                              min_new_tokens=60, do_sample=False, pad_token_id=0)
-    assert lean_greedy(lean, ids, 60) == expected[0, len(ids):].tolist()
+    assert_lean_matches_generate(model, lean)
 
 
 def test_other_architectures_are_not_eligible_and_still_generate(stories_tokenizer):
@@ -230,11 +235,7 @@ def test_mistral_without_sliding_window_matches_generate(sliding_window):
     if sliding_window is not None:  # a window changes the attention: not Llama's math
         assert lean is None
         return
-    ids = [1, 5, 9, 200, 33]
-    inputs = torch.tensor([ids])
-    expected = model.generate(inputs, attention_mask=torch.ones_like(inputs), max_new_tokens=60,
-                              min_new_tokens=60, do_sample=False, pad_token_id=0)
-    assert lean_greedy(lean, ids, 60) == expected[0, len(ids):].tolist()
+    assert_lean_matches_generate(model, lean)
 
 
 def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target):
