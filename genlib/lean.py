@@ -34,14 +34,60 @@ _ARCHS = ("llama", "mistral", "qwen2")
 SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
 
 
-Matmul = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+SPLIT_BYTES = 1 << 20  # one-row products of weights this large run split across threads
 
 
-def _matvec(x: torch.Tensor, w_t: torch.Tensor) -> torch.Tensor:
-    """x (1, K) @ w_t (K, N) as a reduction along the weight's contiguous rows: under
+def _row_splits(weight: torch.Tensor) -> int:
+    """How many pieces a one-row product with `weight` (K, N) is split into: one per
+    thread for float32 weights of at least SPLIT_BYTES on a CPU whose BLAS is MKL, 1
+    (no split) otherwise. MKL runs a one-row product (an SGEMM with one column) on one
+    thread whatever torch's thread count, reading the weight from memory at about a
+    fifth of the machine's bandwidth; a batched SGEMM over equal slices of the output
+    runs one slice per thread, and computes every output with the same dot product
+    (tests/test_lean.py checks the logits stay bit-identical)."""
+    threads = torch.get_num_threads()
+    if (threads < 2 or weight.device.type != "cpu" or weight.dtype != torch.float32
+            or not torch.backends.mkl.is_available()
+            or weight.numel() * weight.element_size() < SPLIT_BYTES):
+        return 1
+    return threads if weight.shape[1] % threads == 0 else 1
+
+
+@dataclass(frozen=True)
+class _Proj:
+    """A projection's weight as `x @ w` takes it, (K, N), and, when one-row products
+    with it are split across threads (`_row_splits`), the same storage as (pieces, K,
+    N / pieces) views for a batched product."""
+
+    w: torch.Tensor
+    split: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, w: torch.Tensor) -> _Proj:
+        """`w` (K, N): the transpose of a contiguous (N, K) matrix, as nn.Linear holds it."""
+        pieces = _row_splits(w)
+        if pieces == 1 or not w.t().is_contiguous():
+            return cls(w)
+        k, n = w.shape
+        return cls(w, w.t().view(pieces, n // pieces, k).transpose(1, 2))
+
+
+def _mm(x: torch.Tensor, proj: _Proj) -> torch.Tensor:
+    """x (T, K) @ proj.w; a single row through the split views when there are some."""
+    if proj.split is None or x.shape[0] != 1:
+        return torch.mm(x, proj.w)
+    pieces = proj.split.shape[0]
+    return torch.bmm(x.expand(pieces, 1, x.shape[1]), proj.split).view(1, -1)
+
+
+def _matvec(x: torch.Tensor, proj: _Proj) -> torch.Tensor:
+    """x (1, K) @ proj.w (K, N) as a reduction along the weight's contiguous rows: under
     torch.compile this becomes one fused, vectorized, multi-threaded loop reading the
     weight once, where torch.mm's GEMV leaves most of the memory bandwidth unused."""
-    return (w_t.t() * x).sum(-1)[None]
+    return (proj.w.t() * x).sum(-1)[None]
+
+
+Matmul = Callable[[torch.Tensor, _Proj], torch.Tensor]
 
 
 @dataclass
@@ -51,12 +97,12 @@ class _Layer:
     and its KV buffers."""
 
     input_norm: torch.Tensor
-    qkv: torch.Tensor  # (hidden, (heads + 2 * kv_heads) * head_dim)
+    qkv: _Proj  # (hidden, (heads + 2 * kv_heads) * head_dim)
     qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    o: _Proj
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # (hidden, 2 * intermediate)
-    down: torch.Tensor
+    gate_up: _Proj  # (hidden, 2 * intermediate)
+    down: _Proj
     keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
     values: torch.Tensor | None = None
     # The compiled step's copies, (1, kv_heads, head_dim, capacity): its attention then
@@ -114,7 +160,7 @@ class LeanLlama:
         self.max_positions = config.max_position_embeddings
         self.embed = inner.embed_tokens.weight
         self.norm = inner.norm.weight
-        self.lm_head = model.lm_head.weight.t()
+        self.lm_head = _Proj.of(model.lm_head.weight.t())
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.layers = [self._layer(layer) for layer in inner.layers]
@@ -143,9 +189,10 @@ class LeanLlama:
             [b if b is not None else p.weight.new_zeros(p.weight.shape[0])
              for b, p in zip(biases, (attn.q_proj, attn.k_proj, attn.v_proj))])
         gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
-        return _Layer(input_norm=layer.input_layernorm.weight, qkv=qkv, qkv_bias=bias,
-                      o=attn.o_proj.weight.t(), post_norm=layer.post_attention_layernorm.weight,
-                      gate_up=gate_up, down=mlp.down_proj.weight.t())
+        return _Layer(input_norm=layer.input_layernorm.weight, qkv=_Proj.of(qkv),
+                      qkv_bias=bias, o=_Proj.of(attn.o_proj.weight.t()),
+                      post_norm=layer.post_attention_layernorm.weight,
+                      gate_up=_Proj.of(gate_up), down=_Proj.of(mlp.down_proj.weight.t()))
 
     def _rotary_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As LlamaRotaryEmbedding.forward computes them (float32, then the model's dtype),
@@ -187,7 +234,7 @@ class LeanLlama:
         return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             mm: Matmul = torch.mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             mm: Matmul = _mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q (1, heads, T, d), k and v (1, kv_heads, T, d), rotary applied to q and k."""
         t = x.shape[0]
         h = self._rms_norm(x, layer.input_norm)
@@ -203,7 +250,7 @@ class LeanLlama:
         k = qk[:, self.heads:].transpose(0, 1)[None]
         return q, k, qkv[:, rotary:].transpose(0, 1)[None]
 
-    def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = torch.mm) -> torch.Tensor:
+    def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         gate, up = mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         # silu on a strided view takes another (scalar) path for the row tails: make the
         # gate contiguous, as transformers' separate gate_proj output is.
@@ -223,9 +270,9 @@ class LeanLlama:
             q, keys[:, :, :end], values[:, :, :end],  # type: ignore[index]
             attn_mask=mask, is_causal=t > 1 and mask is None, scale=self.scale,
             enable_gqa=True)
-        return x + torch.mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
+        return x + _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
 
-    def _logits(self, x: torch.Tensor, mm: Matmul = torch.mm) -> torch.Tensor:
+    def _logits(self, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         return mm(self._rms_norm(x, self.norm), self.lm_head).float()
 
     def _forward(self, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
@@ -319,9 +366,9 @@ class LeanLlama:
         # The C++ wrapper saves a Python call per kernel. A small model's kernels are
         # shorter than waking a second thread for each of them: run those on one.
         options: dict[str, Any] = {"cpp_wrapper": True}
-        weight_bytes = sum(t.numel() * t.element_size() for layer in self.layers
-                           for t in (layer.qkv, layer.o, layer.gate_up, layer.down))
-        if weight_bytes + self.lm_head.numel() * self.lm_head.element_size() < SMALL_BYTES:
+        projections = [self.lm_head] + [p for layer in self.layers
+                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if sum(p.w.numel() * p.w.element_size() for p in projections) < SMALL_BYTES:
             options["cpp.threads"] = 1
         return options
 

@@ -9,7 +9,7 @@ import torch
 from genlib import decode, forward
 from genlib.config import resolve_settings
 from genlib.errors import GenlabError
-from genlib.lean import LeanLlama
+from genlib.lean import LeanLlama, _mm, _Proj
 from tests.conftest import CODE_TARGET, shared_model, tiny_config
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the"]
@@ -121,6 +121,42 @@ def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_ll
         torch.testing.assert_close(lean.step(t), forward.extend(model, state, t)[:, -1],
                                    rtol=1e-4, atol=1e-4)
     assert lean.length == state.length == 12
+
+
+@pytest.fixture
+def two_threads():
+    """torch on two threads, so the one-row products of large weights are split."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
+@pytest.mark.parametrize("k, n", [(384, 1152), (1024, 384), (384, 8192), (1000, 3072)])
+def test_split_one_row_product_is_bit_identical_to_torch_mm(two_threads, k, n):
+    weight = torch.randn(n, k).t()  # (K, N), as nn.Linear's weight transposed
+    proj = _Proj.of(weight)
+    assert proj.split is not None and proj.split.shape == (2, k, n // 2)
+    for _ in range(3):
+        x = torch.randn(1, k)
+        assert torch.equal(_mm(x, proj), torch.mm(x, weight))
+    rows = torch.randn(5, k)  # several rows take torch.mm itself
+    assert torch.equal(_mm(rows, proj), torch.mm(rows, weight))
+
+
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
+def test_lean_steps_with_split_products_are_bit_identical_on_code_target(code_target,
+                                                                         two_threads):
+    model = code_target.model
+    lean = LeanLlama(model)
+    assert lean.lm_head.split is not None and lean.layers[0].gate_up.split is not None
+    ids = torch.tensor([code_target.encode("def add(a, b):\n    return")])
+    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
+    assert torch.equal(lean.prefill(ids, 64), hf_logits)
+    for token in (42, 7, 300, 2, 1):
+        t = torch.tensor([[token]])
+        assert torch.equal(lean.step(t), forward.extend(model, state, t)[:, -1])
 
 
 @pytest.mark.parametrize("which", ["stories", "tiny"])
