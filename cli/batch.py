@@ -95,7 +95,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     try:
         todo = _write_line_errors(items, done, writer, tally)
         if todo:
-            lm = load(model_flags, preset)
+            lm = load(model_flags, preset, quick=batch_size == 1)
             _generate(lm, todo, run_defaults, batch_size, writer, tally)
     except KeyboardInterrupt:
         tally.interrupted = True

@@ -34,10 +34,12 @@ def settings_for(preset_ref: str | None, flags: dict[str, Any]
     return settings, preset
 
 
-def load(flags: ModelFlags, preset: Preset | None = None) -> LoadedModel:
+def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -> LoadedModel:
+    """The model the flags and preset name; `quick` starts without transformers where
+    the checkpoint allows (genlib.quickload), for commands that mostly decode one row."""
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
     return load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
                                 quantize=flags.quantize,
-                                trust_remote_code=flags.trust_remote_code))
+                                trust_remote_code=flags.trust_remote_code), quick=quick)

@@ -203,7 +203,8 @@ def generate(
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
+    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset,
+              quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     code = run_generation(lm, ids, text, settings, as_json, show_stats, compile)
     if code:

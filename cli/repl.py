@@ -70,7 +70,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     settings, preset = settings_for(preset_ref, flags)
     if system and not chat:
         raise fail("--system needs --chat")
-    lm = load(model_flags, preset)
+    lm = load(model_flags, preset, quick=True)
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
                       system=system)
     if chat:

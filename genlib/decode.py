@@ -139,7 +139,7 @@ def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_t
     static, compiled cache, when possible; else into a dynamic cache."""
     if input_ids.shape[0] == 1 and lm.quantize == "none":
         length = forward.static_cache_length(input_ids.shape[1] + new_tokens, lm.max_positions)
-        lean = forward.lean_model(lm.model)
+        lean = forward.lean_of(lm)
         if lean is not None:
             return forward.prefill_lean(lean, input_ids, length, compile=compile)
         if compile:
@@ -187,7 +187,9 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = F
                 context = context.index_select(0, keep) if context is not None else None
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
-            logits = forward.extend(lm.model, state, tokens[:, None])[:, -1, :]
+            # A lean state steps by itself: reading lm.model would load a deferred one.
+            model = lm.model if state.step is None else None
+            logits = forward.extend(model, state, tokens[:, None])[:, -1, :]
     except KeyboardInterrupt:
         for row_number in active:
             if not rows[row_number].finished:

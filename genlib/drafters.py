@@ -159,7 +159,7 @@ def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | No
     if not head:
         return forward.KVState(forward.new_cache(lm.model), None, None, 0), []
     input_ids = torch.tensor([head], dtype=torch.long, device=lm.device)
-    fast = forward.lean_model(lm.model) if lean and lm.quantize == "none" else None
+    fast = forward.lean_of(lm) if lean and lm.quantize == "none" else None
     if fast is not None:
         slots = forward.static_cache_length(capacity or fast.max_positions, lm.max_positions)
         _, state = forward.prefill_lean(fast, input_ids, slots)

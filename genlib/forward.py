@@ -230,6 +230,16 @@ def lean_model(model: Any) -> Any:
     return _lean_models[model]
 
 
+def lean_of(lm: Any) -> Any:
+    """`lm`'s LeanLlama: the one genlib.quickload built without transformers, else its
+    transformers model's (`lean_model`); None when neither applies."""
+    import os
+
+    if lm.lean is not None and os.environ.get("GENLAB_LEAN", "1") != "0":
+        return lm.lean
+    return lean_model(lm.model)
+
+
 def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
                  compile: bool = False) -> tuple[torch.Tensor, KVState]:
     """`prefill` for one unpadded prompt through a `LeanLlama` with room for

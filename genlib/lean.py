@@ -21,7 +21,7 @@ in the last bits, the tokens do not in the tests.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,13 +111,15 @@ class _Layer:
     values_t: torch.Tensor | None = None
 
 
-def eligible(model: Any) -> bool:
-    """True when `model` is a plain (unquantized, default-rope) Llama-style causal LM."""
-    config = getattr(model, "config", None)
+def eligible_config(config: Any) -> bool:
+    """True when a model config (transformers' or config.json's fields as attributes)
+    describes a plain (unquantized, default-rope) Llama-style causal LM."""
     if config is None or getattr(config, "model_type", None) not in _ARCHS:
         return False
     rope = getattr(config, "rope_parameters", None) or {}
     if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
+        return False
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
         return False
     if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
         return False
@@ -127,7 +129,12 @@ def eligible(model: Any) -> bool:
         return False
     if getattr(config, "quantization_config", None) is not None:
         return False
-    if getattr(config, "pretraining_tp", 1) != 1:
+    return getattr(config, "pretraining_tp", 1) == 1
+
+
+def eligible(model: Any) -> bool:
+    """True when `model` is a plain (unquantized, default-rope) Llama-style causal LM."""
+    if not eligible_config(getattr(model, "config", None)):
         return False
     inner = getattr(model, "model", None)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
@@ -149,22 +156,25 @@ def eligible(model: Any) -> bool:
 class LeanLlama:
     """Llama's forward for one row, with preallocated KV buffers (see the module doc)."""
 
-    def __init__(self, model: Any) -> None:
-        config = model.config
-        inner = model.model
+    def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor],
+                 inv_freq: torch.Tensor) -> None:
+        """`tensors` by their state-dict names (`model.layers.0.self_attn.q_proj.weight`,
+        ...; `lm_head.weight` may be absent when tied to the embeddings), `inv_freq` the
+        rotary frequencies as the model computes them."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
-        self.embed = inner.embed_tokens.weight
-        self.norm = inner.norm.weight
-        self.lm_head = _Proj.of(model.lm_head.weight.t())
+        self.embed = tensors["model.embed_tokens.weight"]
+        self.norm = tensors["model.norm.weight"]
+        self.lm_head = _Proj.of(tensors.get("lm_head.weight", self.embed).t())
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [self._layer(layer) for layer in inner.layers]
-        self.cos, self.sin = self._rotary_tables(inner.rotary_emb.inv_freq)
+        self.layers = [self._layer(tensors, f"model.layers.{i}.")
+                       for i in range(config.num_hidden_layers)]
+        self.cos, self.sin = self._rotary_tables(inv_freq)
         self.length = 0  # tokens in the KV buffers
         self.capacity = 0
         self._compiled_current = False
@@ -174,25 +184,33 @@ class LeanLlama:
 
     @classmethod
     def from_model(cls, model: Any) -> LeanLlama | None:
-        """A LeanLlama over `model`'s weights, or None when the model is not eligible."""
-        return cls(model) if eligible(model) else None
+        """A LeanLlama over a transformers model's weights, or None when it is not
+        eligible."""
+        if not eligible(model):
+            return None
+        tensors = {name: p.detach() for name, p in model.named_parameters()}
+        tensors["lm_head.weight"] = model.lm_head.weight.detach()
+        return cls(model.config, tensors, model.model.rotary_emb.inv_freq)
 
     @staticmethod
     @torch.no_grad()
-    def _layer(layer: Any) -> _Layer:
-        attn, mlp = layer.self_attn, layer.mlp
+    def _layer(tensors: Mapping[str, torch.Tensor], prefix: str) -> _Layer:
+        def weight(name: str) -> torch.Tensor:
+            return tensors[prefix + name + ".weight"]
+
         # One product instead of three (two): the same dot products, so the same values
         # (tests/test_lean.py checks the logits are bit-identical).
-        qkv = torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]).t()
-        biases = [attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias]
+        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+        qkv = torch.cat([weight(name) for name in names]).t()
+        biases = [tensors.get(prefix + name + ".bias") for name in names]
         bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else p.weight.new_zeros(p.weight.shape[0])
-             for b, p in zip(biases, (attn.q_proj, attn.k_proj, attn.v_proj))])
-        gate_up = torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).t()
-        return _Layer(input_norm=layer.input_layernorm.weight, qkv=_Proj.of(qkv),
-                      qkv_bias=bias, o=_Proj.of(attn.o_proj.weight.t()),
-                      post_norm=layer.post_attention_layernorm.weight,
-                      gate_up=_Proj.of(gate_up), down=_Proj.of(mlp.down_proj.weight.t()))
+            [b if b is not None else weight(name).new_zeros(weight(name).shape[0])
+             for b, name in zip(biases, names)])
+        gate_up = torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]).t()
+        return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv),
+                      qkv_bias=bias, o=_Proj.of(weight("self_attn.o_proj").t()),
+                      post_norm=weight("post_attention_layernorm"),
+                      gate_up=_Proj.of(gate_up), down=_Proj.of(weight("mlp.down_proj").t()))
 
     def _rotary_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As LlamaRotaryEmbedding.forward computes them (float32, then the model's dtype),

@@ -8,7 +8,8 @@ from __future__ import annotations
 import logging as std_logging
 import os
 import warnings
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,7 +39,11 @@ class ModelSpec:
 
 @dataclass
 class LoadedModel:
-    """A model ready for genlib's decode loop, with the facts the loop needs."""
+    """A model ready for genlib's decode loop, with the facts the loop needs.
+
+    `model` is the transformers model. A model loaded by genlib.quickload has none yet
+    (`model=None` with `deferred` set): it decodes single rows through `lean`, and the
+    first read of `model` loads the transformers model with `deferred()`."""
 
     model: Any
     tokenizer: Any
@@ -49,9 +54,30 @@ class LoadedModel:
     pad_id: int
     max_positions: int | None
     quantize: str = "none"
+    lean: Any = None  # a LeanLlama built without transformers (genlib.quickload)
+    deferred: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.model is None and self.deferred is not None:
+            del self.model  # so the first read of it reaches __getattr__
+
+    def __getattr__(self, name: str) -> Any:
+        # Reached only for attributes that are not set: `model` while it is deferred.
+        deferred = self.__dict__.get("deferred")
+        if name != "model" or deferred is None:
+            raise AttributeError(name)
+        self.model = deferred()
+        return self.model
+
+    @property
+    def model_loaded(self) -> bool:
+        """Whether the transformers model is in memory."""
+        return "model" in self.__dict__
 
     @property
     def vocab_size(self) -> int:
+        if self.lean is not None:
+            return int(self.lean.lm_head.w.shape[1])
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     def encode(self, prompt: str) -> list[int]:
@@ -249,14 +275,24 @@ def quiet_transformers() -> None:
     warnings.filterwarnings("ignore", message=".*inputs will be cast from.*")
 
 
-def load_model(spec: ModelSpec) -> LoadedModel:
-    """Load model and tokenizer for genlib's decode loop (eval mode, on the device)."""
+def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
+    """Load model and tokenizer for genlib's decode loop (eval mode, on the device).
+
+    `quick`: a local Llama-style checkpoint that qualifies is loaded without transformers
+    (genlib.quickload: a second and a half faster to start), transformers' model and
+    tokenizer following on first use of anything the lean path does not provide."""
+    device = pick_device(spec.device)
+    ref = str(Path(spec.ref).expanduser()) if _is_local_ref(spec.ref) else spec.ref
+    if quick and _is_local_ref(spec.ref) and Path(ref).is_dir():
+        from genlib.quickload import quick_load
+
+        lm = quick_load(spec, ref, device)
+        if lm is not None:
+            return lm
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-    device = pick_device(spec.device)
-    ref = str(Path(spec.ref).expanduser()) if _is_local_ref(spec.ref) else spec.ref
     config = _load_config(ref, spec)
     quant = _quantization_config(spec.quantize, device)
     _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)

@@ -149,7 +149,7 @@ def test_split_one_row_product_is_bit_identical_to_torch_mm(two_threads, k, n):
 def test_lean_steps_with_split_products_are_bit_identical_on_code_target(code_target,
                                                                          two_threads):
     model = code_target.model
-    lean = LeanLlama(model)
+    lean = LeanLlama.from_model(model)
     assert lean.lm_head.split is not None and lean.layers[0].gate_up.split is not None
     ids = torch.tensor([code_target.encode("def add(a, b):\n    return")])
     hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))

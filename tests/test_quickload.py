@@ -1,0 +1,184 @@
+"""genlib.quickload: checkpoints loaded without transformers behave exactly as the same
+checkpoints loaded through it (tokens, logits, tokenizer, end ids), fall back to
+transformers for what they do not qualify for, and keep transformers out of
+`genlab generate`'s start."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from genlib import decode, forward
+from genlib.config import resolve_settings
+from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
+from genlib.quickload import FastTokenizer
+from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES, tiny_config
+
+MODELS = [STORIES, LLAMA2XS, CODE_TARGET, DEFAULT_MODEL]
+TEXTS = ["Once upon a time", " leading space", "two\n\nlines  and  spaces", "",
+         "def f(x):\n    return x * 2\n", "ünïcödé 😀 日本語", "a\tb\r\nc", "</s> and <s> inline",
+         "<|endoftext|>print(1)"]
+
+
+def both(path: Path):
+    if not path.is_dir():
+        pytest.skip(f"{path} is not present")
+    spec = ModelSpec(str(path))
+    return load_model(spec, quick=True), load_model(spec)
+
+
+def greedy(n: int, **more):
+    return resolve_settings({"max_new_tokens": n, **more})
+
+
+@pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
+def test_quick_load_gives_the_same_tokens_facts_and_tokenizer(path):
+    quick, full = both(path)
+    assert quick.lean is not None and isinstance(quick.tokenizer, FastTokenizer)
+    assert (quick.eos_ids, quick.pad_id, quick.max_positions, quick.dtype, quick.vocab_size) \
+        == (full.eos_ids, full.pad_id, full.max_positions, full.dtype, full.vocab_size)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(quick.tokenizer, attr) == getattr(full.tokenizer, attr), attr
+    for text in TEXTS:
+        for special in (True, False):
+            ids = quick.tokenizer(text, add_special_tokens=special)["input_ids"]
+            assert ids == full.tokenizer(text, add_special_tokens=special)["input_ids"], text
+        ids = full.encode(text)
+        for skip in (True, False):
+            for part in (ids, ids[1:], ids[2:]):
+                assert quick.tokenizer.decode(part, skip_special_tokens=skip,
+                                              clean_up_tokenization_spaces=False) \
+                    == full.tokenizer.decode(part, skip_special_tokens=skip,
+                                             clean_up_tokenization_spaces=False)
+    prompt = full.encode("Once upon a time" if "stories" in path.name or "xs" in path.name
+                         else "def fibonacci(n):\n    ")
+    forced = greedy(40, ignore_eos=True)
+    ours = decode.generate(quick, [prompt], forced)[0]
+    assert ours.token_ids == decode.generate(full, [prompt], forced)[0].token_ids
+    sampled = greedy(30, do_sample=True, temperature=0.9, top_k=40, seed=7)
+    assert decode.generate(quick, [prompt], sampled)[0].text \
+        == decode.generate(full, [prompt], sampled)[0].text
+    assert not quick.model_loaded  # a single row never needed transformers' model
+
+
+def test_quick_logits_are_bit_identical_to_transformers(stories):
+    quick = load_model(ModelSpec(str(STORIES)), quick=True)
+    lean = forward.lean_of(quick)
+    ids = torch.tensor([stories.encode("The little dog")])
+    hf_logits, state = forward.prefill(stories.model, ids, torch.ones_like(ids))
+    assert torch.equal(lean.prefill(ids, 64), hf_logits)
+    for token in (42, 7, 300):
+        t = torch.tensor([[token]])
+        assert torch.equal(lean.step(t), forward.extend(stories.model, state, t)[:, -1])
+
+
+def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
+    quick = load_model(ModelSpec(str(STORIES)), quick=True)
+    prompts = [stories.encode("Once upon a time"), stories.encode("The dog")]
+    settings = greedy(20, ignore_eos=True)
+    assert not quick.model_loaded
+    batch = decode.generate(quick, prompts, settings)  # two rows: transformers' forward
+    assert quick.model_loaded
+    assert [r.token_ids for r in batch] == [r.token_ids for r in
+                                            decode.generate(stories, prompts, settings)]
+    beam = greedy(20, num_beams=3)
+    assert decode.generate(quick, prompts[:1], beam)[0].token_ids \
+        == decode.generate(stories, prompts[:1], beam)[0].token_ids
+    assert quick.tokenizer.get_vocab() == stories.tokenizer.get_vocab()
+
+
+def save_tiny(tmp_path: Path, arch: str, **config) -> Path:
+    """A tiny random model of `arch` saved with the stories260K tokenizer."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    cfg = tiny_config(arch)
+    for key, value in config.items():
+        setattr(cfg, key, value)
+    folder = tmp_path / arch
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(STORIES / name, folder / name)
+    return folder
+
+
+@pytest.mark.parametrize("arch, config", [("llama", {}), ("qwen2", {}),
+                                          ("llama", {"tie_word_embeddings": True})])
+def test_tiny_gqa_bias_and_tied_checkpoints_match_transformers(tmp_path, arch, config):
+    folder = save_tiny(tmp_path, arch, **config)
+    quick, full = load_model(ModelSpec(str(folder)), quick=True), load_model(ModelSpec(str(folder)))
+    assert quick.lean is not None
+    lean = quick.lean
+    assert (lean.kv_heads, lean.layers[0].qkv_bias is not None) == (2, arch == "qwen2")
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    hf_logits, state = forward.prefill(full.model, ids, torch.ones_like(ids))
+    assert torch.equal(lean.prefill(ids, 64), hf_logits)
+    t = torch.tensor([[17]])
+    assert torch.equal(lean.step(t), forward.extend(full.model, state, t)[:, -1])
+
+
+def rewrite_json(path: Path, **changes) -> None:
+    data = json.loads(path.read_text())
+    data.update(changes)
+    path.write_text(json.dumps(data))
+
+
+@pytest.mark.parametrize("change", [
+    lambda f: rewrite_json(f / "tokenizer_config.json", add_bos_token=False),
+    lambda f: rewrite_json(f / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer"),
+    lambda f: rewrite_json(f / "config.json", rope_parameters={"rope_type": "linear",
+                                                               "rope_theta": 10000.0,
+                                                               "factor": 2.0}),
+    lambda f: rewrite_json(f / "config.json", intermediate_size=48),  # shapes disagree
+    lambda f: (f / "tokenizer.json").unlink(),
+    lambda f: (f / "model.safetensors").rename(f / "model-00001-of-00001.safetensors"),
+], ids=["tokenizer-key", "tokenizer-class", "rope-scaling", "shapes", "no-tokenizer-json",
+        "no-single-file"])
+def test_checkpoints_that_do_not_qualify_load_through_transformers(tmp_path, change):
+    folder = save_tiny(tmp_path, "llama")
+    change(folder)
+    from genlib.quickload import quick_load
+
+    assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")) is None
+
+
+@pytest.mark.parametrize("spec", [ModelSpec(str(STORIES), quantize="8bit"),
+                                  ModelSpec(str(STORIES), trust_remote_code=True)])
+def test_quantized_or_remote_code_specs_do_not_qualify(spec):
+    from genlib.quickload import quick_load
+
+    assert quick_load(spec, spec.ref, torch.device("cpu")) is None
+
+
+def test_genlab_lean_0_turns_the_quick_start_off(monkeypatch):
+    monkeypatch.setenv("GENLAB_LEAN", "0")
+    lm = load_model(ModelSpec(str(STORIES)), quick=True)
+    assert lm.lean is None and lm.model_loaded
+
+
+def test_chat_templates_come_from_transformers_tokenizer(tmp_path):
+    folder = save_tiny(tmp_path, "llama")
+    (folder / "chat_template.jinja").write_text(
+        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}")
+    quick, full = load_model(ModelSpec(str(folder)), quick=True), load_model(ModelSpec(str(folder)))
+    messages = [{"role": "user", "content": "Tell me a story"}]
+    assert quick.tokenizer.chat_template
+    assert quick.encode_chat(messages) == full.encode_chat(messages)
+
+
+def test_genlab_generate_starts_without_importing_transformers():
+    code = ("import sys\nfrom cli.main import app\n"
+            "try:\n    app(['generate', '-m', sys.argv[1], '-n', '8', 'Once upon a time'])\n"
+            "except SystemExit as exit:\n"
+            "    print('transformers' in sys.modules, exit.code, file=sys.stderr)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(STORIES)], capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    assert done.stdout.startswith(", there was a little")
+    assert done.stderr.strip().splitlines()[-1] == "False 0"
