@@ -119,6 +119,8 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
         for event in interrupt(events):
             handle(event)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
+    if live:
+        render.end_line()  # before --stats, which would otherwise follow the text
     for finish in sorted(finished, key=lambda f: f.row):
         if as_json:
             render.json_line(result_json(lm, finish, prompt, prefill_s, settings))
@@ -127,10 +129,13 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                 render.stream_text("\n")
             render.stream_text(finish.text + "\n")
         if show_stats:
-            render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
-    if live:
-        render.end_line()
+            render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
+                         COMPILE_NOTE if compile else "")
     return INTERRUPTED if interrupted else 0
+
+
+COMPILE_NOTE = (" · tok/s includes the first run's compilation (genlab bench --compile "
+                "reports it apart)")
 
 
 @user_errors

@@ -58,7 +58,8 @@ def json_line(obj: Any) -> None:
     sys.stdout.flush()
 
 
-def stats(new_tokens: int, ttft: float | None, tps: float, reason: str) -> None:
+def stats(new_tokens: int, ttft: float | None, tps: float, reason: str,
+          note: str = "") -> None:
     ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
     err.print(f"[dim]{new_tokens} tokens · first token {ttft_text} · {tps:.1f} tok/s · "
-              f"finish: {reason}[/]")
+              f"finish: {reason}{note}[/]")

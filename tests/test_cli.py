@@ -76,6 +76,15 @@ def test_stats_go_to_stderr():
     assert "tok/s" in result.stderr and "tok/s" not in result.stdout
 
 
+def test_stats_start_their_own_line_after_the_streamed_text():
+    both = subprocess.run([sys.executable, "-m", "cli", "generate", "Once upon a time", *MODEL,
+                           "-n", "5", "--stats"], cwd=ROOT, capture_output=False, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
+    assert both.returncode == 0, both.stdout
+    text, stats = both.stdout.splitlines()
+    assert text == ", there was a little" and stats.startswith("5 tokens · first token")
+
+
 @pytest.mark.parametrize("args,fragment", [
     (["generate", "x", "-m", "/nonexistent/model"], "does not exist"),
     (["generate", "x", *MODEL, "-t", "0"], "temperature must be > 0"),
