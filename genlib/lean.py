@@ -43,14 +43,24 @@ def _row_splits(weight: torch.Tensor) -> int:
     (no split) otherwise. MKL runs a one-row product (an SGEMM with one column) on one
     thread whatever torch's thread count, reading the weight from memory at about a
     fifth of the machine's bandwidth; a batched SGEMM over equal slices of the output
-    runs one slice per thread, and computes every output with the same dot product
+    runs one slice per thread, and computes every output with the same dot product when
+    each slice's width is a multiple of 4 (MKL takes another path for the remainder
+    columns otherwise). `_Proj.of` checks that on the weight itself before using it
     (tests/test_lean.py checks the logits stay bit-identical)."""
     threads = torch.get_num_threads()
     if (threads < 2 or weight.device.type != "cpu" or weight.dtype != torch.float32
             or not torch.backends.mkl.is_available()
             or weight.numel() * weight.element_size() < SPLIT_BYTES):
         return 1
-    return threads if weight.shape[1] % threads == 0 else 1
+    n = weight.shape[1]
+    return threads if n % threads == 0 and (n // threads) % 4 == 0 else 1
+
+
+def _same_as_mm(w: torch.Tensor, split: torch.Tensor) -> bool:
+    """Whether the split product gives torch.mm's bits on a random row (the order of a
+    BLAS kernel's sums does not depend on the values, so one row tells)."""
+    x = torch.randn(1, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.dtype)
+    return torch.equal(_mm(x, _Proj(w, split)), torch.mm(x, w))
 
 
 @dataclass(frozen=True)
@@ -69,7 +79,8 @@ class _Proj:
         if pieces == 1 or not w.t().is_contiguous():
             return cls(w)
         k, n = w.shape
-        return cls(w, w.t().view(pieces, n // pieces, k).transpose(1, 2))
+        split = w.t().view(pieces, n // pieces, k).transpose(1, 2)
+        return cls(w, split) if _same_as_mm(w, split) else cls(w)
 
 
 def _mm(x: torch.Tensor, proj: _Proj) -> torch.Tensor:

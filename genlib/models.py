@@ -45,8 +45,8 @@ class LoadedModel:
     (`model=None` with `deferred` set): it decodes single rows through `lean`, and the
     first read of `model` loads the transformers model with `deferred()`."""
 
-    model: Any
-    tokenizer: Any
+    model: Any = field(repr=False, compare=False)
+    tokenizer: Any = field(repr=False, compare=False)
     ref: str
     device: torch.device
     dtype: torch.dtype
@@ -320,7 +320,7 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     return LoadedModel(
         model=model, tokenizer=tokenizer, ref=spec.ref, device=device, dtype=dtype,
         eos_ids=eos_ids_of(model, tokenizer),
-        pad_id=_pad_id(model, tokenizer),
+        pad_id=pad_id_of(model, tokenizer),
         max_positions=max_positions_of(config), quantize=spec.quantize,
     )
 
@@ -333,11 +333,11 @@ def wrap_model(model: Any, tokenizer: Any, ref: str = "<in memory>") -> LoadedMo
     param = next(model.parameters())
     return LoadedModel(model=model, tokenizer=tokenizer, ref=ref, device=param.device,
                        dtype=param.dtype if param.is_floating_point() else torch.float32,
-                       eos_ids=eos_ids_of(model, tokenizer), pad_id=_pad_id(model, tokenizer),
+                       eos_ids=eos_ids_of(model, tokenizer), pad_id=pad_id_of(model, tokenizer),
                        max_positions=max_positions_of(model.config))
 
 
-def _pad_id(model: Any, tokenizer: Any) -> int:
+def pad_id_of(model: Any, tokenizer: Any) -> int:
     """A token id to fill padded positions with; the attention mask hides it, so any
     valid id works when the model defines no pad token."""
     for value in (tokenizer.pad_token_id, getattr(model.generation_config, "pad_token_id", None),

@@ -1,26 +1,27 @@
-"""A fast start for Llama-style checkpoints in a local folder: the weights straight from
-`model.safetensors` into the lean forward (genlib/lean.py) and the tokenizer straight
-from `tokenizer.json` through the `tokenizers` library, without importing transformers'
-model, config and tokenizer modules (their import chain costs more than a second and a
-half here: more than everything else `genlab generate` does for a small model).
+"""A fast start for Llama checkpoints in a local folder: the weights straight from
+`model.safetensors` into the lean forward (genlib/lean.py), and the tokenizer through
+transformers' own tokenizer class imported directly, without importing transformers'
+config and model modules or AutoTokenizer's config lookup (that import chain costs more
+than a second and a half here: more than everything else `genlab generate` does for a
+small model).
 
     lm = quick_load(spec, folder, device)    # None when the checkpoint does not qualify
 
-Only what is known to behave exactly like transformers qualifies: a plain Llama /
-Mistral / Qwen2 config (`lean.eligible_config`), one unsharded safetensors file whose
-tensors have the shapes the config implies, a CPU device, no quantization, and a
-tokenizer whose config holds nothing that transformers would use to change
-`tokenizer.json`'s pipeline. Anything else returns None and the caller loads the model
-through transformers. Whatever the fast objects do not provide themselves (transformers'
-forward for batches or beam search, chat templates, the vocabulary) is loaded from
-transformers on first use (`LoadedModel.model`, `FastTokenizer`), so every feature keeps
-working, and exactly as before.
+Only what is known to load exactly as transformers loads it qualifies: a plain `llama`
+config (`lean.eligible_config`) with every field the forward reads given explicitly and
+valid, one unsharded safetensors file holding exactly the tensors the config implies, a
+CPU device, no quantization, and a tokenizer config AutoTokenizer would resolve to
+`LlamaTokenizer` or `TokenizersBackend` without remote code. Anything else returns None
+and the caller loads the model through transformers, which also explains any error.
+The transformers model follows on the first read of `LoadedModel.model` (batches, beam
+search, ...), so every feature keeps working, and exactly as before.
 """
 
 from __future__ import annotations
 
 import json
 import os
+from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -31,51 +32,42 @@ if TYPE_CHECKING:
     from genlib.models import LoadedModel, ModelSpec
 
 WEIGHTS = "model.safetensors"
-# Tokenizer classes that load tokenizer.json as it is, and the tokenizer_config.json
-# keys that do not alter its pipeline (special-token names, lengths, bookkeeping).
-TOKENIZER_CLASSES = ("TokenizersBackend", "PreTrainedTokenizerFast", "LlamaTokenizer",
-                     "LlamaTokenizerFast")
-INERT_TOKENIZER_KEYS = {
-    "backend", "tokenizer_class", "bos_token", "eos_token", "pad_token", "unk_token",
-    "model_max_length", "extra_special_tokens", "is_local", "local_files_only",
-    "use_default_system_prompt", "chat_template", "padding_side", "truncation_side",
-    "model_input_names",
-}
+TOKENIZER_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "TokenizersBackend",
+                     "PreTrainedTokenizerFast")
+# LlamaConfig's defaults for the fields genlab reads and a config.json may leave out.
+LLAMA_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
+                  "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+                  "pretraining_tp": 1}
+REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads",
+                 "num_hidden_layers", "max_position_embeddings", "vocab_size")
 
 
 def quick_load(spec: ModelSpec, folder: str, device: torch.device) -> LoadedModel | None:
-    """The model in `folder` with a lean forward and a `tokenizers` tokenizer, or None
+    """The model in `folder` with a lean forward and transformers' tokenizer, or None
     when it does not qualify (see the module doc)."""
-    from genlib.models import LoadedModel, eos_ids_of, load_model, pick_dtype
+    from genlib.models import LoadedModel, eos_ids_of, load_model, pad_id_of, pick_dtype
 
     path = Path(folder)
     if (os.environ.get("GENLAB_LEAN", "1") == "0" or device.type != "cpu"
             or spec.quantize != "none" or spec.trust_remote_code):
         return None
     config = _read_json(path / "config.json")
-    tokenizer_config = _read_json(path / "tokenizer_config.json")
-    if config is None or tokenizer_config is None or not _tokenizer_qualifies(
-            path, tokenizer_config):
-        return None
-    model_config = _model_config(config)
+    model_config = _model_config(config) if config is not None else None
     if model_config is None:
         return None
     dtype = pick_dtype(spec.dtype, device)
     tensors = _load_tensors(path / WEIGHTS, model_config, dtype)
-    if tensors is None:
+    tokenizer = _tokenizer(path, folder) if tensors is not None else None
+    if tensors is None or tokenizer is None:
         return None
     from genlib.lean import LeanLlama
 
     lean = LeanLlama(model_config, tensors, _inv_freq(model_config))
-    tokenizer = FastTokenizer(path, tokenizer_config)
     generation = _read_json(path / "generation_config.json") or {}
     facts = SimpleNamespace(config=model_config, generation_config=SimpleNamespace(**generation))
-    eos = eos_ids_of(facts, tokenizer)
-    pad = next((v for v in (tokenizer.pad_token_id, generation.get("pad_token_id"),
-                            config.get("pad_token_id")) if isinstance(v, int)),
-               eos[0] if eos else 0)
     return LoadedModel(model=None, tokenizer=tokenizer, ref=spec.ref, device=device,
-                       dtype=dtype, eos_ids=eos, pad_id=pad,
+                       dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
+                       pad_id=pad_id_of(facts, tokenizer),
                        max_positions=model_config.max_position_embeddings,
                        lean=lean, deferred=lambda: load_model(spec).model)
 
@@ -88,45 +80,78 @@ def _read_json(path: Path) -> dict[str, Any] | None:
     return value if isinstance(value, dict) else None
 
 
-def _tokenizer_qualifies(path: Path, tokenizer_config: dict[str, Any]) -> bool:
-    if not (path / "tokenizer.json").is_file():
-        return False
-    if tokenizer_config.get("tokenizer_class") not in TOKENIZER_CLASSES:
-        return False
-    if tokenizer_config.get("clean_up_tokenization_spaces", False) is not False:
-        return False
-    if tokenizer_config.get("add_prefix_space") is not None:
-        return False
-    ignored = {"clean_up_tokenization_spaces", "add_prefix_space"}
-    return set(tokenizer_config) <= INERT_TOKENIZER_KEYS | ignored
+def _tokenizer(path: Path, ref: str) -> Any | None:
+    """The tokenizer AutoTokenizer would load for a llama checkpoint in `path`, through
+    the same class and `from_pretrained`, or None when its choice would take more than
+    the tokenizer config (remote code, other classes)."""
+    tokenizer_config = _read_json(path / "tokenizer_config.json")
+    if tokenizer_config is None or "auto_map" in tokenizer_config:
+        return None
+    declared = tokenizer_config.get("tokenizer_class")
+    if declared not in TOKENIZER_CLASSES or not (path / "tokenizer.json").is_file():
+        return None
+    from genlib.models import quiet_transformers
 
+    quiet_transformers()
+    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
+    from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
-REQUIRED = ("model_type", "hidden_size", "intermediate_size", "num_attention_heads",
-            "num_hidden_layers", "rms_norm_eps", "max_position_embeddings", "vocab_size",
-            "hidden_act")
+    # AutoTokenizer's rules for a llama config: a declared LlamaTokenizer whose
+    # tokenizer.json is byte-level, or a checkpoint on its list, gets TokenizersBackend.
+    listed = any(fnmatch(ref.lower(), pattern) for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND)
+    try:
+        cls: Any = TokenizersBackend
+        if declared.removesuffix("Fast") == "LlamaTokenizer" and not listed and \
+                not TokenizersBackend._tokenizer_json_has_byte_level(str(path)):
+            from transformers.models.llama.tokenization_llama import LlamaTokenizer
+
+            cls = LlamaTokenizer
+        return cls.from_pretrained(str(path))
+    except Exception:  # noqa: BLE001  (any failure: transformers' own load explains it)
+        return None
 
 
 def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
-    """config.json as the attributes LeanLlama reads, or None when it is not a plain
-    Llama-style model or leaves a field to transformers' defaults."""
+    """config.json as the LlamaConfig fields LeanLlama reads, or None unless it is a
+    plain llama config that states them all validly (transformers' defaults applied only
+    to the token ids and flags in LLAMA_DEFAULTS)."""
     from genlib.lean import eligible_config
 
-    if any(config.get(key) is None for key in REQUIRED):
+    fields = {**LLAMA_DEFAULTS, **config}
+    for key in ("num_key_value_heads", "head_dim", "rope_parameters"):
+        if fields.get(key) is None:
+            fields.pop(key, None)  # None means "derive it", as LlamaConfig does
+    if fields.get("model_type") != "llama" or config.get("rope_scaling") is not None \
+            or fields.get("hidden_act") != "silu":
         return None
-    if config.get("architectures") and len(config["architectures"]) != 1:
+    if fields.get("auto_map") or len(fields.get("architectures") or ["x"]) != 1:
         return None
-    fields = dict(config)
-    if "rope_parameters" not in fields:  # the transformers 4 spelling
-        if fields.get("rope_scaling") is not None:
-            return None
-        fields["rope_parameters"] = {"rope_type": "default",
-                                     "rope_theta": fields.get("rope_theta", 10000.0)}
+    if not all(_positive_int(fields.get(key)) for key in REQUIRED_INTS):
+        return None
+    if fields["hidden_size"] % fields["num_attention_heads"]:
+        return None  # LlamaConfig refuses it; let transformers say so
+    if not isinstance(fields.get("rms_norm_eps"), (int, float)) \
+            or not isinstance(fields.get("tie_word_embeddings"), bool):
+        return None
+    rope = fields.get("rope_parameters")
+    if rope is None:
+        rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
+    if not isinstance(rope, dict) or set(rope) != {"rope_type", "rope_theta"} \
+            or rope["rope_type"] != "default" or not isinstance(rope["rope_theta"], (int, float)):
+        return None
+    fields["rope_parameters"] = rope
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
-    fields.setdefault("tie_word_embeddings", False)  # transformers' default for all three
-    if not fields.get("head_dim"):
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
+    if not all(_positive_int(fields[key]) for key in ("num_key_value_heads", "head_dim")):
+        return None
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        return None
     model_config = SimpleNamespace(**fields)
     return model_config if eligible_config(model_config) else None
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _expected_shapes(c: SimpleNamespace) -> dict[str, tuple[int, ...]]:
@@ -164,14 +189,11 @@ def _load_tensors(path: Path, config: SimpleNamespace, dtype: torch.dtype
         tensors = load_file(str(path))
     except (OSError, SafetensorError):
         return None
-    extra = set(tensors) - set(shapes) - {"lm_head.weight"}
-    if extra or any(name not in tensors or tuple(tensors[name].shape) != shape
-                    for name, shape in shapes.items()):
-        return None
+    if set(tensors) != set(shapes) or any(tuple(tensors[name].shape) != shape
+                                          for name, shape in shapes.items()):
+        return None  # (tied embeddings with an lm_head of their own included)
     if not all(t.is_floating_point() for t in tensors.values()):
         return None
-    if config.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
     return {name: t.to(dtype) for name, t in tensors.items()}
 
 
@@ -181,61 +203,3 @@ def _inv_freq(config: SimpleNamespace) -> torch.Tensor:
 
     base, dim = config.rope_parameters["rope_theta"], config.head_dim
     return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
-
-
-class FastTokenizer:
-    """transformers' tokenizer API over `tokenizers.Tokenizer` for what the decode loop
-    calls each generation (encode, decode, special ids); everything else (chat templates,
-    the vocabulary, ...) goes to transformers' tokenizer, loaded on first use."""
-
-    def __init__(self, folder: Path, config: dict[str, Any]) -> None:
-        from tokenizers import Tokenizer
-
-        self._folder = folder
-        self._tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
-        self._full: Any = None
-        self.bos_token_id = self._special_id(config.get("bos_token"))
-        self.eos_token_id = self._special_id(config.get("eos_token"))
-        self.pad_token_id = self._special_id(config.get("pad_token"))
-        template = folder / "chat_template.jinja"
-        self.chat_template = config.get("chat_template") or (
-            template.read_text(encoding="utf-8") if template.is_file() else None)
-
-    def _special_id(self, token: Any) -> int | None:
-        if isinstance(token, dict):
-            token = token.get("content")
-        return self._tokenizer.token_to_id(token) if isinstance(token, str) else None
-
-    def __call__(self, text: str, add_special_tokens: bool = True, **kwargs: Any
-                 ) -> dict[str, list[int]]:
-        if kwargs or not isinstance(text, str):
-            return self._transformers()(text, add_special_tokens=add_special_tokens, **kwargs)
-        encoding = self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
-        return {"input_ids": encoding.ids, "attention_mask": encoding.attention_mask}
-
-    def decode(self, ids: Any, skip_special_tokens: bool = False,
-               clean_up_tokenization_spaces: bool | None = None, **kwargs: Any) -> str:
-        if kwargs or clean_up_tokenization_spaces:
-            return self._transformers().decode(
-                ids, skip_special_tokens=skip_special_tokens,
-                clean_up_tokenization_spaces=clean_up_tokenization_spaces, **kwargs)
-        ids = [ids] if isinstance(ids, int) else [int(i) for i in ids]
-        return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def _transformers(self) -> Any:
-        if self._full is None:
-            from transformers import AutoTokenizer
-
-            from genlib.models import quiet_transformers
-
-            quiet_transformers()
-            self._full = AutoTokenizer.from_pretrained(str(self._folder))
-        return self._full
-
-    def __len__(self) -> int:
-        return len(self._transformers())
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name in ("_full", "_folder", "_tokenizer"):
-            raise AttributeError(name)
-        return getattr(self._transformers(), name)

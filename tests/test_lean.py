@@ -145,6 +145,23 @@ def test_split_one_row_product_is_bit_identical_to_torch_mm(two_threads, k, n):
     assert torch.equal(_mm(rows, proj), torch.mm(rows, weight))
 
 
+@pytest.mark.parametrize("k, n", [(384, 32002), (1024, 4100), (64, 1024)])
+def test_products_whose_slices_would_not_be_exact_are_not_split(two_threads, k, n):
+    """Slices of a width that is not a multiple of 4 take another MKL path (different
+    bits); a weight under 1 MiB gains nothing from a second thread."""
+    weight = torch.randn(n, k).t()
+    assert _Proj.of(weight).split is None
+
+
+def test_a_split_that_would_change_the_bits_is_dropped(two_threads, monkeypatch):
+    import genlib.lean
+
+    weight = torch.randn(1152, 384).t()
+    assert _Proj.of(weight).split is not None
+    monkeypatch.setattr(genlib.lean, "_same_as_mm", lambda w, split: False)
+    assert _Proj.of(weight).split is None
+
+
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
 def test_lean_steps_with_split_products_are_bit_identical_on_code_target(code_target,
                                                                          two_threads):

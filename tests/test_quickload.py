@@ -16,8 +16,9 @@ import torch
 
 from genlib import decode, forward
 from genlib.config import resolve_settings
+from genlib.lean import LeanLlama
 from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
-from genlib.quickload import FastTokenizer
+from genlib.quickload import quick_load
 from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES, tiny_config
 
 MODELS = [STORIES, LLAMA2XS, CODE_TARGET, DEFAULT_MODEL]
@@ -40,7 +41,7 @@ def greedy(n: int, **more):
 @pytest.mark.parametrize("path", MODELS, ids=lambda p: p.name)
 def test_quick_load_gives_the_same_tokens_facts_and_tokenizer(path):
     quick, full = both(path)
-    assert quick.lean is not None and isinstance(quick.tokenizer, FastTokenizer)
+    assert quick.lean is not None and type(quick.tokenizer) is type(full.tokenizer)
     assert (quick.eos_ids, quick.pad_id, quick.max_positions, quick.dtype, quick.vocab_size) \
         == (full.eos_ids, full.pad_id, full.max_positions, full.dtype, full.vocab_size)
     for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -93,8 +94,8 @@ def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
     assert quick.tokenizer.get_vocab() == stories.tokenizer.get_vocab()
 
 
-def save_tiny(tmp_path: Path, arch: str, **config) -> Path:
-    """A tiny random model of `arch` saved with the stories260K tokenizer."""
+def save_tiny(tmp_path: Path, arch: str = "llama", tokenizer: Path = STORIES, **config) -> Path:
+    """A tiny random model of `arch` saved with a shared model's tokenizer."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -104,56 +105,177 @@ def save_tiny(tmp_path: Path, arch: str, **config) -> Path:
     folder = tmp_path / arch
     AutoModelForCausalLM.from_config(cfg).save_pretrained(folder)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(STORIES / name, folder / name)
+        shutil.copy(tokenizer / name, folder / name)
     return folder
 
 
-@pytest.mark.parametrize("arch, config", [("llama", {}), ("qwen2", {}),
-                                          ("llama", {"tie_word_embeddings": True})])
-def test_tiny_gqa_bias_and_tied_checkpoints_match_transformers(tmp_path, arch, config):
-    folder = save_tiny(tmp_path, arch, **config)
-    quick, full = load_model(ModelSpec(str(folder)), quick=True), load_model(ModelSpec(str(folder)))
-    assert quick.lean is not None
-    lean = quick.lean
-    assert (lean.kv_heads, lean.layers[0].qkv_bias is not None) == (2, arch == "qwen2")
-    ids = torch.tensor([[1, 5, 9, 200, 33]])
-    hf_logits, state = forward.prefill(full.model, ids, torch.ones_like(ids))
-    assert torch.equal(lean.prefill(ids, 64), hf_logits)
-    t = torch.tensor([[17]])
-    assert torch.equal(lean.step(t), forward.extend(full.model, state, t)[:, -1])
+def code_tiny(tmp_path: Path) -> Path:
+    """A tiny llama with code-target's byte-level tokenizer (TokenizersBackend)."""
+    return save_tiny(tmp_path, tokenizer=CODE_TARGET, vocab_size=8192, bos_token_id=0,
+                     eos_token_id=0)
 
 
-def rewrite_json(path: Path, **changes) -> None:
+def edit_json(path: Path, **changes) -> None:
+    """Set keys (None drops one)."""
     data = json.loads(path.read_text())
-    data.update(changes)
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
     path.write_text(json.dumps(data))
 
 
+def edit_tokenizer_json(folder: Path, change) -> None:
+    data = json.loads((folder / "tokenizer.json").read_text())
+    change(data)
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+
+
+def assert_same_as_transformers(folder: Path) -> None:
+    """The quick load of `folder` is taken, and matches transformers' load in everything
+    genlab reads: facts, tokenizer class and output, logits."""
+    quick, full = load_model(ModelSpec(str(folder)), quick=True), load_model(ModelSpec(str(folder)))
+    assert quick.lean is not None and not quick.model_loaded
+    assert type(quick.tokenizer) is type(full.tokenizer)
+    assert (quick.eos_ids, quick.pad_id, quick.max_positions, quick.vocab_size) \
+        == (full.eos_ids, full.pad_id, full.max_positions, full.vocab_size)
+    for attr in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        assert getattr(quick.tokenizer, attr) == getattr(full.tokenizer, attr), attr
+    for text in TEXTS + [" leading  space", "</s>hello", "hello  world"]:
+        ids = full.tokenizer(text)["input_ids"]
+        assert quick.tokenizer(text)["input_ids"] == ids, text
+        for skip in (True, False):
+            assert quick.tokenizer.decode(ids, skip_special_tokens=skip) \
+                == full.tokenizer.decode(ids, skip_special_tokens=skip)
+    # The lean forward over the quick load's tensors is the one genlab builds over
+    # transformers' model, bit for bit (tests/test_lean.py compares that one with
+    # transformers' forward).
+    reference = LeanLlama.from_model(full.model)
+    ids = torch.tensor([[1, 5, 9, 200, 33]])
+    assert torch.equal(quick.lean.prefill(ids, 64), reference.prefill(ids, 64))
+    for token in (17, 3, 99):
+        t = torch.tensor([[token]])
+        assert torch.equal(quick.lean.step(t), reference.step(t))
+
+
+def no_special_names(folder: Path) -> None:
+    edit_json(folder / "tokenizer_config.json", bos_token=None, eos_token=None,
+              unk_token=None, extra_special_tokens=None)
+
+
+def names_plain_token_special(folder: Path) -> None:
+    edit_json(folder / "tokenizer_config.json", extra_special_tokens=["<s>", "</s>", "▁Once"])
+
+
+def llama2_normalizer(folder: Path) -> None:
+    def change(data):
+        data["normalizer"] = {"type": "Sequence", "normalizers": [
+            {"type": "Prepend", "prepend": "▁"},
+            {"type": "Replace", "pattern": {"String": " "}, "content": "▁"}]}
+        data["pre_tokenizer"] = None
+    edit_tokenizer_json(folder, change)
+
+
+def no_byte_fallback(folder: Path) -> None:
+    edit_tokenizer_json(folder, lambda data: data["model"].update(byte_fallback=False))
+
+
+def special_tokens_map(folder: Path) -> None:
+    (folder / "special_tokens_map.json").write_text(json.dumps({"pad_token": "<unk>"}))
+
+
+def no_eos_in_config(folder: Path) -> None:
+    edit_json(folder / "config.json", eos_token_id=None, bos_token_id=None)
+
+
+def null_eos_in_config(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "eos_token_id": None}))
+
+
+def null_kv_heads(folder: Path) -> None:
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, "num_key_value_heads": None,
+                                                     "head_dim": None}))
+
+
+@pytest.mark.parametrize("arch, config", [("llama", {}), ("llama", {"tie_word_embeddings": True})],
+                         ids=["gqa", "tied"])
+def test_tiny_checkpoints_match_transformers(tmp_path, arch, config):
+    folder = save_tiny(tmp_path, arch, **config)
+    assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")).lean.kv_heads == 2
+    assert_same_as_transformers(folder)
+
+
 @pytest.mark.parametrize("change", [
-    lambda f: rewrite_json(f / "tokenizer_config.json", add_bos_token=False),
-    lambda f: rewrite_json(f / "tokenizer_config.json", tokenizer_class="Qwen2Tokenizer"),
-    lambda f: rewrite_json(f / "config.json", rope_parameters={"rope_type": "linear",
-                                                               "rope_theta": 10000.0,
-                                                               "factor": 2.0}),
-    lambda f: rewrite_json(f / "config.json", intermediate_size=48),  # shapes disagree
+    no_special_names, names_plain_token_special, llama2_normalizer, no_byte_fallback,
+    special_tokens_map, no_eos_in_config, null_eos_in_config])
+def test_tokenizer_and_config_variants_load_as_transformers_loads_them(tmp_path, change):
+    """transformers' tokenizer class rebuilds or amends tokenizer.json (LlamaTokenizer's
+    own pipeline, special tokens named only in the configs), and LlamaConfig fills
+    defaults: the quick load must follow both."""
+    folder = save_tiny(tmp_path)
+    change(folder)
+    assert_same_as_transformers(folder)
+
+
+def test_null_kv_heads_and_head_dim_are_derived_as_llamaconfig_derives_them(tmp_path):
+    folder = save_tiny(tmp_path, num_key_value_heads=4)
+    null_kv_heads(folder)
+    assert_same_as_transformers(folder)
+
+
+def test_byte_level_tokenizer_declared_as_llama_gets_tokenizers_backend(tmp_path):
+    folder = code_tiny(tmp_path)
+    edit_json(folder / "tokenizer_config.json", tokenizer_class="LlamaTokenizer")
+    assert_same_as_transformers(folder)
+    folder = code_tiny(tmp_path / "special")
+    edit_tokenizer_json(folder, lambda data: data.update(added_tokens=[]))
+    assert_same_as_transformers(folder)
+
+
+@pytest.mark.parametrize("change", [
+    lambda f: edit_json(f / "tokenizer_config.json", tokenizer_class="GPT2Tokenizer"),
+    lambda f: edit_json(f / "tokenizer_config.json", auto_map={"AutoTokenizer": ["x", "y"]}),
+    lambda f: edit_json(f / "config.json", rope_parameters={"rope_type": "linear",
+                                                            "rope_theta": 10000.0,
+                                                            "factor": 2.0}),
+    lambda f: edit_json(f / "config.json", rope_parameters={"type": "linear",
+                                                            "rope_theta": 10000.0,
+                                                            "factor": 2.0}),
+    lambda f: edit_json(f / "config.json", rope_scaling={"rope_type": "linear", "factor": 2.0}),
+    lambda f: edit_json(f / "config.json", intermediate_size=48),  # shapes disagree
+    lambda f: edit_json(f / "config.json", vocab_size=512.0),
+    lambda f: edit_json(f / "config.json", hidden_size=30),  # not a multiple of the heads
+    lambda f: edit_json(f / "config.json", tie_word_embeddings=True),  # with an lm_head
+    lambda f: (f / "tokenizer.json").write_text('{"model": 3}'),
     lambda f: (f / "tokenizer.json").unlink(),
     lambda f: (f / "model.safetensors").rename(f / "model-00001-of-00001.safetensors"),
-], ids=["tokenizer-key", "tokenizer-class", "rope-scaling", "shapes", "no-tokenizer-json",
-        "no-single-file"])
+], ids=["tokenizer-class", "remote-tokenizer", "rope-scaling", "rope-legacy-type",
+        "rope-scaling-key", "shapes", "float-vocab", "bad-heads", "tied-with-lm-head",
+        "broken-tokenizer-json", "no-tokenizer-json", "no-single-file"])
 def test_checkpoints_that_do_not_qualify_load_through_transformers(tmp_path, change):
-    folder = save_tiny(tmp_path, "llama")
+    folder = save_tiny(tmp_path)
     change(folder)
-    from genlib.quickload import quick_load
+    assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")) is None
 
+
+def test_other_architectures_load_through_transformers(tmp_path):
+    folder = save_tiny(tmp_path, "qwen2")  # AutoTokenizer overrides qwen2's declared class
     assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")) is None
 
 
 @pytest.mark.parametrize("spec", [ModelSpec(str(STORIES), quantize="8bit"),
                                   ModelSpec(str(STORIES), trust_remote_code=True)])
 def test_quantized_or_remote_code_specs_do_not_qualify(spec):
-    from genlib.quickload import quick_load
-
     assert quick_load(spec, spec.ref, torch.device("cpu")) is None
+
+
+def test_repr_and_equality_do_not_load_the_deferred_model():
+    quick = load_model(ModelSpec(str(STORIES)), quick=True)
+    assert "stories260K" in repr(quick) and quick == quick
+    assert not quick.model_loaded
 
 
 def test_genlab_lean_0_turns_the_quick_start_off(monkeypatch):
@@ -173,11 +295,13 @@ def test_chat_templates_come_from_transformers_tokenizer(tmp_path):
     assert quick.encode_chat(messages) == full.encode_chat(messages)
 
 
-def test_genlab_generate_starts_without_importing_transformers():
+def test_genlab_generate_starts_without_transformers_model_modules():
+    heavy = ("transformers.modeling_utils", "transformers.models.llama.configuration_llama",
+             "transformers.integrations.hub_kernels")
     code = ("import sys\nfrom cli.main import app\n"
             "try:\n    app(['generate', '-m', sys.argv[1], '-n', '8', 'Once upon a time'])\n"
             "except SystemExit as exit:\n"
-            "    print('transformers' in sys.modules, exit.code, file=sys.stderr)\n")
+            f"    print(any(m in sys.modules for m in {heavy!r}), exit.code, file=sys.stderr)\n")
     done = subprocess.run([sys.executable, "-c", code, str(STORIES)], capture_output=True,
                           text=True, cwd=ROOT, timeout=120)
     assert done.stdout.startswith(", there was a little")
