@@ -8,11 +8,12 @@ small model).
     lm = quick_load(spec, folder, device)    # None when the checkpoint does not qualify
 
 Only what is known to load exactly as transformers loads it qualifies: a plain `llama`
-config (`lean.eligible_config`) with every field the forward reads given explicitly and
-valid, one unsharded safetensors file holding exactly the tensors the config implies, a
-CPU device, no quantization, and a tokenizer config AutoTokenizer would resolve to
-`LlamaTokenizer` or `TokenizersBackend` without remote code. Anything else returns None
-and the caller loads the model through transformers, which also explains any error.
+config (`lean.eligible_config`) holding only keys in CONFIG_KEYS, each of a type and
+range LlamaConfig accepts; one unsharded safetensors file holding exactly the tensors the
+config implies; a CPU device, no quantization, no adapter; and a tokenizer config that
+AutoTokenizer would resolve to `LlamaTokenizer` or `TokenizersBackend` without remote
+code. Anything else (or any error on the way) returns None and the caller loads the model
+through transformers, which also reports whatever is wrong with the checkpoint.
 The transformers model follows on the first read of `LoadedModel.model` (batches, beam
 search, ...), so every feature keeps working, and exactly as before.
 """
@@ -40,30 +41,48 @@ LLAMA_DEFAULTS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None,
                   "pretraining_tp": 1}
 REQUIRED_INTS = ("hidden_size", "intermediate_size", "num_attention_heads",
                  "num_hidden_layers", "max_position_embeddings", "vocab_size")
+# Every config.json key the quick path knows transformers reads no further than it does;
+# any other key (transformers_weights, model_name, adapters, sub-configs, ...) sends the
+# checkpoint through transformers.
+CONFIG_KEYS = {*LLAMA_DEFAULTS, *REQUIRED_INTS, "model_type", "architectures",
+               "num_key_value_heads", "head_dim", "hidden_act", "rms_norm_eps",
+               "rope_parameters", "rope_theta", "rope_scaling", "attention_dropout",
+               "initializer_range", "use_cache", "dtype", "torch_dtype",
+               "transformers_version", "_name_or_path"}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+MAX_ROTARY_ELEMENTS = 1 << 26  # the lean forward's cos/sin tables: positions x head_dim
 
 
 def quick_load(spec: ModelSpec, folder: str, device: torch.device) -> LoadedModel | None:
     """The model in `folder` with a lean forward and transformers' tokenizer, or None
     when it does not qualify (see the module doc)."""
-    from genlib.models import LoadedModel, eos_ids_of, load_model, pad_id_of, pick_dtype
-
     path = Path(folder)
     if (os.environ.get("GENLAB_LEAN", "1") == "0" or device.type != "cpu"
             or spec.quantize != "none" or spec.trust_remote_code):
         return None
+    if (path / "adapter_config.json").exists():
+        return None  # transformers would apply the adapter
+    try:
+        return _quick_load(spec, path, device)
+    except Exception:  # noqa: BLE001  (whatever it is, transformers' load reports it)
+        return None
+
+
+def _quick_load(spec: ModelSpec, path: Path, device: torch.device) -> LoadedModel | None:
+    from genlib.lean import LeanLlama
+    from genlib.models import LoadedModel, eos_ids_of, load_model, pad_id_of, pick_dtype
+
     config = _read_json(path / "config.json")
     model_config = _model_config(config) if config is not None else None
-    if model_config is None:
+    generation = _generation_config(path / "generation_config.json")
+    if model_config is None or generation is None:
         return None
     dtype = pick_dtype(spec.dtype, device)
     tensors = _load_tensors(path / WEIGHTS, model_config, dtype)
-    tokenizer = _tokenizer(path, folder) if tensors is not None else None
+    tokenizer = _tokenizer(path, str(path)) if tensors is not None else None
     if tensors is None or tokenizer is None:
         return None
-    from genlib.lean import LeanLlama
-
     lean = LeanLlama(model_config, tensors, _inv_freq(model_config))
-    generation = _read_json(path / "generation_config.json") or {}
     facts = SimpleNamespace(config=model_config, generation_config=SimpleNamespace(**generation))
     return LoadedModel(model=None, tokenizer=tokenizer, ref=spec.ref, device=device,
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
@@ -75,9 +94,22 @@ def quick_load(spec: ModelSpec, folder: str, device: torch.device) -> LoadedMode
 def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return value if isinstance(value, dict) else None
+
+
+def _generation_config(path: Path) -> dict[str, Any] | None:
+    """generation_config.json's fields ({} without one), or None unless every value is
+    plain and its end and pad ids are ids (transformers refuses or reads others)."""
+    if not path.exists():
+        return {}
+    fields = _read_json(path)
+    if fields is None or any(isinstance(v, dict) for v in fields.values()):
+        return None
+    ok = _token_ids(fields.get("eos_token_id")) and _token_id(fields.get("pad_token_id")) \
+        and _token_id(fields.get("bos_token_id"))
+    return fields if ok else None
 
 
 def _tokenizer(path: Path, ref: str) -> Any | None:
@@ -117,21 +149,22 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
     to the token ids and flags in LLAMA_DEFAULTS)."""
     from genlib.lean import eligible_config
 
+    if not set(config) <= CONFIG_KEYS or config.get("rope_scaling") is not None:
+        return None
     fields = {**LLAMA_DEFAULTS, **config}
     for key in ("num_key_value_heads", "head_dim", "rope_parameters"):
         if fields.get(key) is None:
             fields.pop(key, None)  # None means "derive it", as LlamaConfig does
-    if fields.get("model_type") != "llama" or config.get("rope_scaling") is not None \
-            or fields.get("hidden_act") != "silu":
+    if fields.get("model_type") != "llama" or fields.get("hidden_act") != "silu":
         return None
-    if fields.get("auto_map") or len(fields.get("architectures") or ["x"]) != 1:
+    architectures = fields.get("architectures") or ["LlamaForCausalLM"]
+    if not isinstance(architectures, list) or len(architectures) != 1:
         return None
     if not all(_positive_int(fields.get(key)) for key in REQUIRED_INTS):
         return None
     if fields["hidden_size"] % fields["num_attention_heads"]:
         return None  # LlamaConfig refuses it; let transformers say so
-    if not isinstance(fields.get("rms_norm_eps"), (int, float)) \
-            or not isinstance(fields.get("tie_word_embeddings"), bool):
+    if not _plain_values(fields):
         return None
     rope = fields.get("rope_parameters")
     if rope is None:
@@ -144,10 +177,40 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
     fields.setdefault("head_dim", fields["hidden_size"] // fields["num_attention_heads"])
     if not all(_positive_int(fields[key]) for key in ("num_key_value_heads", "head_dim")):
         return None
-    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+    if fields["num_attention_heads"] % fields["num_key_value_heads"] or fields["head_dim"] % 2:
+        return None
+    if fields["max_position_embeddings"] * fields["head_dim"] > MAX_ROTARY_ELEMENTS:
         return None
     model_config = SimpleNamespace(**fields)
     return model_config if eligible_config(model_config) else None
+
+
+def _plain_values(fields: dict[str, Any]) -> bool:
+    """The types and ranges LlamaConfig's strict validation accepts, for the fields the
+    quick path lets through (so it never loads what transformers would refuse)."""
+    number = (int, float)
+    return (isinstance(fields.get("rms_norm_eps"), float) and fields["rms_norm_eps"] > 0
+            and all(isinstance(fields.get(k), bool) for k in
+                    ("tie_word_embeddings", "attention_bias", "mlp_bias"))
+            and isinstance(fields.get("use_cache", True), bool)
+            and _token_ids(fields["eos_token_id"]) and _token_id(fields["bos_token_id"])
+            and _token_id(fields["pad_token_id"])
+            and fields.get("pretraining_tp") == 1
+            and isinstance(fields.get("initializer_range", 0.02), number)
+            and 0 <= fields.get("initializer_range", 0.02) <= 1
+            and isinstance(fields.get("attention_dropout", 0.0), number)
+            and fields.get("dtype", "float32") in DTYPE_NAMES
+            and fields.get("torch_dtype", "float32") in DTYPE_NAMES)
+
+
+def _token_id(value: Any) -> bool:
+    return value is None or (isinstance(value, int) and not isinstance(value, bool))
+
+
+def _token_ids(value: Any) -> bool:
+    if isinstance(value, list):
+        return bool(value) and all(v is not None and _token_id(v) for v in value)
+    return _token_id(value)
 
 
 def _positive_int(value: Any) -> bool:

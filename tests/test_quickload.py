@@ -249,12 +249,27 @@ def test_byte_level_tokenizer_declared_as_llama_gets_tokenizers_backend(tmp_path
     lambda f: edit_json(f / "config.json", vocab_size=512.0),
     lambda f: edit_json(f / "config.json", hidden_size=30),  # not a multiple of the heads
     lambda f: edit_json(f / "config.json", tie_word_embeddings=True),  # with an lm_head
+    lambda f: edit_json(f / "config.json", transformers_weights="other.safetensors"),
+    lambda f: edit_json(f / "config.json", model_name="phi3"),
+    lambda f: edit_json(f / "config.json", initializer_range=2.0),
+    lambda f: edit_json(f / "config.json", bos_token_id="1"),
+    lambda f: edit_json(f / "config.json", rms_norm_eps=0),
+    lambda f: edit_json(f / "config.json", head_dim=7),
+    lambda f: edit_json(f / "config.json", architectures=5),
+    lambda f: edit_json(f / "config.json", max_position_embeddings=10**11),
+    lambda f: (f / "generation_config.json").write_text("[1, 2]"),
+    lambda f: edit_json(f / "generation_config.json", generator={"a": 1}),
+    lambda f: edit_json(f / "generation_config.json", eos_token_id=2.0),
+    lambda f: (f / "adapter_config.json").write_text("{}"),
     lambda f: (f / "tokenizer.json").write_text('{"model": 3}'),
     lambda f: (f / "tokenizer.json").unlink(),
     lambda f: (f / "model.safetensors").rename(f / "model-00001-of-00001.safetensors"),
 ], ids=["tokenizer-class", "remote-tokenizer", "rope-scaling", "rope-legacy-type",
         "rope-scaling-key", "shapes", "float-vocab", "bad-heads", "tied-with-lm-head",
-        "broken-tokenizer-json", "no-tokenizer-json", "no-single-file"])
+        "weights-elsewhere", "model-name", "initializer-range", "string-bos", "zero-eps",
+        "odd-head-dim", "architectures-int", "huge-positions", "generation-list",
+        "generation-dict-value", "float-eos", "adapter", "broken-tokenizer-json",
+        "no-tokenizer-json", "no-single-file"])
 def test_checkpoints_that_do_not_qualify_load_through_transformers(tmp_path, change):
     folder = save_tiny(tmp_path)
     change(folder)
