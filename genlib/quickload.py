@@ -166,11 +166,8 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
         return None  # LlamaConfig refuses it; let transformers say so
     if not _plain_values(fields):
         return None
-    rope = fields.get("rope_parameters")
+    rope = _default_rope(fields)
     if rope is None:
-        rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
-    if not isinstance(rope, dict) or set(rope) != {"rope_type", "rope_theta"} \
-            or rope["rope_type"] != "default" or not isinstance(rope["rope_theta"], (int, float)):
         return None
     fields["rope_parameters"] = rope
     fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
@@ -183,6 +180,18 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
         return None
     model_config = SimpleNamespace(**fields)
     return model_config if eligible_config(model_config) else None
+
+
+def _default_rope(fields: dict[str, Any]) -> dict[str, Any] | None:
+    """The rope parameters when they are the default rope's and nothing more (the v4
+    spelling, a top-level `rope_theta` or none, included); else None."""
+    rope = fields.get("rope_parameters")
+    if rope is None:
+        rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
+    if not isinstance(rope, dict) or set(rope) != {"rope_type", "rope_theta"} \
+            or rope["rope_type"] != "default" or not isinstance(rope["rope_theta"], (int, float)):
+        return None
+    return rope
 
 
 def _plain_values(fields: dict[str, Any]) -> bool:
