@@ -3,6 +3,7 @@ several architectures (built in memory, with the stories260K tokenizer)."""
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,19 @@ STORIES = SHARED_MODELS / "stories260K"
 LLAMA2XS = SHARED_MODELS / "llama2xs"
 CODE_TARGET = SHARED_MODELS / "code-target"
 CODE_DRAFT = SHARED_MODELS / "code-draft"
+
+
+@contextmanager
+def torch_threads(n: int):
+    """torch's intra-op threads set to `n` for the block."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def shared_model(path: Path):

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib import bench
 from genlib.config import GenerationSettings
-from tests.conftest import STORIES
+from tests.conftest import STORIES, torch_threads
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s", "e2e_s", "itl_p50_s", "itl_p90_s",
            "itl_p99_s", "peak_rss_mb")
@@ -37,12 +37,8 @@ def test_prompts_have_exactly_the_requested_length(stories):
 @pytest.fixture
 def one_thread():
     """Tiny models run fastest on one thread (and the test machine is shared)."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def test_measure_forces_lengths_and_matches_transformers(stories, one_thread):

@@ -10,7 +10,7 @@ from genlib import decode, forward
 from genlib.config import resolve_settings
 from genlib.errors import GenlabError
 from genlib.lean import LeanLlama, _mm, _Proj
-from tests.conftest import CODE_TARGET, shared_model, tiny_config
+from tests.conftest import CODE_TARGET, shared_model, tiny_config, torch_threads
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the"]
 
@@ -126,10 +126,8 @@ def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_ll
 @pytest.fixture
 def two_threads():
     """torch on two threads, so the one-row products of large weights are split."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+    with torch_threads(2):
+        yield
 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
