@@ -208,7 +208,7 @@ def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Genera
             context = context.index_select(0, rows) if context is not None else None
         if context is not None:
             context = torch.cat([context, new], dim=1)
-        logits = forward.extend(lm.model, state, new)[:, -1, :]
+        logits = forward.extend(state, new)[:, -1, :]
     return [_result(plan, searches, p, steps) for p in range(len(prompts_ids))]
 
 

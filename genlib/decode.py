@@ -187,9 +187,7 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = F
                 context = context.index_select(0, keep) if context is not None else None
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
-            # A lean state steps by itself: reading lm.model would load a deferred one.
-            model = lm.model if state.step is None else None
-            logits = forward.extend(model, state, tokens[:, None])[:, -1, :]
+            logits = forward.extend(state, tokens[:, None])[:, -1, :]
     except KeyboardInterrupt:
         for row_number in active:
             if not rows[row_number].finished:

@@ -91,7 +91,7 @@ class ModelDrafter:
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(gamma):
-            logits = forward.extend(self.lm.model, self.state, _as_batch(feed, self.lm))[0, -1]
+            logits = forward.extend(self.state, _as_batch(feed, self.lm))[0, -1]
             self.cached.extend(feed)
             q_logits = process(context, logits, i)
             if self.sample:
@@ -157,7 +157,7 @@ def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | No
     `capacity` tokens (default: the model's positions); else transformers' forward."""
     head = list(ids[:-1])
     if not head:
-        return forward.KVState(forward.new_cache(lm.model), None, None, 0), []
+        return forward.KVState(forward.new_cache(lm.model), None, None, 0, model=lm.model), []
     input_ids = torch.tensor([head], dtype=torch.long, device=lm.device)
     fast = forward.lean_of(lm) if lean and lm.quantize == "none" else None
     if fast is not None:

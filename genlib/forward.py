@@ -31,6 +31,9 @@ class KVState:
     attention_mask: torch.Tensor | None
     positions: torch.Tensor | None  # (batch,) position id of the next token per row
     length: int  # tokens in the cache (padding included)
+    # transformers' model, which `extend` runs over a dynamic cache (None for the states
+    # below, which extend themselves).
+    model: Any = None
     # Set by `prefill_static`: the one-token step over a preallocated (static) cache,
     # compiled or not. `extend` uses it for single tokens; see `prefill_static`.
     step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
@@ -111,13 +114,14 @@ def prefill(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor,
         attention_mask=attention_mask if padded else None,
         positions=positions[:, -1] + 1 if padded else None,
         length=input_ids.shape[1],
+        model=model,
     )
     logits = out.logits.float()
     return (logits if all_logits else logits[:, -1, :]), state
 
 
 @torch.inference_mode()
-def extend(model: Any, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
+def extend(state: KVState, tokens: torch.Tensor) -> torch.Tensor:
     """Feed `tokens` (batch, k) after the cached ones; return their logits
     (batch, k, vocab) as float32. The state grows by k."""
     k = tokens.shape[1]
@@ -133,8 +137,8 @@ def extend(model: Any, state: KVState, tokens: torch.Tensor) -> torch.Tensor:
         state.attention_mask = torch.cat([state.attention_mask, ones], dim=1)
         positions = state.positions[:, None] + torch.arange(k, device=tokens.device)
         state.positions = state.positions + k
-    out = model(input_ids=tokens, attention_mask=state.attention_mask, position_ids=positions,
-                past_key_values=state.cache, use_cache=True)
+    out = state.model(input_ids=tokens, attention_mask=state.attention_mask,
+                      position_ids=positions, past_key_values=state.cache, use_cache=True)
     state.cache = out.past_key_values
     state.length += k
     return out.logits.float()

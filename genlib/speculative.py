@@ -137,7 +137,7 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     draft = spec.drafter.propose(spec.ids, gamma, draft_process, generator)
     begin = time.perf_counter()
     fed = [spec.ids[-1], *draft.tokens]
-    raw = forward.extend(spec.target.model, spec.state, torch.tensor(
+    raw = forward.extend(spec.state, torch.tensor(
         [fed], dtype=torch.long, device=spec.target.device))[0]  # (k+1, vocab)
     p_logits = torch.stack([process(plan, spec.ids + draft.tokens[:i], raw[i], base + i)
                             for i in range(len(fed))])

@@ -79,7 +79,7 @@ def test_kv_cache_logits_equal_full_recompute(stories):
     ids = stories.encode("Once upon a time, there was a dog")
     input_ids, mask = forward.left_pad([ids[:4]], stories.pad_id, stories.device)
     _, state = forward.prefill(stories.model, input_ids, mask)
-    cached = forward.extend(stories.model, state, torch.tensor([ids[4:]]))
+    cached = forward.extend(state, torch.tensor([ids[4:]]))
     with torch.no_grad():
         full = stories.model(torch.tensor([ids])).logits.float()
     torch.testing.assert_close(cached[0], full[0, 4:], atol=1e-4, rtol=1e-4)

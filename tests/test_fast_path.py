@@ -24,7 +24,7 @@ def static_greedy(lm, ids: list[int], n: int) -> list[int]:
     for _ in range(n):
         token = logits.argmax(-1)
         out.append(int(token))
-        logits = forward.extend(lm.model, state, token[:, None])[:, -1, :]
+        logits = forward.extend(state, token[:, None])[:, -1, :]
     return out
 
 
@@ -42,8 +42,8 @@ def test_static_cache_logits_equal_dynamic_cache_logits(stories):
     torch.testing.assert_close(st_logits, dyn_logits, rtol=1e-4, atol=1e-4)
     for token in (42, 7, 300):
         t = torch.tensor([[token]])
-        torch.testing.assert_close(forward.extend(stories.model, st, t),
-                                   forward.extend(stories.model, dyn, t), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(forward.extend(st, t),
+                                   forward.extend(dyn, t), rtol=1e-4, atol=1e-4)
     assert st.length == dyn.length == len(ids) + 3
 
 

@@ -118,7 +118,7 @@ def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_ll
     torch.testing.assert_close(lean.prefill(ids, 64), hf_logits, rtol=1e-4, atol=1e-4)
     for token in (42, 7, 300, 2, 1):
         t = torch.tensor([[token]])
-        torch.testing.assert_close(lean.step(t), forward.extend(model, state, t)[:, -1],
+        torch.testing.assert_close(lean.step(t), forward.extend(state, t)[:, -1],
                                    rtol=1e-4, atol=1e-4)
     assert lean.length == state.length == 12
 
@@ -171,7 +171,7 @@ def test_lean_steps_with_split_products_are_bit_identical_on_code_target(code_ta
     assert torch.equal(lean.prefill(ids, 64), hf_logits)
     for token in (42, 7, 300, 2, 1):
         t = torch.tensor([[token]])
-        assert torch.equal(lean.step(t), forward.extend(model, state, t)[:, -1])
+        assert torch.equal(lean.step(t), forward.extend(state, t)[:, -1])
 
 
 @pytest.mark.parametrize("which", ["stories", "tiny"])
@@ -183,13 +183,13 @@ def test_several_tokens_after_a_prefix_equal_hf_logits(stories, tiny_llama, whic
     _, state = forward.prefill(model, ids, torch.ones_like(ids))
     lean.prefill(ids, 64)
     block = torch.tensor([[42, 7, 300, 2, 11]])
-    torch.testing.assert_close(lean.extend(block), forward.extend(model, state, block),
+    torch.testing.assert_close(lean.extend(block), forward.extend(state, block),
                                rtol=1e-4, atol=1e-4)
     assert lean.length == state.length == 12
     lean.crop(9)  # roll back past two of them; the next step sees only the first two
     state.crop(9)
     nxt = torch.tensor([[5]])
-    torch.testing.assert_close(lean.step(nxt), forward.extend(model, state, nxt)[:, -1],
+    torch.testing.assert_close(lean.step(nxt), forward.extend(state, nxt)[:, -1],
                                rtol=1e-4, atol=1e-4)
 
 

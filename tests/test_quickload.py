@@ -76,7 +76,7 @@ def test_quick_logits_are_bit_identical_to_transformers(stories):
     assert torch.equal(lean.prefill(ids, 64), hf_logits)
     for token in (42, 7, 300):
         t = torch.tensor([[token]])
-        assert torch.equal(lean.step(t), forward.extend(stories.model, state, t)[:, -1])
+        assert torch.equal(lean.step(t), forward.extend(state, t)[:, -1])
 
 
 def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):

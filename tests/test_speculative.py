@@ -171,7 +171,7 @@ def test_caches_after_rejections_equal_fresh_prefill(stories, xs) -> None:
     assert rejected >= 2
     for lm, state in ((stories, spec.state), (xs, drafter.state)):
         assert state.length == len(spec.ids) - 1
-        cached = forward.extend(lm.model, state, torch.tensor([[spec.ids[-1]]]))[0, -1]
+        cached = forward.extend(state, torch.tensor([[spec.ids[-1]]]))[0, -1]
         fresh, _ = forward.prefill(lm.model, torch.tensor([spec.ids]),
                                    torch.ones(1, len(spec.ids), dtype=torch.long))
         torch.testing.assert_close(cached, fresh[0], atol=1e-4, rtol=1e-4)
