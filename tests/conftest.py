@@ -29,6 +29,28 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+def assert_lean_follows_transformers(model, lean, ids, tokens=(42, 7, 300, 2, 1),
+                                     exact: bool = True) -> None:
+    """The lean forward's logits at prefill and after each of `tokens` against
+    transformers' forward on `model`: bit for bit, or within 1e-4 with exact=False."""
+    import torch
+
+    from genlib import forward
+
+    def same(ours, theirs):
+        if exact:
+            assert torch.equal(ours, theirs)
+        else:
+            torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+
+    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
+    same(lean.prefill(ids, 64), hf_logits)
+    for token in tokens:
+        t = torch.tensor([[token]])
+        same(lean.step(t), forward.extend(state, t)[:, -1])
+    assert lean.length == state.length == ids.shape[1] + len(tokens)
+
+
 def shared_model(path: Path):
     from genlib.models import ModelSpec, load_model
 

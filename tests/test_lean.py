@@ -10,7 +10,13 @@ from genlib import decode, forward
 from genlib.config import resolve_settings
 from genlib.errors import GenlabError
 from genlib.lean import LeanLlama, _mm, _Proj
-from tests.conftest import CODE_TARGET, shared_model, tiny_config, torch_threads
+from tests.conftest import (
+    CODE_TARGET,
+    assert_lean_follows_transformers,
+    shared_model,
+    tiny_config,
+    torch_threads,
+)
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the"]
 
@@ -112,15 +118,8 @@ def test_lean_greedy_matches_generate_on_tiny_gqa_llama(tiny_llama):
 @pytest.mark.parametrize("which", ["stories", "tiny"])
 def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_llama, which):
     model = stories.model if which == "stories" else tiny_llama
-    lean = LeanLlama.from_model(model)
-    ids = torch.tensor([[1, 43, 67, 120, 9, 300, 41]])
-    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
-    torch.testing.assert_close(lean.prefill(ids, 64), hf_logits, rtol=1e-4, atol=1e-4)
-    for token in (42, 7, 300, 2, 1):
-        t = torch.tensor([[token]])
-        torch.testing.assert_close(lean.step(t), forward.extend(state, t)[:, -1],
-                                   rtol=1e-4, atol=1e-4)
-    assert lean.length == state.length == 12
+    assert_lean_follows_transformers(model, LeanLlama.from_model(model),
+                                     torch.tensor([[1, 43, 67, 120, 9, 300, 41]]), exact=False)
 
 
 @pytest.fixture
@@ -167,11 +166,7 @@ def test_lean_steps_with_split_products_are_bit_identical_on_code_target(code_ta
     lean = LeanLlama.from_model(model)
     assert lean.lm_head.split is not None and lean.layers[0].gate_up.split is not None
     ids = torch.tensor([code_target.encode("def add(a, b):\n    return")])
-    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
-    assert torch.equal(lean.prefill(ids, 64), hf_logits)
-    for token in (42, 7, 300, 2, 1):
-        t = torch.tensor([[token]])
-        assert torch.equal(lean.step(t), forward.extend(state, t)[:, -1])
+    assert_lean_follows_transformers(model, lean, ids)
 
 
 @pytest.mark.parametrize("which", ["stories", "tiny"])

@@ -19,7 +19,14 @@ from genlib.config import resolve_settings
 from genlib.lean import LeanLlama
 from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
 from genlib.quickload import quick_load
-from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES, tiny_config
+from tests.conftest import (
+    CODE_TARGET,
+    LLAMA2XS,
+    ROOT,
+    STORIES,
+    assert_lean_follows_transformers,
+    tiny_config,
+)
 
 MODELS = [STORIES, LLAMA2XS, CODE_TARGET, DEFAULT_MODEL]
 TEXTS = ["Once upon a time", " leading space", "two\n\nlines  and  spaces", "",
@@ -70,13 +77,8 @@ def test_quick_load_gives_the_same_tokens_facts_and_tokenizer(path):
 
 def test_quick_logits_are_bit_identical_to_transformers(stories):
     quick = load_model(ModelSpec(str(STORIES)), quick=True)
-    lean = forward.lean_of(quick)
-    ids = torch.tensor([stories.encode("The little dog")])
-    hf_logits, state = forward.prefill(stories.model, ids, torch.ones_like(ids))
-    assert torch.equal(lean.prefill(ids, 64), hf_logits)
-    for token in (42, 7, 300):
-        t = torch.tensor([[token]])
-        assert torch.equal(lean.step(t), forward.extend(state, t)[:, -1])
+    assert_lean_follows_transformers(stories.model, forward.lean_of(quick),
+                                     torch.tensor([stories.encode("The little dog")]))
 
 
 def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
