@@ -274,8 +274,10 @@ def test_byte_level_tokenizer_declared_as_llama_gets_tokenizers_backend(tmp_path
         "no-tokenizer-json", "no-single-file"])
 def test_checkpoints_that_do_not_qualify_load_through_transformers(tmp_path, change):
     folder = save_tiny(tmp_path)
+    spec, cpu = ModelSpec(str(folder)), torch.device("cpu")
+    assert quick_load(spec, str(folder), cpu) is not None  # qualifies until changed
     change(folder)
-    assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")) is None
+    assert quick_load(spec, str(folder), cpu) is None
 
 
 def test_other_architectures_load_through_transformers(tmp_path):
