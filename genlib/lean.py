@@ -12,11 +12,13 @@ matrix products (as llama2.c's and gpt-fast's forward functions are).
     logits = lean.prefill(input_ids)         # (1, T) -> (1, vocab) float32
     logits = lean.step(token)                # (1, 1) -> (1, vocab) float32
 
-`compiled_step` is the same step under torch.compile: the KV buffers are attributes
-updated in place at a position held in a 0-d tensor and attention runs over the whole
-buffer with a mask, so shapes never change and one graph serves every step. Its
-products are reductions inductor generates (`_matvec`), not torch.mm: the logits differ
-in the last bits, the tokens do not in the tests.
+`compiled_step` is the same step under torch.compile: the KV buffers are updated in
+place at a position held in a 0-d tensor and attention reads as many cached tokens as
+that position says, a size the graph reads from the tensor, so one graph serves every
+step; after the first, it is called without dynamo's per-call guards
+(`genlib.compiled.DirectCompiled`). Its products are reductions inductor generates
+(`_matvec`), not torch.mm: the logits differ in the last bits, the tokens do not in the
+tests.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from genlib.compiled import DirectCompiled
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible` checks).
@@ -116,10 +120,6 @@ class _Layer:
     down: _Proj
     keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
     values: torch.Tensor | None = None
-    # The compiled step's copies, (1, kv_heads, head_dim, capacity): its attention then
-    # runs along contiguous positions (about a quarter faster on stories260K).
-    keys_t: torch.Tensor | None = None
-    values_t: torch.Tensor | None = None
 
 
 def eligible_config(config: Any) -> bool:
@@ -188,10 +188,10 @@ class LeanLlama:
         self.cos, self.sin = self._rotary_tables(inv_freq)
         self.length = 0  # tokens in the KV buffers
         self.capacity = 0
-        self._compiled_current = False
         self.prefills = 0  # counts generations, so a stale one's steps can be refused
         self.position = torch.zeros((), dtype=torch.long, device=self.device)
-        self._compiled: Any = None
+        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        self._compiled: DirectCompiled | None = None
 
     @classmethod
     def from_model(cls, model: Any) -> LeanLlama | None:
@@ -245,10 +245,8 @@ class LeanLlama:
             for layer in self.layers:
                 layer.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
                 layer.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                layer.keys_t = layer.values_t = None
             self.capacity = capacity
         self.length = 0
-        self._compiled_current = False  # whether keys_t/values_t hold the cache
 
     def crop(self, length: int) -> None:
         """Forget everything after the first `length` cached tokens."""
@@ -293,13 +291,20 @@ class LeanLlama:
         keys, values = layer.keys, layer.values
         keys[:, :, start:end] = k  # type: ignore[index]
         values[:, :, start:end] = v  # type: ignore[index]
-        # SDPA with grouped heads, causal over the prompt, as transformers' sdpa path runs it;
-        # several tokens after a cached prefix (speculative verify) take an explicit mask.
-        out = F.scaled_dot_product_attention(
-            q, keys[:, :, :end], values[:, :, :end],  # type: ignore[index]
-            attn_mask=mask, is_causal=t > 1 and mask is None, scale=self.scale,
-            enable_gqa=True)
+        # Causal over the prompt; several tokens after a cached prefix (speculative
+        # verify) take an explicit mask.
+        out = self._sdpa(q, keys, values, end, mask=mask,  # type: ignore[arg-type]
+                         causal=t > 1 and mask is None)
         return x + _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
+
+    def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              end: int | torch.SymInt, mask: torch.Tensor | None = None,
+              causal: bool = False) -> torch.Tensor:
+        # SDPA over the first `end` cached tokens, with grouped heads, as transformers'
+        # sdpa path runs it.
+        return F.scaled_dot_product_attention(
+            q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=causal,
+            scale=self.scale, enable_gqa=True)
 
     def _logits(self, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         return mm(self._rms_norm(x, self.norm), self.lm_head).float()
@@ -333,63 +338,36 @@ class LeanLlama:
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:
         """Feed several tokens (1, k) after the cached ones (speculative verification);
         the logits of every one of them, (1, k, vocab) float32."""
-        if self._compiled_current:
-            self._sync(to_compiled=False)
         return self._forward(tokens, all_logits=True)[None]
 
     @torch.inference_mode()
     def step(self, token: torch.Tensor) -> torch.Tensor:
         """Feed one token (1, 1) after the cached ones; its logits (1, vocab) float32."""
-        if self._compiled_current:
-            self._sync(to_compiled=False)
         return self._forward(token)
 
     # --- Compiled step ----------------------------------------------------------------
 
-    def _static_step(self, token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
-        # Fixed shapes: write slot `position`, attend over the whole buffer with a mask.
+    def _static_step(self, token: torch.Tensor, position: torch.Tensor,
+                     keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+        # The layers' KV buffers come as arguments, so DirectCompiled passes the current
+        # ones. Every shape is fixed but attention's: SDPA reads the `position + 1`
+        # cached tokens, a size read from the tensor inside the graph (an unbacked
+        # symbol, so no recompiles), as `_attend` does.
         index = position.view(1)
+        length = position.item() + 1
+        torch._check(length >= 1)
+        torch._check(length <= self.capacity)
         cos = self.cos.index_select(0, index)[:, None]
         sin = self.sin.index_select(0, index)[:, None]
-        visible = (torch.arange(self.capacity, device=self.device) <= position).view(1, 1, -1)
         x = F.embedding(token[0], self.embed)
-        for layer in self.layers:
+        for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             q, k, v = self._qkv(layer, x, cos, sin, _matvec)
-            layer.keys_t.index_copy_(3, index, k.transpose(2, 3))  # type: ignore[union-attr]
-            layer.values_t.index_copy_(3, index, v.transpose(2, 3))  # type: ignore[union-attr]
-            x = x + _matvec(self._attend_all(q, layer, visible), layer.o)
+            layer_keys.index_copy_(2, index, k)
+            layer_values.index_copy_(2, index, v)
+            out = self._sdpa(q, layer_keys, layer_values, length)
+            x = x + _matvec(out.view(1, -1), layer.o)
             x = self._mlp(layer, x, _matvec)
         return self._logits(x, _matvec)
-
-    def _attend_all(self, q: torch.Tensor, layer: _Layer, visible: torch.Tensor) -> torch.Tensor:
-        # Softmax attention written out (inductor fuses it; SDPA's kernel would be an
-        # opaque call over the whole buffer), each query head grouped with its KV head.
-        groups = self.heads // self.kv_heads
-        q = q.reshape(self.kv_heads, groups, self.head_dim, 1)
-        keys, values = layer.keys_t[0, :, None], layer.values_t[0, :, None]  # type: ignore[index]
-        scores = (q * keys).sum(-2) * self.scale  # (kv_heads, groups, capacity)
-        weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
-        return (weights[:, :, None, :] * values).sum(-1).reshape(1, -1)
-
-    def _sync(self, to_compiled: bool) -> None:
-        """Copy the cached tokens to the layout the next step reads (once per switch
-        between `step` and `compiled_step`, i.e. once per compiled generation)."""
-        n = self.length
-        for layer in self.layers:
-            keys, values = layer.keys, layer.values
-            assert keys is not None and values is not None  # allocated by reserve
-            if layer.keys_t is None:
-                layer.keys_t = keys.transpose(2, 3).contiguous()
-                layer.values_t = values.transpose(2, 3).contiguous()
-            keys_t, values_t = layer.keys_t, layer.values_t
-            assert values_t is not None
-            if to_compiled:
-                keys_t[..., :n] = keys[:, :, :n].transpose(2, 3)
-                values_t[..., :n] = values[:, :, :n].transpose(2, 3)
-            else:
-                keys[:, :, :n] = keys_t[..., :n].transpose(2, 3)
-                values[:, :, :n] = values_t[..., :n].transpose(2, 3)
-        self._compiled_current = to_compiled
 
     def _compile_options(self) -> dict[str, Any]:
         # The C++ wrapper saves a Python call per kernel. A small model's kernels are
@@ -405,13 +383,14 @@ class LeanLlama:
     def compiled_step(self, token: torch.Tensor) -> torch.Tensor:
         """`step` under torch.compile (the first call per buffer size compiles)."""
         if self._compiled is None:
-            self._compiled = torch.compile(self._static_step, fullgraph=True, dynamic=False,
-                                           options=self._compile_options())
+            self._compiled = DirectCompiled(self._static_step, self._compile_options(),
+                                            dynamo_config={"capture_scalar_outputs": True})
         if self.length >= self.capacity:
             raise ValueError(f"{self.length + 1} tokens exceed the KV buffers' {self.capacity}")
-        if not self._compiled_current:
-            self._sync(to_compiled=True)
         self.position.fill_(self.length)
-        logits = self._compiled(token, self.position)
+        self.token.copy_(token)  # the same input tensor on every step, as the position
+        keys = [layer.keys for layer in self.layers]
+        values = [layer.values for layer in self.layers]
+        logits = self._compiled(self.capacity, self.token, self.position, keys, values)
         self.length += 1
         return logits

@@ -265,6 +265,10 @@ def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
         mixed.append(int(token))
         logits = (lean.compiled_step if i // 4 == 1 else lean.step)(token)
     assert mixed == eager[:12]
+    # Back to the first buffer size, in newly allocated buffers: the graph compiled for
+    # that size is called directly, with the new buffers.
+    assert lean_greedy(lean, prompt, 40, compiled=True) == eager
+    assert lean._compiled.direct_keys == [44, 64]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 64])

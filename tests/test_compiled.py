@@ -1,0 +1,75 @@
+"""genlib.compiled.DirectCompiled: compiled once per key through dynamo, then called
+straight into inductor's function, with the current argument tensors."""
+
+import pytest
+import torch
+
+from genlib.compiled import DirectCompiled
+
+
+class Step:
+    """A decode-step-like function: a weight read from an attribute, a buffer (an
+    argument) written in place at a position held in a 0-d tensor."""
+
+    def __init__(self) -> None:
+        self.weight = torch.arange(12.0).view(3, 4)
+
+    def __call__(self, x: torch.Tensor, position: torch.Tensor,
+                 buffers: list[torch.Tensor]) -> torch.Tensor:
+        y = x @ self.weight
+        buffers[0].index_copy_(0, position.view(1), y)
+        return buffers[0].sum(0) + y
+
+
+def reference(step: Step, x, position, buffer):
+    """The eager result, and the buffer as the step leaves it (on a copy)."""
+    copy = buffer.clone()
+    return step(x, position, [copy]), copy
+
+
+def refuse_dynamo(*args):
+    raise AssertionError("went through dynamo")
+
+
+@pytest.fixture
+def compiled():
+    torch._dynamo.reset()
+    step = Step()
+    return step, DirectCompiled(step, options={})
+
+
+@torch.inference_mode()
+def test_later_calls_skip_dynamo_and_see_the_current_inputs(compiled):
+    step, direct = compiled
+    buffer = torch.zeros(5, 4)
+    x, position = torch.ones(1, 3), torch.tensor(0)
+    expected, _ = reference(step, x, position, buffer)
+    assert torch.equal(direct("five", x, position, [buffer]), expected)
+    assert direct.direct_keys == ["five"]
+    direct._compiled = refuse_dynamo  # from here on, a call through dynamo fails
+    for i in range(1, 4):
+        x = torch.full((1, 3), float(i + 1))
+        position.fill_(i)
+        expected, after = reference(step, x, position, buffer)
+        assert torch.equal(direct("five", x, position, [buffer]), expected)
+        assert torch.equal(buffer, after)  # the in-place write happened
+    # New buffer objects of the same layout (a reallocated cache) are the ones used.
+    fresh = torch.full((5, 4), 2.0)
+    expected, after = reference(step, x, position, fresh)
+    assert torch.equal(direct("five", x, position, [fresh]), expected)
+    assert torch.equal(fresh, after)
+
+
+@torch.inference_mode()
+def test_arguments_of_another_layout_go_through_dynamo(compiled):
+    step, direct = compiled
+    x, position = torch.ones(1, 3), torch.tensor(0)
+    direct("five", x, position, [torch.zeros(5, 4)])
+    with pytest.raises(AssertionError, match="went through dynamo"):
+        saved, direct._compiled = direct._compiled, refuse_dynamo
+        direct("five", x, position, [torch.zeros(4, 5).t()])  # same shape, other strides
+    direct._compiled = saved
+    bigger = torch.zeros(7, 4)
+    expected, _ = reference(step, x, position, bigger)
+    assert torch.equal(direct("seven", x, position, [bigger]), expected)
+    assert direct.direct_keys == ["five", "seven"]
