@@ -11,13 +11,19 @@ shapes), keeps the function inductor built and the inputs dynamo lifted, and cal
 function directly afterwards: what CUDA graphs do for a GPU's launch overhead.
 
     step = DirectCompiled(fn, options={"cpp_wrapper": True})
-    out = step(key, token, position, buffers)   # fn(token, position, buffers)
+    out = step(key, token, position, buffers)   # fn(token, position, buffers) -> Tensor
 
-Every tensor argument (in lists or tuples too) is passed again on each call; tensors `fn`
-reads from elsewhere (a model's weights) are held by reference and must not be replaced.
-A call whose arguments differ in shape, stride, dtype or device from the ones `key` was
-compiled with, or a torch without inductor's `compile_fx`, goes through torch.compile as
-usual (correct, with its guards).
+What a direct call checks, and what it does not:
+- The arguments: tensors (alone or in lists and tuples) are passed again on each call and
+  must have the shape, stride, dtype and device they had when `key` was compiled; other
+  arguments (numbers, strings, None) must be equal to theirs. A call that differs, or
+  whose arguments hold anything else (a dict, an object), goes through torch.compile as
+  usual, guards and all.
+- Not checked: tensors `fn` reads from elsewhere (a model's weights) are held by
+  reference as they were when compiled and must not be replaced; grad mode, autocast
+  and other global state must stay as they were (the caller runs under inference mode).
+- A function returning anything but one tensor, and a torch without inductor's
+  `compile_fx`, always go through torch.compile.
 """
 
 from __future__ import annotations
@@ -28,37 +34,57 @@ from typing import Any
 
 import torch
 
+_PLAIN = (int, float, bool, str, type(None))
 
-def _flat_tensors(args: Sequence[Any]) -> list[torch.Tensor]:
-    """The tensors among `args`, with those inside lists and tuples, in order."""
-    out: list[torch.Tensor] = []
-    for arg in args:
+
+def _flatten(args: Sequence[Any]) -> tuple[list[torch.Tensor], Any]:
+    """The tensors among `args` (inside lists and tuples too), in order, and a signature
+    of the call: the tensors' layouts, the other values and the nesting; None when an
+    argument is of another kind (such a call is never run directly)."""
+    tensors: list[torch.Tensor] = []
+
+    def signature(arg: Any) -> Any:
         if isinstance(arg, torch.Tensor):
-            out.append(arg)
-        elif isinstance(arg, (list, tuple)):
-            out.extend(_flat_tensors(arg))
-    return out
+            tensors.append(arg)
+            return (arg.shape, arg.stride(), arg.dtype, arg.device)
+        if isinstance(arg, (list, tuple)):
+            parts = tuple([signature(a) for a in arg])  # a list is faster than a generator
+            return None if None in parts else (type(arg), parts)
+        return (type(arg), arg) if isinstance(arg, _PLAIN) else None
+
+    parts = tuple([signature(a) for a in args])
+    return tensors, (None if None in parts else parts)
 
 
 def _single_output(graph: torch.fx.GraphModule) -> bool:
+    # dynamo's graphs return a tuple of outputs; a direct call returns its one element
+    # (fn's tensor), so other functions keep going through torch.compile, which rebuilds
+    # their results.
     outputs = [node.args[0] for node in graph.graph.nodes if node.op == "output"]
     return len(outputs) == 1 and isinstance(outputs[0], (tuple, list)) and len(outputs[0]) == 1
-
-
-def _layout(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
-    return tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 @dataclass(frozen=True)
 class _Entry:
     """One compiled graph: inductor's function, its inputs as they were lifted (the
-    tensors it reads from elsewhere stay as they are), and which of them are argument
-    tensors, as (input index, argument tensor index) pairs."""
+    tensors `fn` reads from elsewhere; None where an argument tensor goes), and which are
+    argument tensors, as (input index, argument tensor index) pairs."""
 
     fn: Callable[..., Any]
     inputs: tuple[Any, ...]
     from_args: tuple[tuple[int, int], ...]
-    layout: tuple[tuple[Any, ...], ...]  # of the argument tensors it was compiled for
+    signature: Any  # of the call it was compiled for (`_flatten`)
+
+    @classmethod
+    def of(cls, fn: Callable[..., Any], example_inputs: Sequence[Any],
+           tensors: Sequence[torch.Tensor], signature: Any) -> _Entry:
+        index = {id(t): j for j, t in enumerate(tensors)}
+        from_args = tuple((i, index[id(x)]) for i, x in enumerate(example_inputs)
+                          if id(x) in index)
+        inputs = list(example_inputs)
+        for i, _ in from_args:
+            inputs[i] = None  # filled on each call; holding them would keep old buffers alive
+        return cls(fn, tuple(inputs), from_args, signature)
 
     def __call__(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
         inputs = list(self.inputs)
@@ -75,8 +101,13 @@ class DirectCompiled:
     def __init__(self, fn: Callable[..., torch.Tensor], options: dict[str, Any],
                  dynamo_config: dict[str, Any] | None = None) -> None:
         self.options = options
-        self.dynamo_config = dynamo_config or {}
+        # Each key is one more compiled version of `fn` for dynamo, which by default stops
+        # at 8 per function (counting every instance's) and then fails, with fullgraph.
+        # Versions already run directly are never looked up again: allow many.
+        self.dynamo_config = {"recompile_limit": 1024, **(dynamo_config or {})}
         self._entries: dict[Any, _Entry] = {}
+        # What `_backend` built during the current call through dynamo: the backend is
+        # called from inside dynamo, so it leaves its result here for `__call__`.
         self._built: tuple[Callable[..., Any], list[Any]] | None = None
         try:
             from torch._inductor.compile_fx import compile_fx
@@ -93,7 +124,7 @@ class DirectCompiled:
         # example_inputs are the real tensors of this call.
         assert self._compile_fx is not None
         fn = self._compile_fx(graph, example_inputs, config_patches=self.options)
-        if _single_output(graph):  # what _Entry returns
+        if _single_output(graph):
             self._built = (fn, list(example_inputs))
         return fn
 
@@ -103,24 +134,15 @@ class DirectCompiled:
         return list(self._entries)
 
     def __call__(self, key: Any, *args: Any) -> torch.Tensor:
-        tensors = _flat_tensors(args)
+        tensors, signature = _flatten(args)
         entry = self._entries.get(key)
-        if entry is not None and entry.layout == _layout(tensors):
+        if entry is not None and signature is not None and entry.signature == signature:
             return entry(tensors)
-        self._built = None
-        with torch._dynamo.config.patch(**self.dynamo_config):
-            out = self._compiled(*args)
-        if self._built is not None and entry is None:
-            self._entries[key] = self._entry(*self._built, tensors)
+        try:
+            with torch._dynamo.config.patch(**self.dynamo_config):
+                out = self._compiled(*args)
+            if self._built is not None and entry is None and signature is not None:
+                self._entries[key] = _Entry.of(*self._built, tensors, signature)
+        finally:
+            self._built = None  # it holds this call's tensors
         return out
-
-    @staticmethod
-    def _entry(fn: Callable[..., Any], example_inputs: list[Any],
-               tensors: list[torch.Tensor]) -> _Entry:
-        index = {id(t): j for j, t in enumerate(tensors)}
-        from_args = tuple((i, index[id(x)]) for i, x in enumerate(example_inputs)
-                          if id(x) in index)
-        inputs = list(example_inputs)
-        for i, _ in from_args:
-            inputs[i] = None  # filled on each call; holding them would keep old buffers alive
-        return _Entry(fn, tuple(inputs), from_args, _layout(tensors))

@@ -15,16 +15,16 @@ class Step:
         self.weight = torch.arange(12.0).view(3, 4)
 
     def __call__(self, x: torch.Tensor, position: torch.Tensor,
-                 buffers: list[torch.Tensor]) -> torch.Tensor:
+                 buffers: list[torch.Tensor], scale: float = 1.0) -> torch.Tensor:
         y = x @ self.weight
         buffers[0].index_copy_(0, position.view(1), y)
-        return buffers[0].sum(0) + y
+        return buffers[0].sum(0) + y * scale
 
 
-def reference(step: Step, x, position, buffer):
+def reference(step: Step, x, position, buffer, scale: float = 1.0):
     """The eager result, and the buffer as the step leaves it (on a copy)."""
     copy = buffer.clone()
-    return step(x, position, [copy]), copy
+    return step(x, position, [copy], scale), copy
 
 
 def refuse_dynamo(*args):
@@ -49,7 +49,7 @@ def test_later_calls_skip_dynamo_and_see_the_current_inputs(compiled):
     direct._compiled = refuse_dynamo  # from here on, a call through dynamo fails
     for i in range(1, 4):
         x = torch.full((1, 3), float(i + 1))
-        position.fill_(i)
+        position = torch.tensor(i)  # a new tensor each time: the one passed is the one used
         expected, after = reference(step, x, position, buffer)
         assert torch.equal(direct("five", x, position, [buffer]), expected)
         assert torch.equal(buffer, after)  # the in-place write happened
@@ -73,3 +73,30 @@ def test_arguments_of_another_layout_go_through_dynamo(compiled):
     expected, _ = reference(step, x, position, bigger)
     assert torch.equal(direct("seven", x, position, [bigger]), expected)
     assert direct.direct_keys == ["five", "seven"]
+
+
+@torch.inference_mode()
+def test_other_arguments_must_be_equal_to_run_directly(compiled):
+    step, direct = compiled
+    buffer, x, position = torch.zeros(5, 4), torch.ones(1, 3), torch.tensor(1)
+    direct("five", x, position, [buffer], 1.0)
+    expected, _ = reference(step, x, position, buffer, 3.0)
+    assert torch.equal(direct("five", x, position, [buffer], 3.0), expected)
+    saved, direct._compiled = direct._compiled, refuse_dynamo
+    with pytest.raises(AssertionError, match="went through dynamo"):
+        direct("five", x, position, [buffer], 3.0)  # only the first call's 1.0 is direct
+    with pytest.raises(AssertionError, match="went through dynamo"):
+        direct("five", x, position, {"buffers": buffer})  # a dict is never run directly
+    direct._compiled = saved
+
+
+@torch.inference_mode()
+def test_more_keys_than_dynamos_default_limit_of_eight(compiled):
+    """dynamo stops after 8 versions of a function (and fails, with fullgraph)."""
+    step, direct = compiled
+    x, position = torch.ones(1, 3), torch.tensor(0)
+    for rows in range(2, 12):
+        buffer = torch.zeros(rows, 4)
+        expected, _ = reference(step, x, position, buffer)
+        assert torch.equal(direct(rows, x, position, [buffer]), expected)
+    assert direct.direct_keys == list(range(2, 12))
