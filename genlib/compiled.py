@@ -104,7 +104,13 @@ class DirectCompiled:
         # Each key is one more compiled version of `fn` for dynamo, which by default stops
         # at 8 per function (counting every instance's) and then fails, with fullgraph.
         # Versions already run directly are never looked up again: allow many.
-        self.dynamo_config = {"recompile_limit": 1024, **(dynamo_config or {})}
+        # (torch before 2.7 calls it cache_size_limit.) Imported here: importing dynamo
+        # takes about a second, which a command that never compiles should not pay.
+        import torch._dynamo
+
+        limit = ("recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit")
+                 else "cache_size_limit")
+        self.dynamo_config = {limit: 1024, **(dynamo_config or {})}
         self._entries: dict[Any, _Entry] = {}
         # What `_backend` built during the current call through dynamo: the backend is
         # called from inside dynamo, so it leaves its result here for `__call__`.

@@ -100,3 +100,15 @@ def test_more_keys_than_dynamos_default_limit_of_eight(compiled):
         expected, _ = reference(step, x, position, buffer)
         assert torch.equal(direct(rows, x, position, [buffer]), expected)
     assert direct.direct_keys == list(range(2, 12))
+
+
+def test_importing_the_decode_path_does_not_import_dynamo():
+    """Importing dynamo takes about a second: only a compile should pay it."""
+    import subprocess
+    import sys
+
+    code = ("import sys, genlib.decode, genlib.lean, genlib.compiled, genlib.quickload; "
+            "print('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True)
+    assert out.stdout.strip() == "False"
