@@ -36,7 +36,8 @@ class KVState:
     model: Any = None
     # Set by `prefill_static`: the one-token step over a preallocated (static) cache,
     # compiled or not. `extend` uses it for single tokens; see `prefill_static`.
-    step: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    # (token (batch, 1), the cache length before it) -> its logits
+    step: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     # Set by `prefill_lean`: several tokens in one forward (speculative verification),
     # and rollback to a length.
     extend_many: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -199,15 +200,15 @@ def prefill_static(model: Any, input_ids: torch.Tensor, cache_length: int,
                 past_key_values=cache, use_cache=True, **kwargs)
     step = compiled_step(model) if compile else _one_token_step
     state = KVState(cache=cache, attention_mask=None, positions=None, length=length,
-                    step=lambda token, position: step(model, cache, token, position))
+                    step=lambda token, length: step(model, cache, token, torch.tensor(
+                        [length], device=token.device)))
     return out.logits[:, -1, :].float(), state
 
 
 def _static_extend(state: KVState, tokens: torch.Tensor) -> torch.Tensor:
     logits = []
     for i in range(tokens.shape[1]):
-        position = torch.tensor([state.length], device=tokens.device)
-        logits.append(state.step(tokens[:, i:i + 1], position))  # type: ignore[misc]
+        logits.append(state.step(tokens[:, i:i + 1], state.length))  # type: ignore[misc]
         state.length += 1
     return logits[0] if len(logits) == 1 else torch.cat(logits, dim=1)
 
@@ -261,7 +262,7 @@ def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
                               "forward keeps one KV cache per model; run them one after "
                               "the other, or set GENLAB_LEAN=0")
 
-    def step(token: torch.Tensor, position: torch.Tensor) -> torch.Tensor:
+    def step(token: torch.Tensor, length: int) -> torch.Tensor:
         current()
         return run(token)[:, None]
 

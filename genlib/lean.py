@@ -30,11 +30,14 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from genlib import hugepages
 from genlib.compiled import DirectCompiled
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible` checks).
 _ARCHS = ("llama", "mistral", "qwen2")
+_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+_GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
 
 
@@ -183,8 +186,9 @@ class LeanLlama:
         self.lm_head = _Proj.of(tensors.get("lm_head.weight", self.embed).t())
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.layers = [self._layer(tensors, f"model.layers.{i}.")
-                       for i in range(config.num_hidden_layers)]
+        fused = self._fused_weights(tensors, config.num_hidden_layers)
+        self.layers = [self._layer(tensors, f"model.layers.{i}.", qkv, gate_up)
+                       for i, (qkv, gate_up) in enumerate(fused)]
         self.cos, self.sin = self._rotary_tables(inv_freq)
         self.length = 0  # tokens in the KV buffers
         self.capacity = 0
@@ -205,23 +209,43 @@ class LeanLlama:
 
     @staticmethod
     @torch.no_grad()
-    def _layer(tensors: Mapping[str, torch.Tensor], prefix: str) -> _Layer:
+    def _fused_weights(tensors: Mapping[str, torch.Tensor], layers: int
+                       ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer, the q/k/v weights stacked into one (rows, hidden) matrix and the
+        gate/up weights into another: one product instead of three (two), with the same
+        dot products, so the same values (tests/test_lean.py checks the logits are
+        bit-identical). All of them are written into one buffer of 2 MiB pages
+        (genlib.hugepages), which the decode step streams faster."""
+        groups = [[tensors[f"model.layers.{i}.{name}.weight"] for name in names]
+                  for i in range(layers) for names in (_QKV, _GATE_UP)]
+        sizes = [sum(w.numel() for w in group) for group in groups]
+        first = groups[0][0]
+        buffer = hugepages.empty(sum(sizes), first.dtype, first.device)
+        matrices, start = [], 0
+        for group, size in zip(groups, sizes):
+            matrix = buffer[start:start + size].view(-1, group[0].shape[1])
+            matrices.append(torch.cat(group, out=matrix))
+            start += size
+        return list(zip(matrices[0::2], matrices[1::2]))
+
+    @staticmethod
+    @torch.no_grad()
+    def _layer(tensors: Mapping[str, torch.Tensor], prefix: str, qkv: torch.Tensor,
+               gate_up: torch.Tensor) -> _Layer:
+        """One layer over its weights, with its fused q/k/v and gate/up matrices
+        (`_fused_weights`)."""
         def weight(name: str) -> torch.Tensor:
             return tensors[prefix + name + ".weight"]
 
-        # One product instead of three (two): the same dot products, so the same values
-        # (tests/test_lean.py checks the logits are bit-identical).
-        names = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-        qkv = torch.cat([weight(name) for name in names]).t()
-        biases = [tensors.get(prefix + name + ".bias") for name in names]
+        biases = [tensors.get(prefix + name + ".bias") for name in _QKV]
         bias = None if all(b is None for b in biases) else torch.cat(
             [b if b is not None else weight(name).new_zeros(weight(name).shape[0])
-             for b, name in zip(biases, names)])
-        gate_up = torch.cat([weight("mlp.gate_proj"), weight("mlp.up_proj")]).t()
-        return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv),
+             for b, name in zip(biases, _QKV)])
+        return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv.t()),
                       qkv_bias=bias, o=_Proj.of(weight("self_attn.o_proj").t()),
                       post_norm=weight("post_attention_layernorm"),
-                      gate_up=_Proj.of(gate_up), down=_Proj.of(weight("mlp.down_proj").t()))
+                      gate_up=_Proj.of(gate_up.t()),
+                      down=_Proj.of(weight("mlp.down_proj").t()))
 
     def _rotary_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # As LlamaRotaryEmbedding.forward computes them (float32, then the model's dtype),

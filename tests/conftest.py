@@ -66,6 +66,11 @@ def stories():
 
 
 @pytest.fixture(scope="session")
+def code_target():
+    return shared_model(CODE_TARGET)
+
+
+@pytest.fixture(scope="session")
 def llama2xs():
     return shared_model(LLAMA2XS)
 

@@ -11,9 +11,7 @@ from genlib.config import resolve_settings
 from genlib.errors import GenlabError
 from genlib.lean import LeanLlama, _mm, _Proj
 from tests.conftest import (
-    CODE_TARGET,
     assert_lean_follows_transformers,
-    shared_model,
     tiny_config,
     torch_threads,
 )
@@ -73,11 +71,6 @@ def tiny_llama():
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(tiny_config("llama")).eval()
-
-
-@pytest.fixture(scope="module")
-def code_target():
-    return shared_model(CODE_TARGET)
 
 
 @pytest.mark.parametrize("prompt", STORY_PROMPTS)
