@@ -363,8 +363,9 @@ class Summary:
         return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
     def predicted_speedup(self, verify_cost: float = 1.0) -> float:
-        """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha, c and mean
-        gamma: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + 1)).
+        """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha and c,
+        summed over the steps taken with their own gamma: the expected tokens
+        (1 - alpha^(gamma+1)) / (1 - alpha) over the costs (gamma c + 1).
 
         The formula takes a target forward over gamma+1 tokens to cost one plain decoding
         step. Pass `verify_cost` (measured verify seconds / plain step seconds) where that

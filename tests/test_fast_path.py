@@ -1,4 +1,6 @@
-"""The static-cache / compiled decode path gives the same tokens as the default path."""
+"""The static-cache / compiled decode path over transformers' forward (what models the
+lean forward cannot run take, and every model with GENLAB_LEAN=0) gives the same tokens as
+the default path. The lean forward's own compiled step is tested in test_lean.py."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from genlib import decode, forward
 from genlib.config import GenerationSettings
 
 PROMPT = "Once upon a time"
+prefill_static = forward.prefill_static
 
 
 def greedy(n: int) -> GenerationSettings:
@@ -71,8 +74,13 @@ def test_logits_to_keep_probe_is_cached(stories):
 
 
 @pytest.mark.slow
-def test_compiled_path_is_token_identical_to_default(stories):
-    """torch.compile over the static-cache step (compiles once: tens of seconds on 2 cores)."""
+def test_compiled_path_is_token_identical_to_default(stories, monkeypatch):
+    """torch.compile over transformers' static-cache step (compiles once: tens of seconds
+    on 2 cores); GENLAB_LEAN=0, or stories260K would take the lean forward's step."""
+    monkeypatch.setenv("GENLAB_LEAN", "0")
+    calls = []
+    monkeypatch.setattr(forward, "prefill_static",
+                        lambda *a, **k: calls.append(1) or prefill_static(*a, **k))
     ids = stories.encode(PROMPT)
     expected = decode.generate(stories, [ids], greedy(80))[0]
     events = list(decode.stream(stories, [ids], greedy(80), compile=True))
@@ -80,3 +88,4 @@ def test_compiled_path_is_token_identical_to_default(stories):
     assert got.token_ids == expected.token_ids
     assert got.text == expected.text
     assert got.text.startswith(", there was a little girl named Lily.")
+    assert calls == [1]  # the compiled generation went through the static-cache step

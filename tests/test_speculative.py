@@ -24,6 +24,7 @@ from genlib.events import Finish, Token, Verify
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
+    Summary,
     predicted_speedup,
     process,
     speculative_step,
@@ -327,6 +328,19 @@ def test_adaptive_gamma_and_predicted_speedup() -> None:
     # Leviathan et al. Table/Fig.: alpha 0.8, gamma 5, c 0 -> (1 - 0.8^6) / 0.2
     assert predicted_speedup(0.8, 5, 0.0) == pytest.approx((1 - 0.8 ** 6) / 0.2)
     assert predicted_speedup(1.0, 4, 0.25) == pytest.approx(5 / 2)
+
+
+def test_summary_prediction_sums_the_formula_over_each_steps_gamma():
+    # alpha = 3 / (3 + 1); c = (1 s / 4 forwards) / (1.5 s / 3 steps) = 0.5
+    run = Summary(steps=3, accepted=3, rejections=1, draft_seconds=1.0, draft_forwards=4,
+                  target_seconds=1.5, gammas=[4, 0, 2])
+    tokens = sum((1 - 0.75 ** (g + 1)) / 0.25 for g in (4, 0, 2))
+    cost = (4 * 0.5 + 1) + 1 + (2 * 0.5 + 1)
+    assert run.predicted_speedup() == pytest.approx(tokens / cost)
+    assert run.predicted_speedup(verify_cost=2.0) == pytest.approx(tokens / cost / 2)
+    # Not the formula at the mean gamma (2): steps without a draft count as they were.
+    assert run.predicted_speedup() != pytest.approx(predicted_speedup(0.75, 2, 0.5))
+    assert Summary().predicted_speedup() == 0.0
 
 
 # ---------------------------------------------------------------- CLI
