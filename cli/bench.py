@@ -67,14 +67,14 @@ def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: l
                 no_cache: bool) -> list[list[Case]]:
     """One group per configuration: genlab's plain loop, plus its compiled and no-cache
     variants when asked for (they share prompts and the baseline). The compiled path
-    exists for batch 1 only (larger batches fall back to the plain loop), so it is
-    measured at batch 1 only."""
+    exists for greedy and sampling at batch 1 only (larger batches fall back to the
+    plain loop; beam search has none), so it is measured there only."""
     from genlib.bench import Case
 
     groups = []
     for (label, settings), p, n, b in product(strategies, prompt_lens, new_tokens, batch_sizes):
         group = [Case(label, settings, p, n, b)]
-        if compile and b == 1:
+        if compile and b == 1 and settings.strategy != "beam":
             group.append(Case(label, settings, p, n, b, compile=True))
         if no_cache:
             group.append(Case(label, settings, p, n, b, cache=False))

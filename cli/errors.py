@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -31,6 +32,12 @@ def user_errors(command: F) -> F:
             return command(*args, **kwargs)
         except GenlabError as exc:
             raise fail(str(exc), exc.exit_code) from None
+        except BrokenPipeError:
+            # The reader went away (`genlab generate ... | head -c 100`): stop quietly, as
+            # shell tools do, with the status SIGPIPE would give (128 + 13). Later writes
+            # to stdout (the exit's flush) go nowhere instead of raising again.
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+            raise typer.Exit(141) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):
                 raise  # Typer's own exits and usage errors

@@ -80,8 +80,16 @@ Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
 
 
 def unescape(text: str) -> str:
-    r"""Python-style escapes in a flag value: `--stop "\n\n"` means two newlines."""
-    return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    r"""Python-style escapes in a flag value: `--stop "\n\n"` means two newlines.
+    ConfigError for an escape Python does not read (a lone trailing backslash, `\u`
+    without four hex digits)."""
+    from genlib.errors import ConfigError
+
+    try:
+        return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"--stop {text!r}: {exc.reason} in its escapes; write \\\\ for a "
+                          f"backslash") from None
 
 
 # Parameter names of the shared decoding options above -> the setting each one sets.

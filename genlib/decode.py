@@ -111,14 +111,20 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     """Generate for every prompt (`num_return_sequences` rows each); yield events.
 
     `seeds` gives each row its own sampling seed (default: derived from settings.seed).
-    `compile` runs a single row over a static KV cache with a torch.compile'd step
-    (same tokens, faster per step; the first call compiles); batches of several rows,
-    and quantized models, keep the dynamic cache.
+    A single row runs through `forward.prefill_row`: the lean forward where the model
+    allows it, its steps torch.compile'd with `compile` (same tokens, faster per step;
+    the first call compiles), else a static compiled cache with `compile`; batches of
+    several rows keep the dynamic cache. Beam search runs `genlib.beam`'s loop, which
+    has no compiled path (ConfigError with `compile`).
     On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
     running finish with reason "interrupted".
     """
     if settings.strategy == "beam":
         from genlib import beam  # beam search has its own loop over the same forward pass
+
+        if compile:
+            raise ConfigError("--compile runs greedy and sampling decoding; beam search has "
+                              "no compiled path: drop --compile")
 
         yield from beam.stream(lm, prompts, settings, seeds=seeds)
         return
@@ -135,15 +141,13 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
 
 def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
              compile: bool) -> tuple[torch.Tensor, forward.KVState]:
-    """Prefill a single row through the lean forward (compiled with `compile`), or into a
-    static, compiled cache, when possible; else into a dynamic cache."""
-    if input_ids.shape[0] == 1 and lm.quantize == "none":
-        length = forward.static_cache_length(input_ids.shape[1] + new_tokens, lm.max_positions)
-        lean = forward.lean_of(lm)
-        if lean is not None:
-            return forward.prefill_lean(lean, input_ids, length, compile=compile)
-        if compile:
-            return forward.prefill_static(lm.model, input_ids, length, compile=True)
+    """Prefill a single row through `forward.prefill_row` (the lean forward, or a static
+    compiled cache with `compile`); a batch into a dynamic cache."""
+    if input_ids.shape[0] == 1:
+        logits, state = forward.prefill_row(lm, input_ids, input_ids.shape[1] + new_tokens,
+                                            compile=compile)
+        assert logits is not None  # prompts are never empty here
+        return logits, state
     return forward.prefill(lm.model, input_ids, mask)
 
 

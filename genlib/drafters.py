@@ -1,6 +1,6 @@
 """Drafters for speculative decoding: who proposes the tokens the target then checks.
 
-Both drafters have one shape: `start(prompt_ids)` once, then per step
+Both drafters have one shape: `start(prompt_ids, capacity)` once, then per step
 `propose(ids, gamma, process) -> Draft` and `commit(ids)` once the target has decided
 which tokens stay.
 
@@ -42,7 +42,8 @@ class Draft:
 
 
 class Drafter(Protocol):
-    def start(self, prompt_ids: Sequence[int]) -> None: ...
+    def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
+        """Begin a generation of at most `capacity` tokens (prompt included)."""
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
                 generator: torch.Generator | None) -> Draft: ...
@@ -68,17 +69,15 @@ class ModelDrafter:
     """Drafts with a small model. Its cache always holds a prefix of the committed ids
     (never all of them), so each proposal feeds at least one token."""
 
-    def __init__(self, lm: LoadedModel, sample: bool, *, capacity: int | None = None,
-                 lean: bool = True):
+    def __init__(self, lm: LoadedModel, sample: bool, *, lean: bool = True):
         self.lm = lm
         self.sample = sample
-        self.capacity = capacity  # tokens the cache must hold (default: all positions)
         self.lean = lean  # False when the draft is the target itself: one lean cache each
         self.state: forward.KVState | None = None
         self.cached: list[int] = []
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, self.capacity,
+    def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
+        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, capacity,
                                                        lean=self.lean)
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
@@ -123,8 +122,8 @@ class PromptLookupDrafter:
             raise ValueError(f"prompt lookup n-gram size must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
 
-    def start(self, prompt_ids: Sequence[int]) -> None:
-        return None
+    def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
+        return None  # nothing cached
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
                 generator: torch.Generator | None) -> Draft:
@@ -153,18 +152,11 @@ def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | No
     """A cache of ids[:-1]: the last token is fed by the first step, which then yields
     the logits for the first new position (one code path for every step).
 
-    Through the lean forward when the model allows it (and `lean`), with room for
-    `capacity` tokens (default: the model's positions); else transformers' forward."""
+    Through `forward.prefill_row`: the lean forward when the model allows it (and
+    `lean`), with room for `capacity` tokens (default: the model's positions)."""
     head = list(ids[:-1])
-    if not head:
-        return forward.KVState(forward.new_cache(lm.model), None, None, 0, model=lm.model), []
-    input_ids = torch.tensor([head], dtype=torch.long, device=lm.device)
-    fast = forward.lean_of(lm) if lean and lm.quantize == "none" else None
-    if fast is not None:
-        slots = forward.static_cache_length(capacity or fast.max_positions, lm.max_positions)
-        _, state = forward.prefill_lean(fast, input_ids, slots)
-        return state, head
-    _, state = forward.prefill(lm.model, input_ids, torch.ones_like(input_ids))
+    input_ids = torch.tensor(head, dtype=torch.long, device=lm.device).view(1, len(head))
+    _, state = forward.prefill_row(lm, input_ids, capacity, lean=lean)
     return state, head
 
 

@@ -34,9 +34,9 @@ class KVState:
     # transformers' model, which `extend` runs over a dynamic cache (None for the states
     # below, which extend themselves).
     model: Any = None
-    # Set by `prefill_static`: the one-token step over a preallocated (static) cache,
-    # compiled or not. `extend` uses it for single tokens; see `prefill_static`.
-    # (token (batch, 1), the cache length before it) -> its logits
+    # Set by `prefill_static` and `prefill_lean`: the one-token step over a preallocated
+    # cache, compiled or not, (token (batch, 1), the cache length before it) -> its
+    # logits. `extend` uses it for single tokens.
     step: Callable[[torch.Tensor, int], torch.Tensor] | None = None
     # Set by `prefill_lean`: several tokens in one forward (speculative verification),
     # and rollback to a length.
@@ -221,14 +221,19 @@ def _static_extend(state: KVState, tokens: torch.Tensor) -> torch.Tensor:
 _lean_models: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
+def lean_enabled() -> bool:
+    """False when GENLAB_LEAN=0 switches the lean forward off everywhere."""
+    import os
+
+    return os.environ.get("GENLAB_LEAN", "1") != "0"
+
+
 def lean_model(model: Any) -> Any:
     """The model's `LeanLlama` (built once per model), or None when it is not eligible
     or GENLAB_LEAN=0."""
-    import os
-
     from genlib.lean import LeanLlama
 
-    if os.environ.get("GENLAB_LEAN", "1") == "0":
+    if not lean_enabled():
         return None
     if model not in _lean_models:
         _lean_models[model] = LeanLlama.from_model(model)
@@ -238,15 +243,33 @@ def lean_model(model: Any) -> Any:
 def lean_of(lm: Any) -> Any:
     """`lm`'s LeanLlama: the one genlib.quickload built without transformers, else its
     transformers model's (`lean_model`); None when neither applies."""
-    import os
-
-    if lm.lean is not None and os.environ.get("GENLAB_LEAN", "1") != "0":
+    if lm.lean is not None and lean_enabled():
         return lm.lean
     return lean_model(lm.model)
 
 
+def prefill_row(lm: Any, input_ids: torch.Tensor, capacity: int | None = None, *,
+                compile: bool = False, lean: bool = True
+                ) -> tuple[torch.Tensor | None, KVState]:
+    """`prefill` for one unpadded prompt (1, T), T >= 0, with room for `capacity` tokens
+    (default: the model's positions): through the lean forward when `lm` has one (and
+    `lean`), its steps compiled with `compile`; else into a static cache with compiled
+    steps with `compile` (unquantized models); else into a dynamic cache. The last
+    position's logits, None for an empty prompt."""
+    fast = lean_of(lm) if lean else None
+    if fast is not None:
+        slots = static_cache_length(capacity or fast.max_positions, lm.max_positions)
+        return prefill_lean(fast, input_ids, slots, compile=compile)
+    if input_ids.shape[1] == 0:
+        return None, KVState(new_cache(lm.model), None, None, 0, model=lm.model)
+    if compile and capacity is not None and lm.quantize == "none":
+        slots = static_cache_length(capacity, lm.max_positions)
+        return prefill_static(lm.model, input_ids, slots, compile=True)
+    return prefill(lm.model, input_ids, torch.ones_like(input_ids))
+
+
 def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
-                 compile: bool = False) -> tuple[torch.Tensor, KVState]:
+                 compile: bool = False) -> tuple[torch.Tensor | None, KVState]:
     """`prefill` for one unpadded prompt through a `LeanLlama` with room for
     `cache_length` tokens; the state's `step` runs later tokens (compiled with `compile`),
     so `extend` keeps working on it. Its `reorder` is not supported."""

@@ -349,14 +349,16 @@ class LeanLlama:
         return self._logits(x if all_logits else x[-1:])
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, capacity: int | None = None) -> torch.Tensor:
+    def prefill(self, input_ids: torch.Tensor, capacity: int | None = None
+                ) -> torch.Tensor | None:
         """Run one prompt (1, T) from position 0 into buffers of `capacity` tokens
-        (default: the model's positions); the last position's logits (1, vocab) float32."""
+        (default: the model's positions); the last position's logits (1, vocab) float32,
+        None for an empty prompt (T = 0: the buffers are only emptied)."""
         if input_ids.shape[0] != 1:
             raise ValueError("the lean forward takes one row (batch 1)")
         self.reserve(capacity or self.max_positions)
         self.prefills += 1
-        return self._forward(input_ids)
+        return self._forward(input_ids) if input_ids.shape[1] else None
 
     @torch.inference_mode()
     def extend(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,6 @@ search, ...), so every feature keeps working, and exactly as before.
 from __future__ import annotations
 
 import json
-import os
 from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
@@ -57,7 +56,9 @@ def quick_load(spec: ModelSpec, folder: str, device: torch.device) -> LoadedMode
     """The model in `folder` with a lean forward and transformers' tokenizer, or None
     when it does not qualify (see the module doc)."""
     path = Path(folder)
-    if (os.environ.get("GENLAB_LEAN", "1") == "0" or device.type != "cpu"
+    from genlib.forward import lean_enabled
+
+    if (not lean_enabled() or device.type != "cpu"
             or spec.quantize != "none" or spec.trust_remote_code):
         return None
     if (path / "adapter_config.json").exists():

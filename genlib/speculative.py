@@ -118,9 +118,7 @@ def start(target: LoadedModel, prompt_ids: Sequence[int], plan: Plan, drafter: D
     """Prefill target and drafter with the prompt (all but its last token)."""
     capacity = len(prompt_ids) + plan.settings.max_new_tokens
     state, _ = prefill_all_but_last(target, prompt_ids, capacity)
-    if isinstance(drafter, ModelDrafter) and drafter.capacity is None:
-        drafter.capacity = capacity
-    drafter.start(prompt_ids)
+    drafter.start(prompt_ids, capacity)
     return Speculation(target, plan, drafter, list(prompt_ids), state, len(prompt_ids))
 
 
@@ -216,8 +214,11 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
         return PromptLookupDrafter(prompt_lookup)
     assert draft_lm is not None
     check_same_vocabulary(target, draft_lm)
-    return ModelDrafter(draft_lm, sample=settings.do_sample,
-                        lean=draft_lm.model is not target.model)
+    # The lean forward keeps one KV cache per model: a draft that is the target itself
+    # drafts through transformers' forward.
+    shared = forward.lean_of(draft_lm) is not None and \
+        forward.lean_of(draft_lm) is forward.lean_of(target)
+    return ModelDrafter(draft_lm, sample=settings.do_sample, lean=not shared)
 
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,

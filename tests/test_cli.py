@@ -94,6 +94,8 @@ def test_stats_start_their_own_line_after_the_streamed_text():
     (["generate", "x", *MODEL, "--chat"], "has no chat template"),
     (["generate", "x", *MODEL, "--device", "tpu"], "unknown device"),
     (["generate", "x", "-m", str(LLAMA2XS), "-n", "300"], "256 positions"),
+    (["generate", "x", *MODEL, "--stop", "a\\"], "write \\\\ for a backslash"),
+    (["generate", "x", *MODEL, "--stop", "C:\\users"], "truncated \\uXXXX escape"),
 ])
 def test_user_errors_are_one_line_and_exit_2(args, fragment):
     result = invoke(*args)
@@ -122,6 +124,18 @@ def test_context_message_when_the_prompt_alone_is_too_long():
     result = invoke("generate", "the dog ran. " * 200, *MODEL, "-n", "5")
     assert result.exit_code == 2
     assert "the prompt alone" in result.stderr and "to 0" not in result.stderr
+
+
+def test_a_reader_closing_the_pipe_ends_generation_quietly():
+    """`genlab generate ... | head -c 5`: no error line, SIGPIPE's status."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "Once upon a time",
+                             *MODEL, "-n", "400", "--ignore-eos"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(5) == b", the"
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert err.decode() == ""
+    assert proc.returncode == 141
 
 
 def test_stop_flag_understands_escapes():

@@ -175,3 +175,18 @@ def test_interrupt_finishes_rows_as_interrupted(stories):
     assert isinstance(seen[0], Prefill)
     [finish] = [e for e in rest if isinstance(e, Finish)]
     assert finish.reason == "interrupted" and finish.new_tokens == 5
+
+
+def test_compile_with_beam_search_is_refused_not_ignored(stories):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from genlib.errors import ConfigError
+
+    settings = resolve_settings({"strategy": "beam", "max_new_tokens": 5})
+    with pytest.raises(ConfigError, match="beam search has no compiled path"):
+        list(decode.stream(stories, [stories.encode("Hi")], settings, compile=True))
+    result = CliRunner().invoke(app, ["generate", "Hi", "-m", stories.ref, "-s", "beam",
+                                      "--compile", "-n", "5"])
+    assert result.exit_code == 2
+    assert "drop --compile" in result.output

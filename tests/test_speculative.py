@@ -18,7 +18,7 @@ import torch
 from genlib import forward
 from genlib.config import resolve_settings
 from genlib.decode import generate, make_plan
-from genlib.drafters import ModelDrafter, lookup
+from genlib.drafters import ModelDrafter, lookup, prefill_all_but_last
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
 from genlib.models import LoadedModel, ModelSpec, load_model
@@ -116,6 +116,19 @@ def test_draft_equal_to_target_accepts_every_token(stories, extra) -> None:
     assert all(v.accepted == v.proposed for v in verifies)
     assert sum(v.proposed for v in verifies) > 0
     assert summarize(events).acceptance_rate == 1.0
+
+
+@needs_models
+def test_a_one_token_prompt_still_takes_the_lean_forward(stories, xs) -> None:
+    """Nothing to prefill: both caches start empty, in the lean forward all the same."""
+    settings = resolve_settings({"max_new_tokens": 40})
+    ids = [1]
+    state, head = prefill_all_but_last(stories, ids, 64)
+    assert head == [] and state.length == 0
+    assert state.cache is forward.lean_of(stories)  # the lean state, not a dynamic cache
+    plain = generate(stories, [ids], settings)[0]
+    finish, _ = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4)
+    assert finish.token_ids == plain.token_ids
 
 
 @needs_models
