@@ -48,7 +48,7 @@ def build_constraints(tokenizer: Any, force_words: Sequence[str], force_any: Seq
     """
     constraints = [Constraint(w, _spellings(tokenizer, w)) for w in force_words]
     for spec in force_any:
-        options = [o for o in spec.split("|") if o.strip()]
+        options = [o.strip() for o in spec.split("|") if o.strip()]
         if not options:
             raise ConfigError(f"force_any {spec!r} has no phrase; write it as 'A|B|C'")
         spellings = tuple(dict.fromkeys(s for o in options for s in _spellings(tokenizer, o)))

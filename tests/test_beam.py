@@ -89,13 +89,18 @@ def test_one_beam_equals_greedy(stories):
     assert hyp.logprobs == pytest.approx(greedy.logprobs, abs=1e-5)
 
 
-def test_one_group_equals_plain_beam_search(stories):
+def test_groups_without_a_diversity_penalty_are_plain_beam_searches(stories):
+    """With diversity_penalty 0 each of G groups is a plain search of k/G beams, so the
+    pooled results are that search's, each G times."""
     ids = [stories.encode(PROMPTS[1])]
-    plain = beam_search(stories, ids, beam(num_beams=4, max_new_tokens=20,
-                                           num_return_sequences=4))[0]
-    grouped = beam_search(stories, ids, beam(num_beams=4, num_beam_groups=1, max_new_tokens=20,
+    plain = beam_search(stories, ids, beam(num_beams=2, max_new_tokens=20,
+                                           num_return_sequences=2))[0]
+    grouped = beam_search(stories, ids, beam(num_beams=4, num_beam_groups=2,
+                                             diversity_penalty=0.0, max_new_tokens=20,
                                              num_return_sequences=4))[0]
-    assert [h.token_ids for h in plain.hypotheses] == [h.token_ids for h in grouped.hypotheses]
+    expected = [h.token_ids for h in plain.hypotheses for _ in range(2)]
+    assert [h.token_ids for h in grouped.hypotheses] == expected
+    assert len({tuple(t) for t in expected}) == 2  # two different searches' results
 
 
 def test_diverse_groups_differ(stories):
@@ -285,7 +290,10 @@ def test_cli_beam_tree_shows_kept_and_pruned():
     result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "6",
                                  "--tree", "--tree-steps", "2"])
     assert result.exit_code == 0, result.output
-    assert "kept" in result.stdout and "pruned" in result.stdout
+    labels = [line.rstrip().rsplit("  ", 1)[-1] for line in result.stdout.splitlines()
+              if "cum logprob=" in line]
+    assert labels.count("kept") == 4  # 2 beams after each of the 2 steps drawn
+    assert "pruned" in labels
     assert "tree cut after 2 of 6 steps" in result.stdout
     assert "greedy" in result.stdout
 

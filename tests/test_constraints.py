@@ -3,6 +3,8 @@ round robin, and searches whose every output must contain the forced phrases."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -93,7 +95,9 @@ def test_cli_force_and_impossible_budget():
     ok = runner.invoke(app, ["beam", "Once upon a time", "-m", str(STORIES), "-k", "3", "-n",
                              "16", "--force", "dog", "--json", "--no-greedy"])
     assert ok.exit_code == 0, ok.output
-    assert '"constraints_satisfied": true' in ok.stdout and "dog" in ok.stdout
+    hypotheses = json.loads(ok.stdout)["hypotheses"]
+    assert hypotheses and all("dog" in h["text"] and h["constraints_satisfied"]
+                              for h in hypotheses)
     bad = runner.invoke(app, ["beam", "hi", "-m", str(STORIES), "-n", "2", "--force",
                               "elephant in the room"])
     assert bad.exit_code == 2
@@ -110,3 +114,11 @@ def test_a_forced_word_matches_its_mid_text_spelling_on_byte_level_bpe():
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
     texts = {tok.decode(list(s)) for s in _spellings(tok, "return")}
     assert texts == {"return", " return"}
+
+
+def test_spaces_around_the_bars_of_a_set_do_not_change_it(stories):
+    from genlib.constraints import build_constraints
+
+    tight, = build_constraints(stories.tokenizer, [], ["cat|bird"], 8)
+    spaced, = build_constraints(stories.tokenizer, [], ["cat | bird "], 8)
+    assert spaced.phrases == tight.phrases
