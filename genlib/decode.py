@@ -119,6 +119,9 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
     running finish with reason "interrupted".
     """
+    expanded_rows = len(prompts) * settings.num_return_sequences
+    if settings.strategy == "beam" or expanded_rows > 1:
+        lm.load_model_now()  # beams and batches run on transformers' forward
     if settings.strategy == "beam":
         from genlib import beam  # beam search has its own loop over the same forward pass
 

@@ -69,6 +69,12 @@ class LoadedModel:
         self.model = deferred()
         return self.model
 
+    def load_model_now(self) -> None:
+        """Load a deferred transformers model now (a generation about to need it calls
+        this before its clock starts, so its timings hold no model load)."""
+        if not self.model_loaded:
+            self.__getattr__("model")  # sets self.model
+
     @property
     def model_loaded(self) -> bool:
         """Whether the transformers model is in memory."""

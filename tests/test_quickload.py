@@ -96,6 +96,23 @@ def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
     assert quick.tokenizer.get_vocab() == stories.tokenizer.get_vocab()
 
 
+def test_loading_the_deferred_model_is_not_timed_as_prefill(stories):
+    import time
+
+    quick = load_model(ModelSpec(str(STORIES)), quick=True)
+    load = quick.deferred
+
+    def slow_load():
+        time.sleep(0.5)
+        return load()
+
+    quick.deferred = slow_load
+    events = list(decode.stream(quick, [stories.encode("Once upon a time")] * 2,
+                                greedy(5, ignore_eos=True)))
+    prefill = next(e for e in events if type(e).__name__ == "Prefill")
+    assert quick.model_loaded and prefill.seconds < 0.4
+
+
 def save_tiny(tmp_path: Path, arch: str = "llama", tokenizer: Path = STORIES, **config) -> Path:
     """A tiny random model of `arch` saved with a shared model's tokenizer."""
     from transformers import AutoModelForCausalLM
