@@ -26,11 +26,9 @@ def settings_for(preset_ref: str | None, flags: dict[str, Any]
                  ) -> tuple[GenerationSettings, Preset | None]:
     preset = load_preset(preset_ref) if preset_ref else None
     settings = resolve_settings(flags, preset.settings if preset else None)
-    if settings.unused:
-        from cli.render import warn
+    from cli.render import warn_unused
 
-        warn(f"{', '.join(settings.unused)} only apply when sampling; strategy is "
-             f"{settings.strategy}")
+    warn_unused(settings)
     return settings, preset
 
 

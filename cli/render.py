@@ -27,6 +27,14 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {_escape(message)}")
 
 
+def warn_unused(settings: Any) -> None:
+    """Warn about sampling settings the strategy ignores (`settings.unused`), if any."""
+    if settings.unused:
+        verb = "applies" if len(settings.unused) == 1 else "apply"
+        warn(f"{', '.join(settings.unused)} only {verb} when sampling; strategy is "
+             f"{settings.strategy}")
+
+
 def info(message: str) -> None:
     err.print(_escape(message), style="dim")
 

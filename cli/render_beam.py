@@ -75,7 +75,8 @@ def search_tree(result: BeamResult, prompt: str, max_steps: int, max_children: i
         out.print(Text(f"(tree cut after {max_steps} of {total} steps; --tree-steps N shows "
                        f"more)", style="dim"))
     out.print(Text(f"(each beam shows at most {max_children} of the candidates considered "
-                   f"from it; the rest are summarised as pruned)", style="dim"))
+                   f"from it; the rest are counted in its '... N more not kept' line)",
+                   style="dim"))
 
 
 def _grow(top: Tree, steps: Sequence[TreeStep], max_children: int) -> None:

@@ -263,9 +263,7 @@ def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
     """Resolve the new flags over the new preset; only a valid result replaces the old."""
     settings = resolve_settings(flags, preset.settings if preset else None, source=source)
     session.flags, session.preset, session.settings = flags, preset, settings
-    if settings.unused:
-        render.warn(f"{', '.join(settings.unused)} only apply when sampling; strategy is "
-                    f"{settings.strategy}")
+    render.warn_unused(settings)
 
 
 def set_values(session: Session, args: str) -> None:

@@ -291,3 +291,11 @@ def test_decoding_flags_map_every_shared_option():
     flags = decoding_flags({"stop": ["\\n"], "top_k": 5, "seed": None, "prompt": "x"},
                            strategy="beam")
     assert flags == {"stop_strings": ["\n"], "top_k": 5, "strategy": "beam"}
+
+
+def test_sampling_flags_under_greedy_are_named_in_one_warning():
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "3", "-s", "greedy",
+                    "-t", "0.7")
+    assert result.exit_code == 0, result.output
+    assert "warning: temperature only applies when sampling; strategy is greedy" \
+        in result.stderr
