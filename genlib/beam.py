@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from genlib import constraints as cons
-from genlib import forward, processors, sampling
+from genlib import decode, forward, processors, sampling
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
@@ -223,9 +223,7 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool)
     eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
     constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,
                                          settings.max_new_tokens)
-    suppress = None
-    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
-        suppress = processors.suppress_tokens(lm.eos_ids)
+    suppress = decode.suppress_eos_for(lm, settings)
     # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
     # even if the best ones all end.
     n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
@@ -240,15 +238,12 @@ def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: 
     """One search per (prompt, group); beam 0 of each starts at score 0 and the others
     at DEAD, so the first step does not pick the same token k times."""
     s = plan.settings
-    prompt_seeds = list(seeds) if seeds is not None else None
-    if prompt_seeds is None and s.do_sample:
-        base = s.seed if s.seed is not None else sampling.fresh_seed()
-        prompt_seeds = [base if i == 0 else sampling.derive_seed(base, i)
-                        for i in range(len(prompts_ids))]
+    # One generator per prompt, seeded as decode seeds its rows.
+    prompt_seeds = decode.row_seeds(s, len(prompts_ids), seeds) if s.do_sample else None
     searches = []
     for p, prompt in enumerate(prompts_ids):
         generator = (sampling.make_generator(prompt_seeds[p], lm.device)
-                     if s.do_sample and prompt_seeds is not None else None)
+                     if prompt_seeds is not None else None)
         for g in range(plan.groups):
             scores = torch.full((plan.group_size,), DEAD, dtype=torch.float32, device=lm.device)
             scores[0] = 0.0
@@ -275,10 +270,8 @@ def _prefill_beams(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: 
 def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logprobs: torch.Tensor,
                         step: int) -> torch.Tensor:
     """The core's processors applied to log-probabilities, as transformers does."""
-    s = plan.settings
-    if plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens):
-        logprobs = plan.suppress_eos(context, logprobs)
-    return processors.apply(plan.chain, context, logprobs)
+    return decode.process_logits(plan.settings, plan.chain, plan.suppress_eos, context,
+                                 logprobs, step)
 
 
 def _search_step(plan: _Plan, searches: list[_Search], logits: torch.Tensor,

@@ -82,9 +82,7 @@ def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | No
 def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
               seeds: Sequence[int] | None = None) -> Plan:
     chain = processors.build_processors(settings)
-    suppress = None
-    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
-        suppress = processors.suppress_tokens(lm.eos_ids)
+    suppress = suppress_eos_for(lm, settings)
     all_seeds = row_seeds(settings, rows, seeds)
     generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
                   if settings.do_sample else None)
@@ -93,14 +91,31 @@ def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
                 seeds=all_seeds)
 
 
+def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
+                     ) -> processors.Processor | None:
+    """The EOS-suppressing processor `process_logits` applies while `min_new_tokens` or
+    `ignore_eos` say so; None when neither can apply."""
+    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
+        return processors.suppress_tokens(lm.eos_ids)
+    return None
+
+
+def process_logits(settings: GenerationSettings, chain: Sequence[processors.Processor],
+                   suppress_eos: processors.Processor | None, context: torch.Tensor | None,
+                   logits: torch.Tensor, step: int) -> torch.Tensor:
+    """One step's logits (rows, vocab) as every loop processes them (decode, beam,
+    speculative): EOS suppressed before `min_new_tokens` (or throughout with
+    `ignore_eos`), then the settings' processor chain."""
+    if suppress_eos is not None and (settings.ignore_eos or step < settings.min_new_tokens):
+        logits = suppress_eos(context, logits)
+    return processors.apply(chain, context, logits)
+
+
 def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Process the logits, pick one token per row; return (tokens, model logprobs)."""
-    processed = logits
-    s = plan.settings
-    if plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens):
-        processed = plan.suppress_eos(context, processed)
-    processed = processors.apply(plan.chain, context, processed)
+    processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
+                               step)
     tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs

@@ -29,9 +29,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from genlib import forward, processors
+from genlib import forward
 from genlib.config import GenerationSettings
-from genlib.decode import Plan, Row, advance, finish_row, make_plan, new_row
+from genlib.decode import Plan, Row, advance, finish_row, make_plan, new_row, process_logits
 from genlib.drafters import (
     Draft,
     Drafter,
@@ -101,16 +101,12 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
     """The core loop's processing of one position's logits (vocab,), as in
     `decode.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
     then the settings' chain on the full context."""
-    s = plan.settings
-    suppress = plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens)
-    if not plan.chain and not suppress:
+    if not plan.chain and plan.suppress_eos is None:
         return logits
     ctx = (torch.tensor([list(context)], dtype=torch.long, device=logits.device)
            if plan.needs_context else None)
-    row = logits[None]
-    if suppress:
-        row = plan.suppress_eos(ctx, row)  # type: ignore[misc]
-    return processors.apply(plan.chain, ctx, row)[0]
+    return process_logits(plan.settings, plan.chain, plan.suppress_eos, ctx, logits[None],
+                          step)[0]
 
 
 def start(target: LoadedModel, prompt_ids: Sequence[int], plan: Plan, drafter: Drafter
