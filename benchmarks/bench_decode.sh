@@ -23,3 +23,9 @@ fi
 python benchmarks/bench_matvec.py
 # genlab generate end to end (start, load, 50 tokens, exit), and where the time goes
 python benchmarks/bench_startup.py --runs 5 --model "$MODELS/stories260K"
+# code-target --compile against the bound as the machine's bandwidth moves (3 minutes)
+if [ -d "$MODELS/code-target" ]; then
+    python benchmarks/bench_bound_vs_load.py --model "$MODELS/code-target" --seconds 180 \
+        > "$OUT/bound_vs_load.txt"
+    tail -4 "$OUT/bound_vs_load.txt"
+fi

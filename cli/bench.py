@@ -83,10 +83,14 @@ def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: l
 
 
 def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, group: Group,
-           bound_tps: float | None, runs: int, warmup: int) -> dict[str, Any]:
-    """One JSON/CSV record: what was run, every metric, and how it compares."""
+           weight_bytes: int, runs: int, warmup: int) -> dict[str, Any]:
+    """One JSON/CSV record: what was run, every metric, and how it compares (the bound
+    from the bandwidth sampled between this configuration's rounds)."""
+    import statistics
+
     case = engine_result.case
     metrics = engine_result.metrics()
+    bound_tps = group.bound_tps(weight_bytes)
     row: dict[str, Any] = {
         "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
         "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
@@ -95,6 +99,8 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "runs": runs, "warmup": warmup, **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
+        "read_bandwidth_gbs": statistics.median(group.bandwidth) / 1e9 if group.bandwidth
+        else None,
         "bandwidth_bound_tps": bound_tps * case.batch_size if bound_tps else None,
     }
     bound = row["bandwidth_bound_tps"]
@@ -196,9 +202,7 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
         torch.set_num_threads(threads)
     machine: dict[str, Any] = {"threads": torch.get_num_threads(),
                                "read_bandwidth_gbs": None}
-    bytes_per_s = core.read_bandwidth() if bandwidth else None
-    if bytes_per_s:
-        machine["read_bandwidth_gbs"] = bytes_per_s / 1e9
+    probe = core.BandwidthProbe() if bandwidth else None
     records: list[dict[str, Any]] = []
     per_sweep = sum(core.warmup_count(c, warmup) + runs for g in groups for c in g) + \
         (len(groups) * (warmup + runs) if baseline else 0)
@@ -207,14 +211,24 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
             lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
             weights = core.weight_bytes(lm.model)
             machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights
-            bound = bytes_per_s / weights if bytes_per_s else None
             for cases in groups:
-                group = core.measure(lm, cases, runs, warmup, baseline, tick)
+                group = core.measure(lm, cases, runs, warmup, baseline, tick, probe)
                 for result in [*group.results, group.baseline]:
                     if result is not None:
-                        records.append(record(lm, dtype, quantize, result, group, bound,
+                        records.append(record(lm, dtype, quantize, result, group, weights,
                                               runs, warmup))
+    if probe is not None and probe.samples:
+        machine.update(bandwidth_summary(probe.samples))
     return records, machine
+
+
+def bandwidth_summary(samples: list[float]) -> dict[str, Any]:
+    """The machine's read bandwidth over the samples taken between rounds, in GB/s."""
+    import statistics
+
+    gbs = [s / 1e9 for s in samples]
+    return {"read_bandwidth_gbs": statistics.median(gbs), "read_bandwidth_gbs_min": min(gbs),
+            "read_bandwidth_gbs_max": max(gbs), "bandwidth_samples": len(gbs)}
 
 
 class progress_bar:  # noqa: N801 - used as a context manager, like open()
@@ -291,7 +305,10 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
         out.width = width
     notes = [f"torch threads: {machine['threads']}"]
     if machine.get("read_bandwidth_gbs"):
-        notes.append(f"read bandwidth: {machine['read_bandwidth_gbs']:.1f} GB/s")
+        notes.append(f"read bandwidth: {machine['read_bandwidth_gbs']:.1f} GB/s, median of "
+                     f"{machine['bandwidth_samples']} samples between rounds "
+                     f"[{machine['read_bandwidth_gbs_min']:.1f}-"
+                     f"{machine['read_bandwidth_gbs_max']:.1f}]")
         for key, weights in machine.get("weight_bytes", {}).items():
             bound = machine["read_bandwidth_gbs"] * 1e9 / weights
             notes.append(f"weights {key}: {weights / 1e6:.1f} MB read per step -> bound "

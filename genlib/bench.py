@@ -324,12 +324,10 @@ def weight_bytes(model: Any) -> int:
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     """Measured read bandwidth in bytes/s: the best of `repeats` sums over a buffer larger
-    than the caches, on every core (the machine's figure, whatever thread count the runs
-    use: a single core cannot saturate memory)."""
-    import os
-
+    than the caches, on every core this process may run on (the machine's figure,
+    whatever thread count the runs use: a single core cannot saturate memory)."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(max(threads, os.cpu_count() or 1))
+    torch.set_num_threads(max(threads, usable_cores()))
     try:
         buffer = torch.ones(mib * 2**20 // 4, dtype=torch.float32)
         buffer.sum()
@@ -343,6 +341,32 @@ def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     return buffer.numel() * 4 / best
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    import os
+
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
+@dataclass
+class BandwidthProbe:
+    """Read bandwidth sampled between the timed runs (`measure` samples it before each
+    round). On a machine whose memory other tenants share, the bandwidth moves with their
+    load within seconds: a bound from one measurement taken at another moment can be a
+    quiet spell's or a busy one's. Sampled alongside the runs, as the baseline is run
+    alongside them, the bound describes the conditions the runs had."""
+
+    repeats: int = 3
+    samples: list[float] = field(default_factory=list)  # bytes/s, in order
+
+    def sample(self) -> float:
+        value = read_bandwidth(repeats=self.repeats)
+        self.samples.append(value)
+        return value
+
+
 # --- The runner ---------------------------------------------------------------------------
 
 @dataclass
@@ -352,6 +376,14 @@ class Group:
 
     results: list[Result]
     baseline: Result | None = None
+    bandwidth: list[float] = field(default_factory=list)  # bytes/s sampled between rounds
+
+    def bound_tps(self, weight_bytes: int) -> float | None:
+        """Decode steps/s the median sampled bandwidth allows when each step reads
+        `weight_bytes` (None when the bandwidth was not sampled)."""
+        if not self.bandwidth or not weight_bytes:
+            return None
+        return statistics.median(self.bandwidth) / weight_bytes
 
     def speedup(self, result: Result) -> float | None:
         """decode tokens/s of `result` over the baseline's (medians)."""
@@ -379,11 +411,13 @@ Runner = Callable[[LoadedModel, list[list[int]], Case], Run]
 
 
 def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, baseline: bool,
-            tick: Callable[[], None] = lambda: None) -> Group:
+            tick: Callable[[], None] = lambda: None, probe: BandwidthProbe | None = None
+            ) -> Group:
     """Measure variants of one configuration (same prompt length, new tokens, batch and
     settings; the first case's are used) and the baseline on the same prompts: warm-up
     runs first (at least one for a compiled case, so compilation is never counted), then
-    `runs` rounds in which every contender runs once, in turn."""
+    `runs` rounds in which every contender runs once, in turn, each round preceded by a
+    bandwidth sample when there is a `probe` (outside the peak-memory windows)."""
     first = cases[0]
     prompts = exact_prompts(lm, first.prompt_len, first.batch_size)
     lm.check_fits(first.prompt_len, first.new_tokens)
@@ -395,6 +429,8 @@ def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, base
     for result, runner in contenders:
         _warm_up(lm, prompts, result, runner, warmup_count(result.case, warmup), tick)
     for i in range(runs):
+        if probe is not None:
+            group.bandwidth.append(probe.sample())
         for result, runner in contenders:
             cold = i == 0 and result.peak_rss_mb is None  # no warm-up: take peaks now
             if cold:

@@ -60,6 +60,31 @@ def test_measure_forces_lengths_and_matches_transformers(stories, one_thread):
     assert group.speedup(group.results[0]) > 0
 
 
+class FixedProbe(bench.BandwidthProbe):
+    """Returns preset bandwidths instead of measuring."""
+
+    def __init__(self, values):
+        super().__init__()
+        self.values = iter(values)
+
+    def sample(self):
+        self.samples.append(next(self.values))
+        return self.samples[-1]
+
+
+def test_bandwidth_is_sampled_before_every_round_and_the_bound_uses_the_median(
+        stories, one_thread):
+    probe = FixedProbe([30e9, 90e9, 40e9, 50e9, 60e9])
+    cases = [bench.Case("greedy", GenerationSettings(), 4, 3, 1)]
+    first = bench.measure(stories, cases, runs=3, warmup=0, baseline=False, probe=probe)
+    second = bench.measure(stories, cases, runs=2, warmup=0, baseline=False, probe=probe)
+    assert first.bandwidth == [30e9, 90e9, 40e9]  # one sample per round, in order
+    assert second.bandwidth == [50e9, 60e9]
+    assert first.bound_tps(10**6) == 40e9 / 10**6  # the median: not the quiet spell's 90
+    assert second.bound_tps(10**6) == 55e9 / 10**6
+    assert bench.measure(stories, cases, runs=1, warmup=0, baseline=False).bound_tps(1) is None
+
+
 def test_weight_bytes_counts_tied_weights_once(stories):
     params = {p.data_ptr(): p.numel() * 4 for p in stories.model.parameters()}
     assert bench.weight_bytes(stories.model) == sum(params.values())
@@ -128,6 +153,23 @@ def test_csv_plot_and_table(tmp_path, one_thread):
     rows = list(csv.DictReader(csv_file.open()))
     assert [int(r["new_tokens"]) for r in rows] == [3, 6]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread):
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    result = run_cli("--json", "--runs", "2", "--warmup", "0", "--prompt-len", "4",
+                     "--new-tokens", "3,5")
+    assert result.exit_code == 0, result.output
+    machine, results = json.loads(result.stdout).values()
+    assert machine["bandwidth_samples"] == 2 * 2  # 2 rounds in each of 2 configurations
+    low, mid, high = (machine[f"read_bandwidth_gbs{s}"] for s in ("_min", "", "_max"))
+    assert 0 < low <= mid <= high
+    (weights,) = machine["weight_bytes"].values()
+    for r in results:
+        assert low <= r["read_bandwidth_gbs"] <= high
+        assert math.isclose(r["bandwidth_bound_tps"], r["read_bandwidth_gbs"] * 1e9 / weights)
+        assert math.isclose(r["bound_fraction"], r["decode_tps"] / r["bandwidth_bound_tps"])
 
 
 @pytest.mark.parametrize("args, message", [

@@ -1,0 +1,63 @@
+"""How close `--compile` decoding comes to the memory-bandwidth bound as the machine's
+bandwidth moves: alternately samples the read bandwidth (as `genlab bench` does between
+rounds) and times a greedy generation through genlab's decode loop with --compile, for a
+while, then reports the fraction of the bound per bandwidth band. On a machine whose
+memory other tenants share, a quiet spell raises the bound; this shows whether the
+decode step follows it.
+
+    python benchmarks/bench_bound_vs_load.py [--model ../shared/models/code-target]
+        [--seconds 240] [--new-tokens 256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from genlib import bench, decode
+from genlib.config import GenerationSettings
+from genlib.models import ModelSpec, load_model
+
+BANDS = ((0, 50), (50, 65), (65, 1000))  # GB/s
+
+
+def decode_seconds_per_token(lm, prompt: list[int], settings: GenerationSettings) -> float:
+    stamps = [e.time for e in decode.stream(lm, [prompt], settings, compile=True)
+              if type(e).__name__ == "Token"]
+    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="../shared/models/code-target")
+    parser.add_argument("--seconds", type=float, default=240)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    args = parser.parse_args()
+    lm = load_model(ModelSpec(args.model))
+    weights = bench.weight_bytes(lm.model)
+    settings = bench.forced_settings(GenerationSettings(), args.new_tokens)
+    prompt = bench.exact_prompts(lm, 128, 1)[0]
+    decode_seconds_per_token(lm, prompt, settings)  # compiles
+    probe = bench.BandwidthProbe()
+    pairs: list[tuple[float, float]] = []  # (GB/s, fraction of the bound)
+    end = time.monotonic() + args.seconds
+    while time.monotonic() < end:
+        gbs = probe.sample() / 1e9
+        seconds = decode_seconds_per_token(lm, prompt, settings)
+        pairs.append((gbs, weights / seconds / 1e9 / gbs))
+        print(f"{gbs:5.1f} GB/s  {1 / seconds:5.0f} tok/s  {100 * pairs[-1][1]:3.0f}% of the bound",
+              flush=True)
+    print(f"\n{weights / 1e6:.1f} MB of weights per token, {torch.get_num_threads()} threads")
+    for low, high in BANDS:
+        band = [f for g, f in pairs if low <= g < high]
+        if band:
+            print(f"bandwidth {low:3d}-{high if high < 1000 else '':3} GB/s: {len(band):3d} "
+                  f"samples, median {100 * statistics.median(band):.0f}% of the bound "
+                  f"[{100 * min(band):.0f}-{100 * max(band):.0f}%]")
+
+
+if __name__ == "__main__":
+    main()
