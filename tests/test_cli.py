@@ -120,6 +120,17 @@ def test_truncate_prompt_is_opt_in(llama2xs):
     assert kept == full[:1] + full[len(full) - 155:]  # BOS, then the prompt's last tokens
 
 
+def test_truncate_prompt_with_no_room_left_names_max_new_tokens():
+    # -n fills the model's 256 positions: truncation cannot help, and the advice is to
+    # lower -n (not to truncate, which is already on, nor to a negative -n)
+    result = invoke("generate", "the dog ran. " * 200, "-m", str(LLAMA2XS), "-n", "300",
+                    "--truncate-prompt")
+    assert result.exit_code == 2, result.output
+    assert "max_new_tokens (300) leaves no room for the prompt in the model's 256 " \
+        "positions; lower it to at most 255" in result.stderr
+    assert "Traceback" not in result.output
+
+
 def test_context_message_when_the_prompt_alone_is_too_long():
     result = invoke("generate", "the dog ran. " * 200, *MODEL, "-n", "5")
     assert result.exit_code == 2
