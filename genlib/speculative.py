@@ -231,14 +231,21 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
     if num_draft_tokens < 1:
         raise ConfigError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
-    limit = draft_lm.max_positions if draft_lm is not None else None
-    if draft_lm is not None and limit is not None and \
-            len(prompt_ids) + settings.max_new_tokens > limit:
-        raise ContextLengthError(
-            f"the draft model {draft_lm.ref} has only {limit} positions: prompt "
-            f"({len(prompt_ids)} tokens) + max_new_tokens ({settings.max_new_tokens}) do not "
-            f"fit; lower --max-new-tokens to {max(limit - len(prompt_ids), 0)} or use a draft "
-            f"with a longer context (or --prompt-lookup N)")
+    if draft_lm is not None:
+        check_draft_fits(draft_lm, len(prompt_ids), settings.max_new_tokens)
+
+
+def check_draft_fits(draft_lm: LoadedModel, prompt_len: int, max_new_tokens: int) -> None:
+    """ContextLengthError unless the draft model's positions hold prompt + new tokens,
+    saying what to change (the target's own check has passed)."""
+    limit = draft_lm.max_positions
+    if limit is None or prompt_len + max_new_tokens <= limit:
+        return
+    fix = f"lower --max-new-tokens to {limit - prompt_len} or " if prompt_len < limit else ""
+    raise ContextLengthError(
+        f"the draft model {draft_lm.ref} has only {limit} positions: prompt ({prompt_len} "
+        f"tokens) + max_new_tokens ({max_new_tokens}) do not fit; {fix}use a draft with a "
+        f"longer context (or --prompt-lookup N)")
 
 
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],

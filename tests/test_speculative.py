@@ -325,8 +325,17 @@ def test_refusals_name_the_fix() -> None:
 @needs_models
 def test_draft_context_limit_is_named(stories, xs) -> None:
     settings = resolve_settings({"max_new_tokens": 300})  # stories260K: 512, llama2xs: 256
-    with pytest.raises(ContextLengthError, match="draft model .* only 256 positions"):
+    with pytest.raises(ContextLengthError, match="draft model .* only 256 positions.*"
+                       r"lower --max-new-tokens to 2\d\d or use a draft"):
         list(speculative_stream(stories, stories.encode("Hi"), settings, draft_lm=xs))
+    # a prompt that alone fills the draft's positions: no "lower to 0" advice
+    long_prompt = stories.encode("Once upon a time " * 80)
+    assert 256 < len(long_prompt) < 500
+    few = resolve_settings({"max_new_tokens": 5})
+    with pytest.raises(ContextLengthError) as caught:
+        list(speculative_stream(stories, long_prompt, few, draft_lm=xs))
+    assert "only 256 positions" in str(caught.value)
+    assert "lower --max-new-tokens" not in str(caught.value)
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:
