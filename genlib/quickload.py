@@ -228,6 +228,8 @@ def _positive_int(value: Any) -> bool:
 
 
 def _expected_shapes(c: SimpleNamespace) -> dict[str, tuple[int, ...]]:
+    # Llama with no biases: the only configs the quick path accepts (model_type llama,
+    # attention_bias and mlp_bias false).
     q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size),
               "model.norm.weight": (c.hidden_size,)}
@@ -242,9 +244,6 @@ def _expected_shapes(c: SimpleNamespace) -> dict[str, tuple[int, ...]]:
              "mlp.gate_proj.weight": (c.intermediate_size, c.hidden_size),
              "mlp.up_proj.weight": (c.intermediate_size, c.hidden_size),
              "mlp.down_proj.weight": (c.hidden_size, c.intermediate_size)}
-    if c.model_type == "qwen2" or getattr(c, "attention_bias", False):
-        layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                      "self_attn.v_proj.bias": (kv,)})
     for i in range(c.num_hidden_layers):
         shapes.update({f"model.layers.{i}.{name}": shape for name, shape in layer.items()})
     return shapes
