@@ -40,8 +40,10 @@ def nbest_table(prompt: str, hypotheses: Sequence[Hypothesis], greedy: Finish | 
             row.append("met" if hyp.constraints_satisfied else "[red]NOT met[/]")
         table.add_row(*row, Text(hyp.text))
     if greedy is not None:
+        from genlib.beam import length_score
+
         total = sum(greedy.logprobs)
-        score = total / max(greedy.new_tokens, 1) ** length_penalty
+        score = length_score(total, greedy.new_tokens, length_penalty)
         row = ["greedy", f"{score:.4f}", f"{total:.3f}", str(greedy.new_tokens), greedy.reason]
         if constrained:
             row.append("-")

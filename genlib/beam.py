@@ -42,6 +42,12 @@ from genlib.stopping import StopStrings
 DEAD = -1.0e9  # score of beams that must not be extended (as transformers uses)
 
 
+def length_score(sum_logprob: Any, length: int, length_penalty: float) -> Any:
+    """A hypothesis's ranking score: its summed logprob (a float or a tensor of them)
+    over `length ** length_penalty` (transformers' BeamHypotheses.add; length >= 1)."""
+    return sum_logprob / (max(length, 1) ** length_penalty)
+
+
 @dataclass(frozen=True)
 class Hypothesis:
     """One finished sequence. `logprobs` are the model's per-token log-probabilities
@@ -387,7 +393,7 @@ def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tens
     s = plan.settings
     k = plan.group_size
     vocab = raw.shape[-1]
-    finished_scores = (acc / ((step + 1) ** s.length_penalty)).tolist()
+    finished_scores = length_score(acc, step + 1, s.length_penalty).tolist()
     accepting = search.improvable and not (len(search.finished) == k and s.early_stopping is True)
     kept: Picked = []
     leftovers: Picked = []
@@ -465,7 +471,7 @@ def _update_stop(plan: _Plan, search: _Search, step: int, ended: bool) -> None:
         length = step + 1
         if s.early_stopping == "never" and s.length_penalty > 0:
             length = s.max_new_tokens
-        best = (search.scores.max() / (length ** s.length_penalty)).item()
+        best = length_score(search.scores.max(), length, s.length_penalty).item()
         search.improvable = best > min(d.score for d in search.finished)
     search.done = ended or not search.improvable or (full and s.early_stopping is True)
 
@@ -487,8 +493,8 @@ def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int
     ones flagged constraints_satisfied=False."""
     done = [d for s in searches if s.prompt_index == prompt_index for d in s.finished]
     if not done:  # nothing ended (e.g. interrupted): fall back to the running beams
-        done = [_Done(float(sc) / max(len(b.tokens), 1) ** plan.settings.length_penalty, b,
-                      "length", cons.satisfied(b.state))
+        done = [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
+                      b, "length", cons.satisfied(b.state))
                 for s in searches if s.prompt_index == prompt_index
                 for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
     done.sort(key=lambda d: (d.satisfied, d.score), reverse=True)

@@ -13,13 +13,21 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib.beam import beam_search
+from genlib.beam import beam_search, length_score
 from genlib.config import GenerationSettings
 from genlib.decode import generate
 from genlib.models import LoadedModel
 from tests.conftest import STORIES
 
 PROMPTS = ["Once upon a time", "The little dog"]
+
+
+def test_length_score_divides_by_length_to_the_penalty():
+    assert length_score(-6.0, 3, 2.0) == -6.0 / 9
+    assert length_score(-6.0, 3, 0.0) == -6.0  # no penalty: the plain sum
+    assert length_score(-6.0, 0, 1.0) == -6.0  # an empty hypothesis counts as length 1
+    scores = length_score(torch.tensor([-4.0, -8.0]), 4, 0.5)
+    assert scores.tolist() == [-2.0, -4.0]
 
 
 def beam(**changes) -> GenerationSettings:
