@@ -46,13 +46,6 @@ ForceAny = Annotated[list[str] | None, typer.Option(
     help="'A|B|C': one of these phrases must appear (repeatable).")]
 
 
-def preset_samples(preset_ref: str) -> bool:
-    """Whether a preset means sampling (e.g. creative): beam then runs beam sampling."""
-    from genlib.presets import load_preset
-
-    return resolve_settings({}, load_preset(preset_ref).settings).do_sample
-
-
 def greedy_settings(settings: GenerationSettings) -> GenerationSettings:
     """The same settings with greedy decoding, for the contrast row."""
     data = settings.to_dict() | {
@@ -168,8 +161,6 @@ def beam(
       genlab beam "Once upon a time" --force dog --force-any "cat|bird"\n
       genlab beam "Once upon a time" -k 6 --num-beam-groups 3 --diversity-penalty 1.0
     """
-    if sample is None and preset is not None:
-        sample = preset_samples(preset) or None
     flags = opt.decoding_flags(
         locals(), strategy="beam", num_beams=num_beams, length_penalty=length_penalty,
         early_stopping=None if early_stopping is None

@@ -256,13 +256,17 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
     """
     given_cli = {k: v for k, v in (cli or {}).items() if v is not None and v != ()}
     given_preset = {k: v for k, v in (preset or {}).items() if k not in PRESET_META_KEYS}
-    explicit = {**validate_settings(given_preset, "preset"),
-                **validate_settings(given_cli, source)}
+    from_preset = validate_settings(given_preset, "preset")
+    explicit = {**from_preset, **validate_settings(given_cli, source)}
     merged = {k: s.default for k, s in SPECS.items()} | explicit
     strategy = _infer_strategy(explicit)
     merged["strategy"] = strategy
     if strategy == "beam":
-        merged["do_sample"] = bool(explicit.get("do_sample") or False)
+        # An explicit do_sample decides; otherwise a preset that samples (creative, ...)
+        # keeps sampling when beams are asked for: beam sampling, with its settings.
+        sampled = explicit.get("do_sample")
+        merged["do_sample"] = bool(sampled) if sampled is not None else \
+            bool(from_preset) and _infer_strategy(from_preset) == "sample"
         if "num_beams" not in explicit:
             merged["num_beams"] = 4  # a sensible beam width; an explicit 1 is honoured
     else:

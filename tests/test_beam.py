@@ -320,6 +320,13 @@ def test_cli_sampling_preset_runs_beam_sampling():
     assert result.exit_code == 0, result.output
     settings = json.loads(result.stdout)["settings"]
     assert settings["do_sample"] is True and settings["seed"] == 5
+    # the same rule under generate: beams over a sampling preset are beam sampling
+    result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-p", "creative",
+                                 "-s", "beam", "-n", "6", "--seed", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    settings = json.loads(result.stdout.splitlines()[0])["settings"]
+    assert settings["strategy"] == "beam" and settings["do_sample"] is True
+    assert "only apply when sampling" not in result.stderr  # temperature, top_p are used
 
 
 def test_cli_bad_early_stopping_is_one_line_exit_2():

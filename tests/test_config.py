@@ -41,6 +41,19 @@ def test_strategy_inference_and_explicit_strategy_wins():
     assert resolve_settings({"do_sample": True, "num_beams": 2}).do_sample  # beam sampling
 
 
+def test_beams_over_a_sampling_preset_sample_unless_told_not_to():
+    creative = {"strategy": "sample", "temperature": 0.9, "top_p": 0.92}
+    beams = resolve_settings({"strategy": "beam"}, creative)
+    assert beams.strategy == "beam" and beams.do_sample and beams.unused == ()
+    plain = resolve_settings({"strategy": "beam", "do_sample": False}, creative)
+    assert not plain.do_sample and plain.unused == ("temperature", "top_p")
+    assert resolve_settings({"strategy": "beam"}, {"temperature": 0.7}).do_sample
+    # presets that do not sample, and sampling flags on the command line, stay plain beams
+    assert not resolve_settings({"strategy": "beam"}, {"strategy": "beam"}).do_sample
+    assert not resolve_settings({"strategy": "beam"}, {"max_new_tokens": 9}).do_sample
+    assert not resolve_settings({"strategy": "beam", "temperature": 0.5}).do_sample
+
+
 def test_unknown_key_names_source_key_and_closest():
     with pytest.raises(ConfigError) as exc:
         validate_settings({"temprature": 0.7}, "my.yaml")
