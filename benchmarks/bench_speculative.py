@@ -127,7 +127,7 @@ def _row(case: Case, prompt: str, mode: str, tps: float, plain_tps: float, summa
                            "speedup": round(tps / plain_tps, 3), "identical": identical}
     if summary is not None:
         predicted = summary.predicted_speedup()
-        verify_cost = summary.target_seconds / summary.steps * plain_tps
+        verify_cost = summary.verify_cost(plain_tps)
         costed = summary.predicted_speedup(verify_cost)
         row.update({"acceptance": round(summary.acceptance_rate, 3),
                     "alpha": round(summary.alpha, 3),

@@ -144,19 +144,13 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                  f"{s.predicted_speedup():.2f}x)")
     err.print(line)
     if baseline_tps and s.steps:
-        cost = verify_cost(s, baseline_tps)
+        cost = s.verify_cost(baseline_tps)
         err.print(f"  verify cost      a target forward over gamma+1 tokens took {cost:.2f}x "
                   f"a plain decoding step (the formula assumes 1x; with it: "
                   f"{s.predicted_speedup(cost):.2f}x)")
     if identical is not None and not do_sample:
         err.print("  greedy output identical to plain decoding: "
                   + ("[green]yes[/]" if identical else "[red]NO[/]"))
-
-
-def verify_cost(s: Summary, baseline_tps: float) -> float:
-    """Seconds per verify forward / seconds per plain decoding step: the formula takes
-    this as 1, which holds where a forward is memory-bound (GPUs), less so on a CPU."""
-    return (s.target_seconds / s.steps) * baseline_tps if s.steps else 0.0
 
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
@@ -171,9 +165,9 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, 
                      "tokens_per_s": round(base_tps, 3),
                      "identical": base_finish.token_ids == finish.token_ids}
         speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
-        base_json["verify_cost"] = round(verify_cost(s, base_tps), 4)
+        base_json["verify_cost"] = round(s.verify_cost(base_tps), 4)
         base_json["predicted_speedup_with_verify_cost"] = round(
-            s.predicted_speedup(verify_cost(s, base_tps)), 4)
+            s.predicted_speedup(s.verify_cost(base_tps)), 4)
     return {
         "model": target.ref, "drafter": drafter, "prompt": prompt, "text": finish.text,
         "finish_reason": finish.reason, "new_tokens": finish.new_tokens,

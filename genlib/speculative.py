@@ -366,6 +366,12 @@ class Summary:
     def tokens_per_second(self) -> float:
         return self.new_tokens / self.decode_seconds if self.decode_seconds > 0 else 0.0
 
+    def verify_cost(self, plain_tps: float) -> float:
+        """Seconds per verify forward / seconds per plain decoding step (plain decoding at
+        `plain_tps` tokens/s): the formula takes this as 1, which holds where a forward is
+        memory-bound (GPUs), less so on a CPU. 0.0 before any step."""
+        return self.target_seconds / self.steps * plain_tps if self.steps else 0.0
+
     def predicted_speedup(self, verify_cost: float = 1.0) -> float:
         """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha and c,
         summed over the steps taken with their own gamma: the expected tokens

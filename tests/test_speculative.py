@@ -360,6 +360,9 @@ def test_summary_prediction_sums_the_formula_over_each_steps_gamma():
     cost = (4 * 0.5 + 1) + 1 + (2 * 0.5 + 1)
     assert run.predicted_speedup() == pytest.approx(tokens / cost)
     assert run.predicted_speedup(verify_cost=2.0) == pytest.approx(tokens / cost / 2)
+    # a verify took 1.5 s / 3 = 0.5 s; plain decoding at 4 tok/s takes 0.25 s a step
+    assert run.verify_cost(4.0) == pytest.approx(2.0)
+    assert Summary().verify_cost(4.0) == 0.0
     # Not the formula at the mean gamma (2): steps without a draft count as they were.
     assert run.predicted_speedup() != pytest.approx(predicted_speedup(0.75, 2, 0.5))
     assert Summary().predicted_speedup() == 0.0
