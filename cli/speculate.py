@@ -257,14 +257,16 @@ def speculate(
 
 
 def warm_up(lm: LoadedModel, ids: list[int]) -> None:
-    """One short forward, so first-call costs (allocation, lazy init) fall on neither
-    the speculative run nor the baseline."""
+    """A short prefill and a two-token extension through the forward the runs use (the
+    lean one where the model has it), so first-call costs (allocation, lazy init) fall
+    on neither the speculative run nor the baseline."""
     import torch
 
     from genlib import forward
 
     head = torch.tensor([ids[:2]], dtype=torch.long, device=lm.device)
-    forward.prefill(lm.model, head, torch.ones_like(head))
+    _, state = forward.prefill_row(lm, head)
+    forward.extend(state, head)
 
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
