@@ -80,7 +80,9 @@ def result_json(lm: LoadedModel, prompt: str, result: BeamResult, greedy: Finish
 
 def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationSettings,
              *, as_json: bool, tree: bool, tree_steps: int, tree_width: int,
-             with_greedy: bool) -> None:
+             with_greedy: bool) -> bool:
+    """Search, run the greedy contrast, show both; True when Ctrl-C cut the search short
+    (its best beams so far are shown, marked "interrupted", and greedy is skipped)."""
     import time
 
     from cli import render, render_beam
@@ -90,10 +92,12 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     start = time.perf_counter()
     result = beam_search(lm, [ids], settings, record_tree=tree)[0]
     seconds = time.perf_counter() - start
-    greedy = generate(lm, [ids], greedy_settings(settings))[0] if with_greedy else None
+    interrupted = any(h.finish_reason == "interrupted" for h in result.hypotheses)
+    greedy = generate(lm, [ids], greedy_settings(settings))[0] \
+        if with_greedy and not interrupted else None
     if as_json:
         render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree))
-        return
+        return interrupted
     if tree:
         render_beam.search_tree(result, prompt, tree_steps, tree_width)
     render_beam.nbest_table(prompt, result.hypotheses, greedy, settings.length_penalty)
@@ -102,6 +106,7 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
                     "model could not fit them in max_new_tokens; raise --max-new-tokens or "
                     "--num-beams")
     render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s")
+    return interrupted
 
 
 @user_errors
@@ -176,7 +181,10 @@ def beam(
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     try:
-        run_beam(lm, ids, text, settings, as_json=as_json, tree=tree, tree_steps=tree_steps,
-                 tree_width=tree_width, with_greedy=not no_greedy)
+        interrupted = run_beam(lm, ids, text, settings, as_json=as_json, tree=tree,
+                               tree_steps=tree_steps, tree_width=tree_width,
+                               with_greedy=not no_greedy)
     except KeyboardInterrupt:
         raise fail("interrupted", 130) from None
+    if interrupted:
+        raise fail("interrupted: the beams above are the search's best so far", 130)

@@ -340,8 +340,7 @@ def models_table(comparison: ModelComparison) -> RenderableType:
     table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
     for run in comparison.runs:
         table.add_column(f"[bold]{escape(run.label)}[/]", ratio=1, overflow="fold")
-    table.add_row("output", *[f"[red]error:[/] {escape(r.error)}" if r.error else escape(r.text)
-                              for r in comparison.runs], end_section=True)
+    table.add_row("output", *[output_cell(r) for r in comparison.runs], end_section=True)
     ok = [r for r in comparison.runs if not r.error]
     fastest = max((r.tokens_per_s or 0 for r in ok), default=None)
     smallest = min((r.weight_bytes for r in ok if r.weight_bytes), default=None)
@@ -356,6 +355,17 @@ def models_table(comparison: ModelComparison) -> RenderableType:
             cells.append(f"[bold green]{col[row]} *[/]" if best else col[row])
         table.add_row(label, *cells)
     return table
+
+
+def output_cell(run: Any) -> str:
+    """A model run's text, its error, or its text marked as cut short by Ctrl-C."""
+    from rich.markup import escape
+
+    if run.error:
+        return f"[red]error:[/] {escape(run.error)}"
+    if run.finish_reason == "interrupted":
+        return f"{escape(run.text)} [yellow](interrupted)[/]"
+    return escape(run.text)
 
 
 def split_list(text: str | None) -> list[str]:
@@ -381,6 +391,8 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     console_for(to_stdout).print(models_table(comparison))
     export({"kind": "models", **comparison.to_dict()}, models_markdown(comparison),
            json_path, markdown_path)
+    if comparison.interrupted:
+        raise fail("interrupted: the table shows the runs so far", INTERRUPTED)
     if all(r.error for r in comparison.runs):
         raise fail(f"every model run failed: {comparison.runs[0].error}")
 

@@ -202,20 +202,24 @@ def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Genera
     yield Prefill(tuple(len(p) for p in prompts_ids), time.perf_counter() - start,
                   time.perf_counter())
     steps = 0
-    for step in range(settings.max_new_tokens):
-        steps = step + 1
-        parents, tokens = _search_step(plan, searches, logits, context, step)
-        if all(s.done for s in searches):
-            break
-        rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
-        new = torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None]
-        if parents != list(range(len(parents))):  # the cache copy is skipped when no beam moved
-            state.reorder(rows)
-            context = context.index_select(0, rows) if context is not None else None
-        if context is not None:
-            context = torch.cat([context, new], dim=1)
-        logits = forward.extend(state, new)[:, -1, :]
-    return [_result(plan, searches, p, steps) for p in range(len(prompts_ids))]
+    interrupted = False
+    try:
+        for step in range(settings.max_new_tokens):
+            steps = step + 1
+            parents, tokens = _search_step(plan, searches, logits, context, step)
+            if all(s.done for s in searches):
+                break
+            rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
+            new = torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None]
+            if parents != list(range(len(parents))):  # no cache copy when no beam moved
+                state.reorder(rows)
+                context = context.index_select(0, rows) if context is not None else None
+            if context is not None:
+                context = torch.cat([context, new], dim=1)
+            logits = forward.extend(state, new)[:, -1, :]
+    except KeyboardInterrupt:  # Ctrl-C: the best beams so far, marked "interrupted"
+        interrupted = True
+    return [_result(plan, searches, p, steps, interrupted) for p in range(len(prompts_ids))]
 
 
 def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool) -> _Plan:
@@ -486,17 +490,21 @@ def _token_text(plan: _Plan, token: int) -> str:
     return str(plan.tokenizer.convert_ids_to_tokens(token))
 
 
-def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int
-            ) -> BeamResult:
+def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int,
+            interrupted: bool = False) -> BeamResult:
     """Merge the groups' finished hypotheses, best first. With constraints, only those
     that meet them, possibly fewer than num_return_sequences; if none does, the best
-    ones flagged constraints_satisfied=False."""
+    ones flagged constraints_satisfied=False. An interrupted search ranks its running
+    beams with the finished ones and marks every result "interrupted": none of them is
+    the search's answer."""
     done = [d for s in searches if s.prompt_index == prompt_index for d in s.finished]
-    if not done:  # nothing ended (e.g. interrupted): fall back to the running beams
-        done = [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
-                      b, "length", cons.satisfied(b.state))
-                for s in searches if s.prompt_index == prompt_index
-                for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    if interrupted or not done:  # nothing ended: fall back to the running beams
+        done += [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
+                       b, "length", cons.satisfied(b.state))
+                 for s in searches if s.prompt_index == prompt_index
+                 for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    if interrupted:
+        done = [_Done(d.score, d.beam, "interrupted", d.satisfied) for d in done]
     done.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
     if done and done[0].satisfied:  # outputs that miss a forced phrase are shown only if all do
         done = [d for d in done if d.satisfied]

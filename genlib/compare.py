@@ -78,6 +78,11 @@ class StrategyResult:
     metrics: dict[str, float | None] = field(default_factory=dict)
     error: str | None = None
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C cut the strategy's decoding short."""
+        return any(s.reason == "interrupted" for s in self.samples)
+
     def to_dict(self) -> dict[str, Any]:
         return {"label": self.strategy.label, "source": self.strategy.source,
                 "settings": self.strategy.settings.to_dict(), "error": self.error,
@@ -227,10 +232,14 @@ def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float
 def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
                       strategies: Sequence[Strategy]
                       ) -> Iterator[tuple[int, Event | StrategyDone]]:
-    """(strategy index, event) for every strategy in turn, on the one loaded model."""
+    """(strategy index, event) for every strategy in turn, on the one loaded model.
+    Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted") and
+    is raised again after its StrategyDone, so the comparison stops there."""
     for index, strategy in enumerate(strategies):
         for event in run_strategy(lm, prompt_ids, strategy):
             yield index, event
+            if isinstance(event, StrategyDone) and event.result.interrupted:
+                raise KeyboardInterrupt
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Strategy],
@@ -264,6 +273,7 @@ class ModelRun:
     agreement: float | None = None
     unit: str = "token"  # "token", or "char" when the tokenizers differ
     error: str | None = None
+    finish_reason: str | None = None
 
     @property
     def label(self) -> str:
@@ -275,6 +285,7 @@ class ModelRun:
                 "tokens_per_s": self.tokens_per_s, "weight_bytes": self.weight_bytes,
                 "peak_bytes": self.peak_bytes, "first_difference": self.first_difference,
                 "agreement": self.agreement, "unit": self.unit, "error": self.error,
+                "finish_reason": self.finish_reason,
                 "mean_logprob": metrics.mean_logprob(self.logprobs)}
 
 
@@ -286,10 +297,11 @@ class ModelComparison:
     prompt: str
     strategy: Strategy
     runs: list[ModelRun]
+    interrupted: bool = False  # Ctrl-C stopped it: `runs` are those before, and the cut one
 
     def to_dict(self) -> dict[str, Any]:
         return {"prompt": self.prompt, "strategy": self.strategy.label,
-                "settings": self.strategy.settings.to_dict(),
+                "settings": self.strategy.settings.to_dict(), "interrupted": self.interrupted,
                 "runs": [r.to_dict() for r in self.runs]}
 
 
@@ -309,6 +321,7 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRu
         return run, None
     run.seconds = time.perf_counter() - start
     run.text, run.token_ids, run.logprobs = finish.text, finish.token_ids, finish.logprobs
+    run.finish_reason = finish.reason
     run.tokens_per_s = finish.new_tokens / run.seconds if run.seconds > 0 else None
     run.weight_bytes = _weight_bytes(lm)
     run.peak_bytes = _peak_memory(lm)
@@ -365,9 +378,17 @@ def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy
     time, so memory holds one model) and measure how far each output diverges from
     the first."""
     runs, tokenizers = [], []
+    interrupted = False
     for spec in specs:
-        run, tokenizer = run_model(spec, prompt, strategy)
+        try:
+            run, tokenizer = run_model(spec, prompt, strategy)
+        except KeyboardInterrupt:  # Ctrl-C while loading: nothing of this run to keep
+            interrupted = True
+            break
         runs.append(run)
         tokenizers.append(tokenizer)
+        if run.finish_reason == "interrupted":  # Ctrl-C during its generation: stop here
+            interrupted = True
+            break
     measure_divergence(runs, tokenizers)
-    return ModelComparison(prompt, strategy, runs)
+    return ModelComparison(prompt, strategy, runs, interrupted)

@@ -29,6 +29,30 @@ def torch_threads(n: int):
         torch.set_num_threads(before)
 
 
+@pytest.fixture
+def ctrl_c_at(monkeypatch):
+    """ctrl_c_at(n): the n-th decoding step from now on (the n-th call of
+    `forward.extend`, which every loop's steps go through) raises KeyboardInterrupt, as
+    Ctrl-C arriving during that step would."""
+    from genlib import forward
+
+    real = forward.extend
+
+    def arm(n: int) -> None:
+        calls = 0
+
+        def extend(*args, **kwargs):
+            nonlocal calls
+            calls += 1
+            if calls == n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(forward, "extend", extend)
+
+    return arm
+
+
 def assert_lean_follows_transformers(model, lean, ids, tokens=(42, 7, 300, 2, 1),
                                      exact: bool = True) -> None:
     """The lean forward's logits at prefill and after each of `tokens` against

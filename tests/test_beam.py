@@ -329,6 +329,32 @@ def test_cli_sampling_preset_runs_beam_sampling():
     assert "only apply when sampling" not in result.stderr  # temperature, top_p are used
 
 
+def test_ctrl_c_returns_the_best_beams_so_far_marked_interrupted(stories, ctrl_c_at):
+    ids = stories.encode(PROMPTS[0])
+    ctrl_c_at(4)  # during the 4th step: 3 tokens chosen
+    [result] = beam_search(stories, [ids], beam(num_beams=3, num_return_sequences=2,
+                                                max_new_tokens=20))
+    assert len(result.hypotheses) == 2
+    for hyp in result.hypotheses:
+        assert hyp.finish_reason == "interrupted"
+        assert 1 <= len(hyp.token_ids) <= 4 and hyp.text
+    assert result.hypotheses[0].score >= result.hypotheses[1].score
+
+
+def test_cli_ctrl_c_shows_the_beams_so_far_and_exits_130(ctrl_c_at):
+    ctrl_c_at(4)
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "3", "-n", "20"])
+    assert result.exit_code == 130, result.output
+    assert "interrupted" in result.stdout  # the n-best table, each row marked
+    assert "greedy" not in result.stdout  # the contrast run is skipped
+    assert "the beams above are the search's best so far" in result.stderr
+    ctrl_c_at(4)
+    result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-s", "beam",
+                                 "-n", "20", "--json"])
+    assert result.exit_code == 130, result.output
+    assert json.loads(result.stdout.splitlines()[0])["finish_reason"] == "interrupted"
+
+
 def test_cli_bad_early_stopping_is_one_line_exit_2():
     result = runner.invoke(app, ["beam", "hi", *MODEL, "--early-stopping", "maybe"])
     assert result.exit_code == 2

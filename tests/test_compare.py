@@ -156,6 +156,33 @@ def test_model_comparison_divergence(tmp_path):
     assert other.agreement < 1.0 and other.weight_bytes > 0
 
 
+def test_ctrl_c_stops_the_model_comparison_after_the_cut_run(ctrl_c_at):
+    from genlib.models import ModelSpec
+
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    [greedy] = cmp.build_strategies([], ["strategy=greedy"], {"max_new_tokens": 30})
+    ctrl_c_at(29 + 5)  # the 5th step of the second run (30 tokens take 29 steps)
+    comparison = cmp.compare_models([ModelSpec(str(STORIES))] * 3, PROMPT, greedy)
+    assert comparison.interrupted
+    first, cut = comparison.runs  # the third never ran
+    assert first.finish_reason == "length" and len(first.token_ids) == 30
+    assert cut.finish_reason == "interrupted" and len(cut.token_ids) == 5
+
+
+def test_ctrl_c_stops_the_strategy_comparison(stories, ctrl_c_at):
+    greedy, beam = cmp.build_strategies(["greedy", "beam"], [], {"max_new_tokens": 12})
+    ctrl_c_at(11 + 3)  # the 3rd step of the second strategy (12 greedy tokens: 11 steps)
+    seen = []
+    with pytest.raises(KeyboardInterrupt):
+        for _, event in cmp.stream_comparison(stories, stories.encode(PROMPT),
+                                              [greedy, beam, greedy]):
+            if isinstance(event, cmp.StrategyDone):
+                seen.append(event.result)
+    assert [r.strategy.label for r in seen] == ["greedy", "beam"]  # not the third
+    assert not seen[0].interrupted and seen[1].interrupted
+
+
 # --- the view -----------------------------------------------------------------------
 
 def _render(renderable, width: int) -> str:
@@ -227,6 +254,28 @@ def test_cli_json_to_stdout_keeps_the_view_off_stdout(stories):
     data = json.loads(result.stdout)
     assert [s["label"] for s in data["strategies"]] == ["greedy"]
     assert "output" in result.stderr  # the table went to stderr
+
+
+def test_cli_ctrl_c_shows_what_ran_and_exits_130(stories, ctrl_c_at):
+    ctrl_c_at(7 + 2)  # the 2nd step of the second strategy (8 greedy tokens: 7 steps)
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "8",
+                                 "-p", "greedy", "-p", "creative", "-p", "precise",
+                                 "--seed", "1", "--json", "-"])
+    assert result.exit_code == 130, result.output
+    data = json.loads(result.stdout)
+    assert [s["label"] for s in data["strategies"]] == ["greedy", "creative"]
+    assert data["strategies"][1]["samples"][0]["finish_reason"] == "interrupted"
+
+
+def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at):
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    ctrl_c_at(9 + 3)  # the 3rd step of the second model (10 greedy tokens: 9 steps)
+    result = runner.invoke(app, ["compare", PROMPT, "--models", f"{STORIES},{STORIES}",
+                                 "-n", "10"], env={"COLUMNS": "200"})
+    assert result.exit_code == 130, result.output
+    assert "(interrupted)" in result.stdout
+    assert "interrupted: the table shows the runs so far" in result.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [
