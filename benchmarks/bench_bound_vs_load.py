@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=240)
     parser.add_argument("--new-tokens", type=int, default=256)
     args = parser.parse_args()
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be at least 2 (decode speed is timed between tokens)")
     lm = load_model(ModelSpec(args.model))
     weights = bench.weight_bytes(lm.model)
     settings = bench.forced_settings(GenerationSettings(), args.new_tokens)

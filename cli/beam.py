@@ -101,7 +101,7 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     if tree:
         render_beam.search_tree(result, prompt, tree_steps, tree_width)
     render_beam.nbest_table(prompt, result.hypotheses, greedy, settings.length_penalty)
-    if any(h.constraints_satisfied is False for h in result.hypotheses):
+    if not interrupted and any(h.constraints_satisfied is False for h in result.hypotheses):
         render.warn("some outputs do not contain every forced phrase (marked NOT met): the "
                     "model could not fit them in max_new_tokens; raise --max-new-tokens or "
                     "--num-beams")

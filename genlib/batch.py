@@ -177,7 +177,8 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
     from genlib.sampling import derive_seed
 
     under = {**run.preset_settings, **run.flags, **line_preset}
-    settings = resolve_settings(overrides, under, source=where)
+    settings = resolve_settings(overrides, under, source=where,
+                                presets=[run.preset_settings, line_preset])
     if settings.num_return_sequences != 1:
         raise ConfigError(f"{where}: num_return_sequences must be 1 in batch mode; "
                           f"repeat the line with other ids for more outputs")

@@ -22,6 +22,7 @@ at this step (Hamming diversity). Constrained beam search: see `genlib.constrain
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -497,19 +498,21 @@ def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int,
     ones flagged constraints_satisfied=False. An interrupted search ranks its running
     beams with the finished ones and marks every result "interrupted": none of them is
     the search's answer."""
-    done = [d for s in searches if s.prompt_index == prompt_index for d in s.finished]
-    if interrupted or not done:  # nothing ended: fall back to the running beams
+    mine = [s for s in searches if s.prompt_index == prompt_index]
+    cut = interrupted and not all(s.done for s in mine)  # this prompt's search was cut
+    done = [d for s in mine for d in s.finished]
+    if cut or not done:  # the running beams compete (of the searches still running)
         done += [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
                        b, "length", cons.satisfied(b.state))
-                 for s in searches if s.prompt_index == prompt_index
+                 for s in mine if not (cut and s.done)
                  for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
-    if interrupted:
-        done = [_Done(d.score, d.beam, "interrupted", d.satisfied) for d in done]
     done.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
     if done and done[0].satisfied:  # outputs that miss a forced phrase are shown only if all do
         done = [d for d in done if d.satisfied]
-    prompt = searches[prompt_index * plan.groups].prompt_ids
+    prompt = mine[0].prompt_ids
     hyps = [_hypothesis(plan, prompt, d) for d in done[:plan.settings.num_return_sequences]]
+    if cut:  # texts as their own ends left them (stop strings trimmed), then relabelled
+        hyps = [dataclasses.replace(h, finish_reason="interrupted") for h in hyps]
     return BeamResult(prompt_index, hyps, plan.tree.get(prompt_index) if plan.record_tree
                       else None, steps)
 

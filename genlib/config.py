@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -247,17 +247,23 @@ def _infer_strategy(explicit: Mapping[str, Any]) -> str:
 
 def resolve_settings(cli: Mapping[str, Any] | None = None,
                      preset: Mapping[str, Any] | None = None,
-                     *, source: str = "command line") -> GenerationSettings:
+                     *, source: str = "command line",
+                     presets: Sequence[Mapping[str, Any]] | None = None
+                     ) -> GenerationSettings:
     """THE precedence rule: explicit CLI flag > preset > built-in defaults.
 
     `cli` holds only what the user gave (None values mean "not given" and are dropped);
     `preset` holds a preset's settings with `extends` already applied. Both are
     validated here; preset metadata keys (name, description, model) are ignored.
+    A preset that samples keeps sampling under strategy beam (beam sampling) unless
+    do_sample is given. Which layers count as presets for that: `presets` (later ones
+    over earlier ones), for callers whose `preset` merges more than presets (batch
+    lines put the run's flags between two presets); default [preset].
     """
     given_cli = {k: v for k, v in (cli or {}).items() if v is not None and v != ()}
     given_preset = {k: v for k, v in (preset or {}).items() if k not in PRESET_META_KEYS}
-    from_preset = validate_settings(given_preset, "preset")
-    explicit = {**from_preset, **validate_settings(given_cli, source)}
+    explicit = {**validate_settings(given_preset, "preset"),
+                **validate_settings(given_cli, source)}
     merged = {k: s.default for k, s in SPECS.items()} | explicit
     strategy = _infer_strategy(explicit)
     merged["strategy"] = strategy
@@ -266,7 +272,7 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
         # keeps sampling when beams are asked for: beam sampling, with its settings.
         sampled = explicit.get("do_sample")
         merged["do_sample"] = bool(sampled) if sampled is not None else \
-            bool(from_preset) and _infer_strategy(from_preset) == "sample"
+            _presets_sample([preset or {}] if presets is None else presets)
         if "num_beams" not in explicit:
             merged["num_beams"] = 4  # a sensible beam width; an explicit 1 is honoured
     else:
@@ -274,6 +280,14 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
     _check_combination(merged)
     unused = tuple(k for k in SAMPLING_KEYS if k in explicit and not merged["do_sample"])
     return GenerationSettings(**merged, unused=unused)
+
+
+def _presets_sample(presets: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the preset layers, merged, describe sampling (creative, precise, ...)."""
+    merged: dict[str, Any] = {}
+    for layer in presets:
+        merged.update({k: v for k, v in layer.items() if k not in PRESET_META_KEYS})
+    return bool(merged) and _infer_strategy(validate_settings(merged, "preset")) == "sample"
 
 
 def _check_combination(s: Mapping[str, Any]) -> None:

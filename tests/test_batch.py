@@ -91,6 +91,21 @@ def test_line_settings_win_over_run_settings_and_seeds_derive_from_the_id():
     assert third.settings.seed == 99  # a line's own seed is used as given
 
 
+def test_beams_over_a_sampling_preset_sample_as_in_single_prompt_mode():
+    creative = {"strategy": "sample", "temperature": 0.9, "top_p": 0.92}
+    beams = gb.line_settings(gb.RunDefaults(creative, {"strategy": "beam"}, seed=1), {}, {},
+                             "a", "line 1")
+    assert beams.strategy == "beam" and beams.do_sample  # -p creative -s beam
+    # sampling flags on the command line are not a preset: a beam line stays plain beams
+    flags = gb.line_settings(gb.RunDefaults({}, {"temperature": 0.7}, seed=1), {},
+                             {"strategy": "beam"}, "b", "line 2")
+    assert flags.strategy == "beam" and not flags.do_sample
+    # a line's own sampling preset counts too
+    line = gb.line_settings(gb.RunDefaults({}, {}, seed=1), creative, {"strategy": "beam"},
+                            "c", "line 3")
+    assert line.do_sample
+
+
 def test_grouping_keeps_settings_apart_and_respects_the_batch_size(stories):
     items = gb.parse_lines(lines_of(*mixed_prompts(7)), RUN)
     for job in items:

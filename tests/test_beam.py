@@ -331,14 +331,37 @@ def test_cli_sampling_preset_runs_beam_sampling():
 
 def test_ctrl_c_returns_the_best_beams_so_far_marked_interrupted(stories, ctrl_c_at):
     ids = stories.encode(PROMPTS[0])
-    ctrl_c_at(4)  # during the 4th step: 3 tokens chosen
+    ctrl_c_at(4)  # the 4th forward after the prefill: 4 tokens chosen
     [result] = beam_search(stories, [ids], beam(num_beams=3, num_return_sequences=2,
                                                 max_new_tokens=20))
     assert len(result.hypotheses) == 2
+    assert [len(h.token_ids) for h in result.hypotheses] == [4, 4]
     for hyp in result.hypotheses:
-        assert hyp.finish_reason == "interrupted"
-        assert 1 <= len(hyp.token_ids) <= 4 and hyp.text
+        assert hyp.finish_reason == "interrupted" and hyp.text
     assert result.hypotheses[0].score >= result.hypotheses[1].score
+
+
+def test_ctrl_c_leaves_finished_searches_alone_and_trims_stop_strings(stories, ctrl_c_at):
+    # Uninterrupted, both searches end on the stop string: "The little dog" after 9
+    # tokens, "Once upon a time" after 11 (10 forwards after the prefill).
+    settings = beam(num_beams=2, num_return_sequences=2, max_new_tokens=60,
+                    stop_strings=(".",), early_stopping=True)
+    prompts = [stories.encode(p) for p in PROMPTS]
+    ctrl_c_at(10)  # the last forward: the second prompt's search is already done
+    cut, finished = beam_search(stories, prompts, settings)
+    assert [h.finish_reason for h in finished.hypotheses] == ["stop", "stop"]
+    assert [len(h.token_ids) for h in finished.hypotheses] == [9, 9]
+    assert [h.finish_reason for h in cut.hypotheses] == ["interrupted", "interrupted"]
+    assert all("." not in h.text for h in cut.hypotheses + finished.hypotheses)
+    # Cut after two of three hypotheses ended on the stop string (after 9 and 11 of
+    # "The little dog"'s tokens): they rank among the results, still trimmed.
+    ctrl_c_at(12)
+    [result] = beam_search(stories, [prompts[1]], settings.replace(num_beams=3,
+                                                                   num_return_sequences=3))
+    lengths = sorted(len(h.token_ids) for h in result.hypotheses)
+    assert 9 in lengths or 11 in lengths  # an ended hypothesis is among them
+    assert all(h.finish_reason == "interrupted" for h in result.hypotheses)
+    assert all("." not in h.text for h in result.hypotheses)
 
 
 def test_cli_ctrl_c_shows_the_beams_so_far_and_exits_130(ctrl_c_at):
