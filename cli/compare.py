@@ -97,7 +97,9 @@ class View:
     def best(self) -> dict[str, float]:
         from genlib.metrics import best_values
 
-        return best_values([r.metrics for r in self.results if r and r.error is None])
+        # A column Ctrl-C cut short is shown, but its metrics (fewer tokens) compete with none.
+        return best_values([r.metrics for r in self.results
+                            if r and r.error is None and not r.interrupted])
 
     def body(self, index: int) -> RenderableType:
         """A column's text: its samples, one after the other, or its error."""
@@ -124,9 +126,11 @@ class View:
 
         strategy = self.strategies[index]
         summary = settings_summary(strategy.settings)
+        result = self.results[index]
+        cut = " [yellow](interrupted)[/]" if result is not None and result.interrupted else ""
         if summary in (strategy.label, strategy.label.replace("-", "_")):
-            return f"[bold]{escape(strategy.label)}[/]"
-        return f"[bold]{escape(strategy.label)}[/]\n[dim]{escape(summary)}[/]"
+            return f"[bold]{escape(strategy.label)}[/]{cut}"
+        return f"[bold]{escape(strategy.label)}[/]{cut}\n[dim]{escape(summary)}[/]"
 
     def render(self, width: int) -> RenderableType:
         if width < LABEL_WIDTH + MIN_COLUMN * len(self.strategies):

@@ -265,6 +265,20 @@ def test_cli_ctrl_c_shows_what_ran_and_exits_130(stories, ctrl_c_at):
     data = json.loads(result.stdout)
     assert [s["label"] for s in data["strategies"]] == ["greedy", "creative"]
     assert data["strategies"][1]["samples"][0]["finish_reason"] == "interrupted"
+    assert "creative (interrupted)" in result.stderr  # the view (on stderr) marks it
+
+
+def test_a_cut_column_competes_for_no_best_value(default_run):
+    import dataclasses
+
+    greedy = default_run.results[0]
+    cut = dataclasses.replace(greedy, metrics={**greedy.metrics, "seconds": 1e-9},
+                              samples=[dataclasses.replace(greedy.samples[0],
+                                                           reason="interrupted")])
+    view = View([greedy.strategy, cut.strategy], PROMPT)
+    view.results = [greedy, cut]
+    assert cut.interrupted and not greedy.interrupted
+    assert view.best()["seconds"] == greedy.metrics["seconds"]  # not the cut one's
 
 
 def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at):
