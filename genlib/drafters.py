@@ -69,16 +69,14 @@ class ModelDrafter:
     """Drafts with a small model. Its cache always holds a prefix of the committed ids
     (never all of them), so each proposal feeds at least one token."""
 
-    def __init__(self, lm: LoadedModel, sample: bool, *, lean: bool = True):
+    def __init__(self, lm: LoadedModel, sample: bool):
         self.lm = lm
         self.sample = sample
-        self.lean = lean  # False when the draft is the target itself: one lean cache each
         self.state: forward.KVState | None = None
         self.cached: list[int] = []
 
     def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
-        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, capacity,
-                                                       lean=self.lean)
+        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, capacity)
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
                 generator: torch.Generator | None) -> Draft:
@@ -147,16 +145,16 @@ def lookup(ids: Sequence[int], max_ngram: int, gamma: int) -> list[int]:
     return []
 
 
-def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | None = None,
-                          *, lean: bool = True) -> tuple[forward.KVState, list[int]]:
+def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | None = None
+                          ) -> tuple[forward.KVState, list[int]]:
     """A cache of ids[:-1]: the last token is fed by the first step, which then yields
     the logits for the first new position (one code path for every step).
 
-    Through `forward.prefill_row`: the lean forward when the model allows it (and
-    `lean`), with room for `capacity` tokens (default: the model's positions)."""
+    Through `forward.prefill_row`: the lean forward when the model allows it, with room
+    for `capacity` tokens (default: the model's positions)."""
     head = list(ids[:-1])
     input_ids = torch.tensor(head, dtype=torch.long, device=lm.device).view(1, len(head))
-    _, state = forward.prefill_row(lm, input_ids, capacity, lean=lean)
+    _, state = forward.prefill_row(lm, input_ids, capacity)
     return state, head
 
 

@@ -16,8 +16,6 @@ from typing import Any
 
 import torch
 
-from genlib.errors import GenlabError
-
 
 @dataclass
 class KVState:
@@ -249,14 +247,13 @@ def lean_of(lm: Any) -> Any:
 
 
 def prefill_row(lm: Any, input_ids: torch.Tensor, capacity: int | None = None, *,
-                compile: bool = False, lean: bool = True
-                ) -> tuple[torch.Tensor | None, KVState]:
+                compile: bool = False) -> tuple[torch.Tensor | None, KVState]:
     """`prefill` for one unpadded prompt (1, T), T >= 0, with room for `capacity` tokens
-    (default: the model's positions): through the lean forward when `lm` has one (and
-    `lean`), its steps compiled with `compile`; else into a static cache with compiled
-    steps with `compile` (unquantized models); else into a dynamic cache. The last
-    position's logits, None for an empty prompt."""
-    fast = lean_of(lm) if lean else None
+    (default: the model's positions): through the lean forward when `lm` has one, its
+    steps compiled with `compile`; else into a static cache with compiled steps with
+    `compile` (unquantized models); else into a dynamic cache. The last position's
+    logits, None for an empty prompt."""
+    fast = lean_of(lm)
     if fast is not None:
         slots = static_cache_length(capacity or fast.max_positions, lm.max_positions)
         return prefill_lean(fast, input_ids, slots, compile=compile)
@@ -270,33 +267,15 @@ def prefill_row(lm: Any, input_ids: torch.Tensor, capacity: int | None = None, *
 
 def prefill_lean(lean: Any, input_ids: torch.Tensor, cache_length: int,
                  compile: bool = False) -> tuple[torch.Tensor | None, KVState]:
-    """`prefill` for one unpadded prompt through a `LeanLlama` with room for
-    `cache_length` tokens; the state's `step` runs later tokens (compiled with `compile`),
-    so `extend` keeps working on it. Its `reorder` is not supported."""
-    logits = lean.prefill(input_ids, cache_length)
+    """`prefill` for one unpadded prompt through a `LeanLlama`, into a cache of its own
+    with room for `cache_length` tokens; the state's `step` runs later tokens (compiled
+    with `compile`), so `extend` keeps working on it. Its `reorder` is not supported."""
+    cache = lean.new_cache(cache_length)
+    logits = lean.prefill(input_ids, cache)
     run = lean.compiled_step if compile else lean.step
-    generation = lean.prefills
-
-    def current() -> None:
-        # One set of KV buffers per model: a generation interleaved with a later one on
-        # the same model would read the other's cache.
-        if lean.prefills != generation:
-            raise GenlabError("two generations on one model were interleaved, and the lean "
-                              "forward keeps one KV cache per model; run them one after "
-                              "the other, or set GENLAB_LEAN=0")
-
-    def step(token: torch.Tensor, length: int) -> torch.Tensor:
-        current()
-        return run(token)[:, None]
-
-    def extend_many(tokens: torch.Tensor) -> torch.Tensor:
-        current()
-        return lean.extend(tokens)
-
-    def crop_to(length: int) -> None:
-        current()
-        lean.crop(length)
-
-    state = KVState(cache=lean, attention_mask=None, positions=None, length=input_ids.shape[1],
-                    step=step, extend_many=extend_many, crop_to=crop_to)
+    state = KVState(cache=cache, attention_mask=None, positions=None,
+                    length=input_ids.shape[1],
+                    step=lambda token, length: run(token, cache)[:, None],
+                    extend_many=lambda tokens: lean.extend(tokens, cache),
+                    crop_to=cache.crop)
     return logits, state

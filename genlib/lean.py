@@ -9,8 +9,13 @@ for every position and the KV cache preallocated, so a step is little more than 
 matrix products (as llama2.c's and gpt-fast's forward functions are).
 
     lean = LeanLlama.from_model(hf_model)    # None when the model is not plain Llama
-    logits = lean.prefill(input_ids)         # (1, T) -> (1, vocab) float32
-    logits = lean.step(token)                # (1, 1) -> (1, vocab) float32
+    cache = lean.new_cache(capacity)         # one generation's KV buffers
+    logits = lean.prefill(input_ids, cache)  # (1, T) -> (1, vocab) float32
+    logits = lean.step(token, cache)         # (1, 1) -> (1, vocab) float32
+
+The weights are shared; each generation has its own `LeanCache`, so generations on one
+model may interleave (a draft model that is the target itself, a generation started
+while another one waits).
 
 `compiled_step` is the same step under torch.compile: the KV buffers are updated in
 place at a position held in a 0-d tensor and attention reads as many cached tokens as
@@ -110,9 +115,9 @@ Matmul = Callable[[torch.Tensor, _Proj], torch.Tensor]
 
 @dataclass
 class _Layer:
-    """One decoder layer: its norm weights, its projections transposed for `x @ w` (views
-    of the model's tensors, except q/k/v and gate/up concatenated into one product each),
-    and its KV buffers."""
+    """One decoder layer: its norm weights and its projections transposed for `x @ w`
+    (views of the model's tensors, except q/k/v and gate/up concatenated into one product
+    each)."""
 
     input_norm: torch.Tensor
     qkv: _Proj  # (hidden, (heads + 2 * kv_heads) * head_dim)
@@ -121,8 +126,28 @@ class _Layer:
     post_norm: torch.Tensor
     gate_up: _Proj  # (hidden, 2 * intermediate)
     down: _Proj
-    keys: torch.Tensor | None = None  # (1, kv_heads, capacity, head_dim)
-    values: torch.Tensor | None = None
+
+
+@dataclass
+class LeanCache:
+    """One generation's KV cache over a LeanLlama: per layer, key and value buffers of
+    `capacity` positions (1, kv_heads, capacity, head_dim), the first `length` filled;
+    and the compiled step's inputs, the same tensors on every step (the position it
+    writes, the token it reads)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    position: torch.Tensor  # 0-d long
+    token: torch.Tensor  # (1, 1) long
+    length: int = 0
+
+    @property
+    def capacity(self) -> int:
+        return self.keys[0].shape[2]
+
+    def crop(self, length: int) -> None:
+        """Forget everything after the first `length` cached tokens."""
+        self.length = min(self.length, length)
 
 
 def eligible_config(config: Any) -> bool:
@@ -190,11 +215,6 @@ class LeanLlama:
         self.layers = [self._layer(tensors, f"model.layers.{i}.", qkv, gate_up)
                        for i, (qkv, gate_up) in enumerate(fused)]
         self.cos, self.sin = self._rotary_tables(inv_freq)
-        self.length = 0  # tokens in the KV buffers
-        self.capacity = 0
-        self.prefills = 0  # counts generations, so a stale one's steps can be refused
-        self.position = torch.zeros((), dtype=torch.long, device=self.device)
-        self.token = torch.zeros((1, 1), dtype=torch.long, device=self.device)
         self._compiled: DirectCompiled | None = None
 
     @classmethod
@@ -258,23 +278,22 @@ class LeanLlama:
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
         return emb.cos().to(self.dtype), emb.sin().to(self.dtype) * sign.to(self.dtype)
 
-    # --- KV buffers -------------------------------------------------------------------
+    # --- KV cache ---------------------------------------------------------------------
 
-    def reserve(self, capacity: int) -> None:
-        """Make the KV buffers hold `capacity` tokens (reallocated only when that changes)
-        and empty them."""
-        capacity = min(capacity, self.max_positions)
-        if capacity != self.capacity:
-            shape = (1, self.kv_heads, capacity, self.head_dim)
-            for layer in self.layers:
-                layer.keys = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                layer.values = torch.zeros(shape, dtype=self.dtype, device=self.device)
-            self.capacity = capacity
-        self.length = 0
+    def new_cache(self, capacity: int | None = None) -> LeanCache:
+        """An empty cache for one generation of up to `capacity` tokens (default and
+        at most: the model's positions). Slots past `length` are never read, so the
+        buffers are not cleared."""
+        capacity = min(capacity or self.max_positions, self.max_positions)
+        shape = (1, self.kv_heads, capacity, self.head_dim)
 
-    def crop(self, length: int) -> None:
-        """Forget everything after the first `length` cached tokens."""
-        self.length = min(self.length, length)
+        def buffers() -> list[torch.Tensor]:
+            return [torch.empty(shape, dtype=self.dtype, device=self.device)
+                    for _ in self.layers]
+
+        return LeanCache(buffers(), buffers(),
+                         position=torch.zeros((), dtype=torch.long, device=self.device),
+                         token=torch.zeros((1, 1), dtype=torch.long, device=self.device))
 
     # --- Forward (rows are positions: x is (tokens, hidden)) ---------------------------
 
@@ -307,18 +326,17 @@ class LeanLlama:
         # gate contiguous, as transformers' separate gate_proj output is.
         return x + mm(F.silu(gate.contiguous()) * up, layer.down)
 
-    def _attend(self, layer: _Layer, x: torch.Tensor, start: int, cos: torch.Tensor,
-                sin: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    def _attend(self, layer: _Layer, keys: torch.Tensor, values: torch.Tensor,
+                x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
+                mask: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self._qkv(layer, x, cos, sin)
         end = start + t
-        keys, values = layer.keys, layer.values
-        keys[:, :, start:end] = k  # type: ignore[index]
-        values[:, :, start:end] = v  # type: ignore[index]
+        keys[:, :, start:end] = k
+        values[:, :, start:end] = v
         # Causal over the prompt; several tokens after a cached prefix (speculative
         # verify) take an explicit mask.
-        out = self._sdpa(q, keys, values, end, mask=mask,  # type: ignore[arg-type]
-                         causal=t > 1 and mask is None)
+        out = self._sdpa(q, keys, values, end, mask=mask, causal=t > 1 and mask is None)
         return x + _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -333,56 +351,54 @@ class LeanLlama:
     def _logits(self, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         return mm(self._rms_norm(x, self.norm), self.lm_head).float()
 
-    def _forward(self, input_ids: torch.Tensor, all_logits: bool = False) -> torch.Tensor:
-        start, t = self.length, input_ids.shape[1]
-        if start + t > self.capacity:
-            raise ValueError(f"{start + t} tokens exceed the KV buffers' {self.capacity}")
+    def _forward(self, input_ids: torch.Tensor, cache: LeanCache, all_logits: bool = False
+                 ) -> torch.Tensor:
+        start, t = cache.length, input_ids.shape[1]
+        if start + t > cache.capacity:
+            raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
         mask = None
         if t > 1 and start > 0:  # token i sees the cached prefix and tokens 0..i
             slots = torch.arange(start + t, device=self.device)
             mask = slots[None, :] <= start + torch.arange(t, device=self.device)[:, None]
         cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
         x = F.embedding(input_ids[0], self.embed)
-        for layer in self.layers:
-            x = self._mlp(layer, self._attend(layer, x, start, cos, sin, mask))
-        self.length = start + t
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
+        cache.length = start + t
         return self._logits(x if all_logits else x[-1:])
 
     @torch.inference_mode()
-    def prefill(self, input_ids: torch.Tensor, capacity: int | None = None
-                ) -> torch.Tensor | None:
-        """Run one prompt (1, T) from position 0 into buffers of `capacity` tokens
-        (default: the model's positions); the last position's logits (1, vocab) float32,
-        None for an empty prompt (T = 0: the buffers are only emptied)."""
+    def prefill(self, input_ids: torch.Tensor, cache: LeanCache) -> torch.Tensor | None:
+        """Run one prompt (1, T) from position 0 into `cache` (emptied first); the last
+        position's logits (1, vocab) float32, None for an empty prompt (T = 0)."""
         if input_ids.shape[0] != 1:
             raise ValueError("the lean forward takes one row (batch 1)")
-        self.reserve(capacity or self.max_positions)
-        self.prefills += 1
-        return self._forward(input_ids) if input_ids.shape[1] else None
+        cache.length = 0
+        return self._forward(input_ids, cache) if input_ids.shape[1] else None
 
     @torch.inference_mode()
-    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+    def extend(self, tokens: torch.Tensor, cache: LeanCache) -> torch.Tensor:
         """Feed several tokens (1, k) after the cached ones (speculative verification);
         the logits of every one of them, (1, k, vocab) float32."""
-        return self._forward(tokens, all_logits=True)[None]
+        return self._forward(tokens, cache, all_logits=True)[None]
 
     @torch.inference_mode()
-    def step(self, token: torch.Tensor) -> torch.Tensor:
+    def step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
         """Feed one token (1, 1) after the cached ones; its logits (1, vocab) float32."""
-        return self._forward(token)
+        return self._forward(token, cache)
 
     # --- Compiled step ----------------------------------------------------------------
 
     def _static_step(self, token: torch.Tensor, position: torch.Tensor,
                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-        # The layers' KV buffers come as arguments, so DirectCompiled passes the current
+        # The cache's KV buffers come as arguments, so DirectCompiled passes the current
         # ones. Every shape is fixed but attention's: SDPA reads the `position + 1`
         # cached tokens, a size read from the tensor inside the graph (an unbacked
         # symbol, so no recompiles), as `_attend` does.
         index = position.view(1)
         length = position.item() + 1
         torch._check(length >= 1)
-        torch._check(length <= self.capacity)
+        torch._check(length <= keys[0].shape[2])
         cos = self.cos.index_select(0, index)[:, None]
         sin = self.sin.index_select(0, index)[:, None]
         x = F.embedding(token[0], self.embed)
@@ -412,17 +428,17 @@ class LeanLlama:
         return options
 
     @torch.inference_mode()
-    def compiled_step(self, token: torch.Tensor) -> torch.Tensor:
-        """`step` under torch.compile (the first call per buffer size compiles)."""
+    def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
+        """`step` under torch.compile (the first call per cache capacity compiles)."""
         if self._compiled is None:
             self._compiled = DirectCompiled(self._static_step, self._compile_options(),
                                             dynamo_config={"capture_scalar_outputs": True})
-        if self.length >= self.capacity:
-            raise ValueError(f"{self.length + 1} tokens exceed the KV buffers' {self.capacity}")
-        self.position.fill_(self.length)
-        self.token.copy_(token)  # the same input tensor on every step, as the position
-        keys = [layer.keys for layer in self.layers]
-        values = [layer.values for layer in self.layers]
-        logits = self._compiled(self.capacity, self.token, self.position, keys, values)
-        self.length += 1
+        if cache.length >= cache.capacity:
+            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
+                             f"{cache.capacity}")
+        cache.position.fill_(cache.length)
+        cache.token.copy_(token)  # the same input tensor on every step, as the position
+        logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,
+                                cache.values)
+        cache.length += 1
         return logits

@@ -210,11 +210,7 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
         return PromptLookupDrafter(prompt_lookup)
     assert draft_lm is not None
     check_same_vocabulary(target, draft_lm)
-    # The lean forward keeps one KV cache per model: a draft that is the target itself
-    # drafts through transformers' forward.
-    shared = forward.lean_of(draft_lm) is not None and \
-        forward.lean_of(draft_lm) is forward.lean_of(target)
-    return ModelDrafter(draft_lm, sample=settings.do_sample, lean=not shared)
+    return ModelDrafter(draft_lm, sample=settings.do_sample)
 
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,

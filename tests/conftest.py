@@ -68,11 +68,12 @@ def assert_lean_follows_transformers(model, lean, ids, tokens=(42, 7, 300, 2, 1)
             torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
 
     hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
-    same(lean.prefill(ids, 64), hf_logits)
+    cache = lean.new_cache(64)
+    same(lean.prefill(ids, cache), hf_logits)
     for token in tokens:
         t = torch.tensor([[token]])
-        same(lean.step(t), forward.extend(state, t)[:, -1])
-    assert lean.length == state.length == ids.shape[1] + len(tokens)
+        same(lean.step(t, cache), forward.extend(state, t)[:, -1])
+    assert cache.length == state.length == ids.shape[1] + len(tokens)
 
 
 def shared_model(path: Path):

@@ -8,7 +8,7 @@ import torch
 
 from genlib import decode, forward
 from genlib.config import resolve_settings
-from genlib.errors import GenlabError
+from genlib.events import Finish
 from genlib.lean import LeanLlama, _mm, _Proj
 from tests.conftest import (
     assert_lean_follows_transformers,
@@ -45,13 +45,14 @@ def hf_forward_greedy(lm, ids: list[int], n: int, monkeypatch) -> list[int]:
 def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False,
                 eos: int = 2) -> list[int]:
     """Greedy over the lean forward, never picking `eos` (as min_new_tokens does)."""
-    logits = lean.prefill(torch.tensor([ids]), len(ids) + n)
+    cache = lean.new_cache(len(ids) + n)
+    logits = lean.prefill(torch.tensor([ids]), cache)
     step = lean.compiled_step if compiled else lean.step
     out: list[int] = []
     for _ in range(n):
         token = logits.index_fill(-1, torch.tensor([eos]), float("-inf")).argmax(-1, keepdim=True)
         out.append(int(token))
-        logits = step(token)
+        logits = step(token, cache)
     return out
 
 
@@ -169,26 +170,28 @@ def test_several_tokens_after_a_prefix_equal_hf_logits(stories, tiny_llama, whic
     lean = LeanLlama.from_model(model)
     ids = torch.tensor([[1, 43, 67, 120, 9, 300, 41]])
     _, state = forward.prefill(model, ids, torch.ones_like(ids))
-    lean.prefill(ids, 64)
+    cache = lean.new_cache(64)
+    lean.prefill(ids, cache)
     block = torch.tensor([[42, 7, 300, 2, 11]])
-    torch.testing.assert_close(lean.extend(block), forward.extend(state, block),
+    torch.testing.assert_close(lean.extend(block, cache), forward.extend(state, block),
                                rtol=1e-4, atol=1e-4)
-    assert lean.length == state.length == 12
-    lean.crop(9)  # roll back past two of them; the next step sees only the first two
+    assert cache.length == state.length == 12
+    cache.crop(9)  # roll back past two of them; the next step sees only the first two
     state.crop(9)
     nxt = torch.tensor([[5]])
-    torch.testing.assert_close(lean.step(nxt), forward.extend(state, nxt)[:, -1],
+    torch.testing.assert_close(lean.step(nxt, cache), forward.extend(state, nxt)[:, -1],
                                rtol=1e-4, atol=1e-4)
 
 
 def test_crop_rolls_back_to_an_earlier_length(stories):
     lean = LeanLlama.from_model(stories.model)
     ids = torch.tensor([stories.encode("Once upon a time")])
-    lean.prefill(ids, 64)
-    first = lean.step(torch.tensor([[42]]))
-    lean.step(torch.tensor([[7]]))
-    lean.crop(ids.shape[1])
-    torch.testing.assert_close(lean.step(torch.tensor([[42]])), first, rtol=0, atol=0)
+    cache = lean.new_cache(64)
+    lean.prefill(ids, cache)
+    first = lean.step(torch.tensor([[42]]), cache)
+    lean.step(torch.tensor([[7]]), cache)
+    cache.crop(ids.shape[1])
+    torch.testing.assert_close(lean.step(torch.tensor([[42]]), cache), first, rtol=0, atol=0)
 
 
 def test_qwen2_with_qkv_biases_matches_generate():
@@ -231,13 +234,16 @@ def test_genlab_lean_0_switches_the_lean_path_off(stories, monkeypatch):
     assert state.step is None  # transformers' dynamic cache
 
 
-def test_a_later_generation_on_the_same_model_invalidates_the_earlier_one(stories):
-    ids = stories.encode("Once upon a time")
+def test_generations_on_one_model_interleave(stories):
+    """Each generation has its own lean cache: one started while another waits leaves
+    the other's tokens as they would have been."""
+    ids, other = stories.encode("Once upon a time"), stories.encode("The dog")
+    expected = decode.generate(stories, [ids], greedy(20))[0].token_ids
+    expected_other = decode.generate(stories, [other], greedy(5))[0].token_ids
     first = decode.stream(stories, [ids], greedy(20))
     next(first), next(first)  # prefill and the first token
-    assert len(decode.generate(stories, [ids], greedy(5))[0].token_ids) == 5
-    with pytest.raises(GenlabError, match="interleaved.*GENLAB_LEAN=0"):
-        list(first)
+    assert decode.generate(stories, [other], greedy(5))[0].token_ids == expected_other
+    assert [e for e in first if isinstance(e, Finish)][0].token_ids == expected
 
 
 def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
@@ -251,12 +257,13 @@ def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
     eager = lean_greedy(lean, prompt, 40)
     assert lean_greedy(lean, prompt, 40, compiled=True) == eager
     # Switching between the two mid-generation carries the cache across.
-    logits = lean.prefill(torch.tensor([prompt]), 64)
+    cache = lean.new_cache(64)
+    logits = lean.prefill(torch.tensor([prompt]), cache)
     mixed = []
     for i in range(12):
         token = logits.argmax(-1, keepdim=True)
         mixed.append(int(token))
-        logits = (lean.compiled_step if i // 4 == 1 else lean.step)(token)
+        logits = (lean.compiled_step if i // 4 == 1 else lean.step)(token, cache)
     assert mixed == eager[:12]
     # Back to the first buffer size, in newly allocated buffers, with another prompt: the
     # graph compiled for that size is called directly, reading the new buffers.

@@ -21,6 +21,7 @@ from genlib.decode import generate, make_plan
 from genlib.drafters import ModelDrafter, lookup, prefill_all_but_last
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
+from genlib.lean import LeanCache
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
@@ -125,7 +126,7 @@ def test_a_one_token_prompt_still_takes_the_lean_forward(stories, xs) -> None:
     ids = [1]
     state, head = prefill_all_but_last(stories, ids, 64)
     assert head == [] and state.length == 0
-    assert state.cache is forward.lean_of(stories)  # the lean state, not a dynamic cache
+    assert isinstance(state.cache, LeanCache)  # the lean state, not a dynamic cache
     plain = generate(stories, [ids], settings)[0]
     finish, _ = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4)
     assert finish.token_ids == plain.token_ids
