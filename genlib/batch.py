@@ -117,8 +117,10 @@ def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
         return LineError(number, number, str(exc))
     try:
         return _job(data, job_id, number, run)
-    except GenlabError as exc:
-        return LineError(job_id, number, str(exc))
+    except GenlabError as exc:  # every message names the line (settings rules do not)
+        message = str(exc)
+        return LineError(job_id, number, message if message.startswith(f"{where}:")
+                         else f"{where}: {message}")
 
 
 def _line_id(data: Mapping[str, Any], number: int) -> str | int:
@@ -177,11 +179,12 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
     from genlib.sampling import derive_seed
 
     under = {**run.preset_settings, **run.flags, **line_preset}
-    settings = resolve_settings(overrides, under, source=where,
-                                presets=[run.preset_settings, line_preset])
-    if settings.num_return_sequences != 1:
+    # Before the settings' own rules (which would suggest sampling for a greedy line).
+    if {**under, **overrides}.get("num_return_sequences", 1) != 1:
         raise ConfigError(f"{where}: num_return_sequences must be 1 in batch mode; "
                           f"repeat the line with other ids for more outputs")
+    settings = resolve_settings(overrides, under, source=where,
+                                presets=[run.preset_settings, line_preset])
     seed = overrides.get("seed")
     if seed is None:
         seed = derive_seed(run.seed, job_id)

@@ -55,6 +55,9 @@ def test_bad_lines_are_reported_with_their_line_number():
         {"id": "z", "prompt": "a", "top_p": 2},
         {"id": 1.5, "prompt": "a"},
         {"id": "w", "prompt": "a", "messages": [{"role": "user", "content": "b"}]},
+        {"id": "v", "prompt": "a", "num_return_sequences": 2},
+        {"id": "u", "prompt": "a", "min_new_tokens": 50, "max_new_tokens": 5},
+        {"id": "t", "prompt": "a", "preset": "no-such-preset"},
     ), RUN)
     errors = {i.line: i.message for i in items if isinstance(i, gb.LineError)}
     assert isinstance(items[0], gb.Job) and items[0].id == 1
@@ -66,7 +69,13 @@ def test_bad_lines_are_reported_with_their_line_number():
     assert errors[7] == "line 7: top_p must be 0 < top_p <= 1, got 2.0"
     assert errors[8] == "line 8: id must be a string or an integer, got 1.5"
     assert errors[9].startswith('line 9: give exactly one of "prompt"')
-    assert [i.id for i in items if isinstance(i, gb.LineError)] == [2, 4, "x", "y", "z", 8, "w"]
+    # the batch rule comes first (not the greedy rule's advice to sample, which it refuses)
+    assert errors[10] == ("line 10: num_return_sequences must be 1 in batch mode; repeat "
+                          "the line with other ids for more outputs")
+    assert errors[11] == "line 11: min_new_tokens (50) must be <= max_new_tokens (5)"
+    assert errors[12].startswith("line 12: ") and "no-such-preset" in errors[12]
+    assert [i.id for i in items if isinstance(i, gb.LineError)] == \
+        [2, 4, "x", "y", "z", 8, "w", "v", "u", "t"]
 
 
 def test_duplicate_ids_refuse_the_file():
