@@ -243,7 +243,7 @@ def comparison_markdown(comparison: Comparison) -> str:
     from genlib.metrics import METRICS, best_values
 
     results = comparison.results
-    best = best_values([r.metrics for r in results if r.error is None])
+    best = best_values([r.metrics for r in results if r.error is None and not r.interrupted])
     lines = ["# genlab compare", "",
              f"- model: `{comparison.model}`",
              f"- prompt: `{_md_inline(comparison.prompt)}` ({comparison.prompt_tokens} tokens)",
@@ -260,7 +260,8 @@ def comparison_markdown(comparison: Comparison) -> str:
             cells.append(f"**{text}**" if bold else text)
         lines.append(f"| {metric.label} | " + " | ".join(cells) + " |")
     for r in results:
-        lines += ["", f"## {r.strategy.label}", "",
+        cut = " (interrupted)" if r.interrupted else ""
+        lines += ["", f"## {r.strategy.label}{cut}", "",
                   f"Settings: `{settings_summary(r.strategy.settings)}`", ""]
         if r.error is not None:
             lines += [f"Error: {r.error}"]
@@ -282,7 +283,8 @@ def models_markdown(comparison: ModelComparison) -> str:
         cells = model_cells(run)
         lines.append(f"| {_md_cell(run.label)} | " + " | ".join(cells) + " |")
     for run in comparison.runs:
-        lines += ["", f"## {run.label}", ""]
+        cut = " (interrupted)" if run.finish_reason == "interrupted" else ""
+        lines += ["", f"## {run.label}{cut}", ""]
         lines += [f"Error: {run.error}"] if run.error else ["```text", run.text, "```"]
     return "\n".join(lines).rstrip() + "\n"
 

@@ -266,6 +266,11 @@ def test_cli_ctrl_c_shows_what_ran_and_exits_130(stories, ctrl_c_at):
     assert [s["label"] for s in data["strategies"]] == ["greedy", "creative"]
     assert data["strategies"][1]["samples"][0]["finish_reason"] == "interrupted"
     assert "creative (interrupted)" in result.stderr  # the view (on stderr) marks it
+    markdown = comparison_markdown(cmp.Comparison(
+        "m", PROMPT, 4, 1, [cmp.StrategyResult(cmp.build_strategies(["creative"], [], {})[0],
+                                               [cmp.Sample("x", (1,), (-1.0,), "interrupted",
+                                                           0.1)], {})]))
+    assert "## creative (interrupted)" in markdown
 
 
 def test_a_cut_column_competes_for_no_best_value(default_run):
@@ -281,15 +286,18 @@ def test_a_cut_column_competes_for_no_best_value(default_run):
     assert view.best()["seconds"] == greedy.metrics["seconds"]  # not the cut one's
 
 
-def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at):
+def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at, tmp_path):
     if not STORIES.is_dir():
         pytest.skip("shared models missing")
     ctrl_c_at(9 + 3)  # the 3rd step of the second model (10 greedy tokens: 9 steps)
+    markdown = tmp_path / "models.md"
     result = runner.invoke(app, ["compare", PROMPT, "--models", f"{STORIES},{STORIES}",
-                                 "-n", "10"], env={"COLUMNS": "200"})
+                                 "-n", "10", "--markdown", str(markdown)],
+                           env={"COLUMNS": "200"})
     assert result.exit_code == 130, result.output
     assert "(interrupted)" in result.stdout
     assert "interrupted: the table shows the runs so far" in result.stderr
+    assert markdown.read_text().count("(interrupted)") == 1  # the second run only
 
 
 @pytest.mark.parametrize(("args", "message"), [
