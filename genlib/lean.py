@@ -193,7 +193,8 @@ def eligible(model: Any) -> bool:
 
 
 class LeanLlama:
-    """Llama's forward for one row, with preallocated KV buffers (see the module doc)."""
+    """Llama's forward for one row over preallocated KV caches, one per generation
+    (`new_cache`; see the module doc)."""
 
     def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor],
                  inv_freq: torch.Tensor) -> None:
