@@ -16,14 +16,14 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from cli.context import ModelFlags, load
-from cli.errors import fail
+from cli.errors import INTERRUPTED, fail
 
 if TYPE_CHECKING:
     from rich.progress import Progress
 
     from genlib.batch import Job, ResultWriter
 
-INTERRUPTED = 130
+
 DEFAULT_BATCH_SIZE = 16
 
 

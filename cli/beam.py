@@ -9,7 +9,7 @@ import typer
 
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
-from cli.errors import fail, user_errors
+from cli.errors import INTERRUPTED, fail, user_errors
 from cli.generate import encode_prompt, read_prompt, with_seed
 from genlib.config import parse_value, resolve_settings
 
@@ -92,9 +92,10 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     start = time.perf_counter()
     result = beam_search(lm, [ids], settings, record_tree=tree)[0]
     seconds = time.perf_counter() - start
-    interrupted = any(h.finish_reason == "interrupted" for h in result.hypotheses)
     greedy = generate(lm, [ids], greedy_settings(settings))[0] \
-        if with_greedy and not interrupted else None
+        if with_greedy and not result.interrupted else None
+    # The greedy run's loop keeps a Ctrl-C too: its row ends "interrupted".
+    interrupted = result.interrupted or (greedy is not None and greedy.reason == "interrupted")
     if as_json:
         render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree))
         return interrupted
@@ -180,11 +181,8 @@ def beam(
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    try:
-        interrupted = run_beam(lm, ids, text, settings, as_json=as_json, tree=tree,
-                               tree_steps=tree_steps, tree_width=tree_width,
-                               with_greedy=not no_greedy)
-    except KeyboardInterrupt:
-        raise fail("interrupted", 130) from None
+    interrupted = run_beam(lm, ids, text, settings, as_json=as_json, tree=tree,
+                           tree_steps=tree_steps, tree_width=tree_width,
+                           with_greedy=not no_greedy)
     if interrupted:
-        raise fail("interrupted: the beams above are the search's best so far", 130)
+        raise fail("interrupted: the results above are those so far", INTERRUPTED)

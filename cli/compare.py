@@ -18,7 +18,7 @@ import typer
 
 from cli import options as opt
 from cli.context import ModelFlags
-from cli.errors import fail, user_errors
+from cli.errors import INTERRUPTED, fail, user_errors
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from genlib.compare import Comparison, ModelComparison, Strategy, StrategyResult
     from genlib.config import GenerationSettings
 
-INTERRUPTED = 130
+
 MIN_COLUMN = 30  # characters a text column needs to stay readable; narrower: stack
 REFRESH_S = 0.1  # live view redraws at most this often (Rich is slow on a busy CPU)
 LABEL_WIDTH = 20

@@ -14,6 +14,9 @@ from genlib.errors import GenlabError
 
 F = TypeVar("F", bound=Callable[..., Any])
 
+INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT)
+BROKEN_PIPE = 141  # the exit status when the reader of stdout went away (128 + SIGPIPE)
+
 
 def fail(message: str, code: int = 2) -> typer.Exit:
     from cli.render import error
@@ -24,7 +27,8 @@ def fail(message: str, code: int = 2) -> typer.Exit:
 
 def user_errors(command: F) -> F:
     """Decorator: GenlabError -> `error: ...` and its exit code (2 input, 1 runtime);
-    any other exception -> one `error: unexpected ...` line and exit 1."""
+    Ctrl-C that no loop handled -> `error: interrupted` and INTERRUPTED; any other
+    exception -> one `error: unexpected ...` line and exit 1."""
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -32,12 +36,14 @@ def user_errors(command: F) -> F:
             return command(*args, **kwargs)
         except GenlabError as exc:
             raise fail(str(exc), exc.exit_code) from None
+        except KeyboardInterrupt:  # outside the loops that keep what they produced
+            raise fail("interrupted", INTERRUPTED) from None
         except BrokenPipeError:
             # The reader went away (`genlab generate ... | head -c 100`): stop quietly, as
             # shell tools do, with the status SIGPIPE would give (128 + 13). Later writes
             # to stdout (the exit's flush) go nowhere instead of raising again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-            raise typer.Exit(141) from None
+            raise typer.Exit(BROKEN_PIPE) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):
                 raise  # Typer's own exits and usage errors

@@ -10,14 +10,12 @@ import typer
 
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
-from cli.errors import fail, user_errors
+from cli.errors import INTERRUPTED, fail, user_errors
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
     from genlib.events import Finish
     from genlib.models import LoadedModel
-
-INTERRUPTED = 130
 
 
 def read_prompt(prompt: str | None) -> str:

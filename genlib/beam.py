@@ -99,6 +99,11 @@ class BeamResult:
     tree: list[TreeStep] | None = None
     steps: int = 0
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C cut the search short (its hypotheses are the best so far)."""
+        return any(h.finish_reason == "interrupted" for h in self.hypotheses)
+
 
 @dataclass
 class _Beam:

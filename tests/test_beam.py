@@ -370,12 +370,29 @@ def test_cli_ctrl_c_shows_the_beams_so_far_and_exits_130(ctrl_c_at):
     assert result.exit_code == 130, result.output
     assert "interrupted" in result.stdout  # the n-best table, each row marked
     assert "greedy" not in result.stdout  # the contrast run is skipped
-    assert "the beams above are the search's best so far" in result.stderr
+    assert "interrupted: the results above are those so far" in result.stderr
     ctrl_c_at(4)
     result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-s", "beam",
                                  "-n", "20", "--json"])
     assert result.exit_code == 130, result.output
     assert json.loads(result.stdout.splitlines()[0])["finish_reason"] == "interrupted"
+
+
+def test_cli_ctrl_c_in_the_greedy_contrast_run_exits_130(ctrl_c_at, monkeypatch):
+    from genlib import decode
+
+    real = decode.generate
+
+    def generate(*args, **kwargs):  # the contrast run: Ctrl-C during its 3rd step
+        ctrl_c_at(3)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode, "generate", generate)
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "8"])
+    assert result.exit_code == 130, result.output
+    greedy_row = next(line for line in result.stdout.splitlines() if "greedy" in line)
+    assert "interrupted" in greedy_row  # shown, cut short, and the exit says so
+    assert "interrupted: the results above are those so far" in result.stderr
 
 
 def test_cli_bad_early_stopping_is_one_line_exit_2():
