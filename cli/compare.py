@@ -224,7 +224,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
                                      or now - last_draw >= REFRESH_S):
                 live.update(view.render(console.width), refresh=True)
                 last_draw = now
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # while the view was drawn, between events
         interrupted = True
     finally:
         if live is not None:
@@ -232,7 +232,8 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
             live.stop()
     if live is None:
         console.print(view.render(console.width))
-    return [r for r in view.results if r is not None], interrupted
+    results = [r for r in view.results if r is not None]
+    return results, interrupted or any(r.interrupted for r in results)
 
 
 # --- exports ------------------------------------------------------------------------
@@ -283,7 +284,7 @@ def models_markdown(comparison: ModelComparison) -> str:
         cells = model_cells(run)
         lines.append(f"| {_md_cell(run.label)} | " + " | ".join(cells) + " |")
     for run in comparison.runs:
-        cut = " (interrupted)" if run.finish_reason == "interrupted" else ""
+        cut = " (interrupted)" if run.interrupted else ""
         lines += ["", f"## {run.label}{cut}", ""]
         lines += [f"Error: {run.error}"] if run.error else ["```text", run.text, "```"]
     return "\n".join(lines).rstrip() + "\n"
@@ -369,7 +370,7 @@ def output_cell(run: Any) -> str:
 
     if run.error:
         return f"[red]error:[/] {escape(run.error)}"
-    if run.finish_reason == "interrupted":
+    if run.interrupted:
         return f"{escape(run.text)} [yellow](interrupted)[/]"
     return escape(run.text)
 

@@ -94,14 +94,13 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                    compile: bool = False) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
     from cli import render
-    from genlib.decode import interrupt, stream
+    from genlib.decode import collect, stream
     from genlib.events import Finish, Prefill, Token
 
     # beam search yields only Finish events (the best beams are known at the end)
     live = not as_json and settings.num_return_sequences == 1 and settings.strategy != "beam"
     prefill_s = 0.0
     finished: list[Finish] = []
-    interrupted = False
 
     def handle(event: Any) -> None:
         nonlocal prefill_s
@@ -114,14 +113,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             if live:
                 render.stream_text(event.tail)
 
-    events = stream(lm, [ids], settings, compile=compile)
-    try:
-        for event in events:
-            handle(event)
-    except KeyboardInterrupt:
-        interrupted = True
-        for event in interrupt(events):
-            handle(event)
+    _, interrupted = collect(stream(lm, [ids], settings, compile=compile), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text

@@ -377,7 +377,7 @@ def turn(session: Session, text: str) -> None:
 def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
                   ) -> Finish | None:
     """Print the answer as it arrives; Ctrl-C ends it early ("interrupted")."""
-    from genlib.decode import interrupt, stream
+    from genlib.decode import collect, stream
     from genlib.events import Finish, Token
 
     finish: Finish | None = None
@@ -393,13 +393,7 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
             # Strategies that only know the text at the end (beam) stream no tokens.
             render.stream_text(event.tail if streamed else event.text)
 
-    events = stream(lm, [ids], settings)
-    try:
-        for event in events:
-            handle(event)
-    except KeyboardInterrupt:
-        for event in interrupt(events):
-            handle(event)
+    collect(stream(lm, [ids], settings), handle)
     render.end_line()
     if finish is not None:
         render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)

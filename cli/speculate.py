@@ -41,28 +41,12 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
                f"the same tokenizer) or --prompt-lookup N (drafts from the context, no model)")
 
 
-def collect(events: Any, handle: Any) -> tuple[list[Event], bool]:
-    """Run an event stream to its end through `handle`; (events, interrupted)."""
-    from genlib.decode import interrupt
-
-    seen: list[Event] = []
-    try:
-        for event in events:
-            seen.append(event)
-            handle(event)
-    except KeyboardInterrupt:
-        for event in interrupt(events):
-            seen.append(event)
-            handle(event)
-        return seen, True
-    return seen, False
-
-
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
                        draft: LoadedModel | None, prompt_lookup: int | None,
                        num_draft_tokens: int | None, adaptive: bool, live: bool
                        ) -> tuple[list[Event], bool]:
     from cli import render
+    from genlib.decode import collect
     from genlib.events import Finish, Token
     from genlib.speculative import speculative_stream
 

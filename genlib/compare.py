@@ -99,6 +99,11 @@ class Comparison:
     seed: int
     results: list[StrategyResult]
 
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C stopped it (the last result is the cut one)."""
+        return any(r.interrupted for r in self.results)
+
     def to_dict(self) -> dict[str, Any]:
         ok = [r.metrics for r in self.results if r.error is None]
         return {"model": self.model, "prompt": self.prompt,
@@ -233,13 +238,13 @@ def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
                       strategies: Sequence[Strategy]
                       ) -> Iterator[tuple[int, Event | StrategyDone]]:
     """(strategy index, event) for every strategy in turn, on the one loaded model.
-    Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted") and
-    is raised again after its StrategyDone, so the comparison stops there."""
+    Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted",
+    its StrategyDone says so), and the comparison stops there."""
     for index, strategy in enumerate(strategies):
         for event in run_strategy(lm, prompt_ids, strategy):
             yield index, event
             if isinstance(event, StrategyDone) and event.result.interrupted:
-                raise KeyboardInterrupt
+                return
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Strategy],
@@ -274,6 +279,11 @@ class ModelRun:
     unit: str = "token"  # "token", or "char" when the tokenizers differ
     error: str | None = None
     finish_reason: str | None = None
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C cut its generation short."""
+        return self.finish_reason == "interrupted"
 
     @property
     def label(self) -> str:
@@ -387,7 +397,7 @@ def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy
             break
         runs.append(run)
         tokenizers.append(tokenizer)
-        if run.finish_reason == "interrupted":  # Ctrl-C during its generation: stop here
+        if run.interrupted:  # Ctrl-C during its generation: stop here
             interrupted = True
             break
     measure_divergence(runs, tokenizers)

@@ -12,7 +12,7 @@ Batches of prompts of different lengths are left-padded; each row stops on its o
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -268,6 +268,23 @@ def interrupt(events: Iterator[Event]) -> Iterator[Event]:
         return
     yield first
     yield from events
+
+
+def collect(events: Iterator[Event], handle: Callable[[Event], None]
+            ) -> tuple[list[Event], bool]:
+    """Run an event stream to its end through `handle`, keeping Ctrl-C's events (see
+    `interrupt`); (every event, whether Ctrl-C reached the consumer)."""
+    seen: list[Event] = []
+    try:
+        for event in events:
+            seen.append(event)
+            handle(event)
+    except KeyboardInterrupt:
+        for event in interrupt(events):
+            seen.append(event)
+            handle(event)
+        return seen, True
+    return seen, False
 
 
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

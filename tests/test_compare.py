@@ -173,14 +173,10 @@ def test_ctrl_c_stops_the_model_comparison_after_the_cut_run(ctrl_c_at):
 def test_ctrl_c_stops_the_strategy_comparison(stories, ctrl_c_at):
     greedy, beam = cmp.build_strategies(["greedy", "beam"], [], {"max_new_tokens": 12})
     ctrl_c_at(11 + 3)  # the 3rd step of the second strategy (12 greedy tokens: 11 steps)
-    seen = []
-    with pytest.raises(KeyboardInterrupt):
-        for _, event in cmp.stream_comparison(stories, stories.encode(PROMPT),
-                                              [greedy, beam, greedy]):
-            if isinstance(event, cmp.StrategyDone):
-                seen.append(event.result)
+    comparison = cmp.compare(stories, stories.encode(PROMPT), [greedy, beam, greedy])
+    seen = comparison.results
     assert [r.strategy.label for r in seen] == ["greedy", "beam"]  # not the third
-    assert not seen[0].interrupted and seen[1].interrupted
+    assert not seen[0].interrupted and seen[1].interrupted and comparison.interrupted
 
 
 # --- the view -----------------------------------------------------------------------
@@ -284,6 +280,10 @@ def test_a_cut_column_competes_for_no_best_value(default_run):
     view.results = [greedy, cut]
     assert cut.interrupted and not greedy.interrupted
     assert view.best()["seconds"] == greedy.metrics["seconds"]  # not the cut one's
+    markdown = comparison_markdown(cmp.Comparison("m", PROMPT, 4, 1, [greedy, cut]))
+    time_row = next(line for line in markdown.splitlines() if line.startswith("| time"))
+    whole, cut_cell = time_row.strip("|").split("|")[1:3]
+    assert whole.strip().startswith("**") and not cut_cell.strip().startswith("**")
 
 
 def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at, tmp_path):
