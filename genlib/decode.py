@@ -134,15 +134,14 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
     running finish with reason "interrupted".
     """
+    if settings.strategy == "beam" and compile:
+        raise ConfigError("--compile runs greedy and sampling decoding; beam search has no "
+                          "compiled path: drop --compile")
     expanded_rows = len(prompts) * settings.num_return_sequences
     if settings.strategy == "beam" or expanded_rows > 1:
         lm.load_model_now()  # beams and batches run on transformers' forward
     if settings.strategy == "beam":
         from genlib import beam  # beam search has its own loop over the same forward pass
-
-        if compile:
-            raise ConfigError("--compile runs greedy and sampling decoding; beam search has "
-                              "no compiled path: drop --compile")
 
         yield from beam.stream(lm, prompts, settings, seeds=seeds)
         return

@@ -39,7 +39,7 @@ from genlib import hugepages
 from genlib.compiled import DirectCompiled
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
-# mistral only with no sliding window, which `eligible` checks).
+# mistral only with no sliding window, which `eligible_config` checks).
 _ARCHS = ("llama", "mistral", "qwen2")
 _QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")

@@ -73,7 +73,7 @@ class LoadedModel:
         """Load a deferred transformers model now (a generation about to need it calls
         this before its clock starts, so its timings hold no model load)."""
         if not self.model_loaded:
-            self.__getattr__("model")  # sets self.model
+            self.model  # noqa: B018 - the deferred load (__getattr__) sets it
 
     @property
     def model_loaded(self) -> bool:
@@ -101,19 +101,23 @@ class LoadedModel:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
-    def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
-        """ContextLengthError unless prompt + new tokens fit in the model's positions."""
+    def check_fits(self, prompt_len: int, max_new_tokens: int, *, whose: str = "the model's",
+                   remedy: str = "shorten the prompt (generate --truncate-prompt keeps its "
+                                 "last tokens)") -> None:
+        """ContextLengthError unless prompt + new tokens fit in the model's positions,
+        naming the model (`whose`) and what else to change (`remedy`, for a draft model:
+        another draft)."""
         limit = self.max_positions
         if limit is None or prompt_len + max_new_tokens <= limit:
             return
         if prompt_len >= limit:
             raise ContextLengthError(
-                f"the prompt alone ({prompt_len} tokens) fills the model's {limit} positions; "
-                f"shorten it (generate --truncate-prompt keeps its last tokens)")
+                f"the prompt alone ({prompt_len} tokens) fills {whose} {limit} positions; "
+                f"{remedy}")
         raise ContextLengthError(
-            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
-            f"model's {limit} positions; lower max_new_tokens to {limit - prompt_len} or "
-            f"shorten the prompt (generate --truncate-prompt keeps its last tokens)")
+            f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+            f"{whose} {limit} positions; lower max_new_tokens to {limit - prompt_len} or "
+            f"{remedy}")
 
 
 def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:

@@ -80,7 +80,7 @@ def _quick_load(spec: ModelSpec, path: Path, device: torch.device) -> LoadedMode
         return None
     dtype = pick_dtype(spec.dtype, device)
     tensors = _load_tensors(path / WEIGHTS, model_config, dtype)
-    tokenizer = _tokenizer(path, str(path)) if tensors is not None else None
+    tokenizer = _tokenizer(path) if tensors is not None else None
     if tensors is None or tokenizer is None:
         return None
     lean = LeanLlama(model_config, tensors, _inv_freq(model_config))
@@ -113,7 +113,7 @@ def _generation_config(path: Path) -> dict[str, Any] | None:
     return fields if ok else None
 
 
-def _tokenizer(path: Path, ref: str) -> Any | None:
+def _tokenizer(path: Path) -> Any | None:
     """The tokenizer AutoTokenizer would load for a llama checkpoint in `path`, through
     the same class and `from_pretrained`, or None when its choice would take more than
     the tokenizer config (remote code, other classes)."""
@@ -131,7 +131,8 @@ def _tokenizer(path: Path, ref: str) -> Any | None:
 
     # AutoTokenizer's rules for a llama config: a declared LlamaTokenizer whose
     # tokenizer.json is byte-level, or a checkpoint on its list, gets TokenizersBackend.
-    listed = any(fnmatch(ref.lower(), pattern) for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND)
+    listed = any(fnmatch(str(path).lower(), pattern)
+                 for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND)
     try:
         cls: Any = TokenizersBackend
         if declared.removesuffix("Fast") == "LlamaTokenizer" and not listed and \
@@ -156,7 +157,7 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
     for key in ("num_key_value_heads", "head_dim", "rope_parameters"):
         if fields.get(key) is None:
             fields.pop(key, None)  # None means "derive it", as LlamaConfig does
-    if fields.get("model_type") != "llama" or fields.get("hidden_act") != "silu":
+    if fields.get("model_type") != "llama":  # eligible_config checks the rest of the math
         return None
     architectures = fields.get("architectures") or ["LlamaForCausalLM"]
     if not isinstance(architectures, list) or len(architectures) != 1:
@@ -205,7 +206,6 @@ def _plain_values(fields: dict[str, Any]) -> bool:
             and isinstance(fields.get("use_cache", True), bool)
             and _token_ids(fields["eos_token_id"]) and _token_id(fields["bos_token_id"])
             and _token_id(fields["pad_token_id"])
-            and fields.get("pretraining_tp") == 1
             and isinstance(fields.get("initializer_range", 0.02), number)
             and 0 <= fields.get("initializer_range", 0.02) <= 1
             and isinstance(fields.get("attention_dropout", 0.0), number)

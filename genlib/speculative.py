@@ -40,7 +40,7 @@ from genlib.drafters import (
     check_same_vocabulary,
     prefill_all_but_last,
 )
-from genlib.errors import ConfigError, ContextLengthError
+from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
 
@@ -101,7 +101,9 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
     """The core loop's processing of one position's logits (vocab,), as in
     `decode.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
     then the settings' chain on the full context."""
-    if not plan.chain and plan.suppress_eos is None:
+    s = plan.settings
+    eos_now = plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens)
+    if not plan.chain and not eos_now:
         return logits
     ctx = (torch.tensor([list(context)], dtype=torch.long, device=logits.device)
            if plan.needs_context else None)
@@ -228,20 +230,9 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
         raise ConfigError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
     if draft_lm is not None:
-        check_draft_fits(draft_lm, len(prompt_ids), settings.max_new_tokens)
-
-
-def check_draft_fits(draft_lm: LoadedModel, prompt_len: int, max_new_tokens: int) -> None:
-    """ContextLengthError unless the draft model's positions hold prompt + new tokens,
-    saying what to change (the target's own check has passed)."""
-    limit = draft_lm.max_positions
-    if limit is None or prompt_len + max_new_tokens <= limit:
-        return
-    fix = f"lower --max-new-tokens to {limit - prompt_len} or " if prompt_len < limit else ""
-    raise ContextLengthError(
-        f"the draft model {draft_lm.ref} has only {limit} positions: prompt ({prompt_len} "
-        f"tokens) + max_new_tokens ({max_new_tokens}) do not fit; {fix}use a draft with a "
-        f"longer context (or --prompt-lookup N)")
+        draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens,
+                            whose=f"the draft model {draft_lm.ref}'s",
+                            remedy="use a draft with a longer context (or --prompt-lookup N)")
 
 
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],

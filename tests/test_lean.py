@@ -113,7 +113,7 @@ def test_lean_greedy_matches_generate_on_tiny_gqa_llama(tiny_llama):
 def test_lean_logits_equal_hf_logits_at_prefill_and_after_steps(stories, tiny_llama, which):
     model = stories.model if which == "stories" else tiny_llama
     assert_lean_follows_transformers(model, LeanLlama.from_model(model),
-                                     torch.tensor([[1, 43, 67, 120, 9, 300, 41]]), exact=False)
+                                     torch.tensor([[1, 43, 67, 120, 9, 300, 41]]))
 
 
 @pytest.fixture
@@ -144,6 +144,7 @@ def test_products_whose_slices_would_not_be_exact_are_not_split(two_threads, k, 
     assert _Proj.of(weight).split is None
 
 
+@pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
 def test_a_split_that_would_change_the_bits_is_dropped(two_threads, monkeypatch):
     import genlib.lean
 

@@ -33,6 +33,7 @@ from genlib.speculative import (
     start,
     summarize,
 )
+from tests.conftest import torch_threads
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 needs_models = pytest.mark.skipif(not (MODELS / "stories260K").is_dir(),
@@ -68,10 +69,8 @@ class CharTokenizer:
 def _one_thread():
     """These models are tiny: on a shared 2-core machine a second torch thread only
     spins waiting (25x slower under load)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def tiny_lm(seed: int, vocab: int = 6, like: LoadedModel | None = None) -> LoadedModel:
@@ -127,6 +126,8 @@ def test_a_one_token_prompt_still_takes_the_lean_forward(stories, xs) -> None:
     state, head = prefill_all_but_last(stories, ids, 64)
     assert head == [] and state.length == 0
     assert isinstance(state.cache, LeanCache)  # the lean state, not a dynamic cache
+    draft_state, _ = prefill_all_but_last(xs, ids, 64)  # as ModelDrafter.start does
+    assert isinstance(draft_state.cache, LeanCache)
     plain = generate(stories, [ids], settings)[0]
     finish, _ = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4)
     assert finish.token_ids == plain.token_ids
@@ -326,8 +327,8 @@ def test_refusals_name_the_fix() -> None:
 @needs_models
 def test_draft_context_limit_is_named(stories, xs) -> None:
     settings = resolve_settings({"max_new_tokens": 300})  # stories260K: 512, llama2xs: 256
-    with pytest.raises(ContextLengthError, match="draft model .* only 256 positions.*"
-                       r"lower --max-new-tokens to 2\d\d or use a draft"):
+    with pytest.raises(ContextLengthError, match="exceeds the draft model .*'s 256 positions; "
+                       r"lower max_new_tokens to 2\d\d or use a draft with a longer context"):
         list(speculative_stream(stories, stories.encode("Hi"), settings, draft_lm=xs))
     # a prompt that alone fills the draft's positions: no "lower to 0" advice
     long_prompt = stories.encode("Once upon a time " * 80)
@@ -335,8 +336,8 @@ def test_draft_context_limit_is_named(stories, xs) -> None:
     few = resolve_settings({"max_new_tokens": 5})
     with pytest.raises(ContextLengthError) as caught:
         list(speculative_stream(stories, long_prompt, few, draft_lm=xs))
-    assert "only 256 positions" in str(caught.value)
-    assert "lower --max-new-tokens" not in str(caught.value)
+    assert "fills the draft model" in str(caught.value) and "256 positions" in str(caught.value)
+    assert "lower max_new_tokens" not in str(caught.value)
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:
