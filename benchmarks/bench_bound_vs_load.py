@@ -17,17 +17,11 @@ import time
 
 import torch
 
-from genlib import bench, decode
+from genlib import bench
 from genlib.config import GenerationSettings
 from genlib.models import ModelSpec, load_model
 
 BANDS = ((0, 50), (50, 65), (65, 1000))  # GB/s
-
-
-def decode_seconds_per_token(lm, prompt: list[int], settings: GenerationSettings) -> float:
-    stamps = [e.time for e in decode.stream(lm, [prompt], settings, compile=True)
-              if type(e).__name__ == "Token"]
-    return (stamps[-1] - stamps[0]) / (len(stamps) - 1)
 
 
 def main() -> None:
@@ -40,17 +34,17 @@ def main() -> None:
         parser.error("--new-tokens must be at least 2 (decode speed is timed between tokens)")
     lm = load_model(ModelSpec(args.model))
     weights = bench.weight_bytes(lm.model)
-    settings = bench.forced_settings(GenerationSettings(), args.new_tokens)
-    prompt = bench.exact_prompts(lm, 128, 1)[0]
-    decode_seconds_per_token(lm, prompt, settings)  # compiles
+    prompts = bench.exact_prompts(lm, 128, 1)
+    case = bench.Case("greedy", GenerationSettings(), 128, args.new_tokens, 1, compile=True)
+    bench.genlab_run(lm, prompts, case)  # compiles
     probe = bench.BandwidthProbe()
     pairs: list[tuple[float, float]] = []  # (GB/s, fraction of the bound)
     end = time.monotonic() + args.seconds
     while time.monotonic() < end:
         gbs = probe.sample() / 1e9
-        seconds = decode_seconds_per_token(lm, prompt, settings)
-        pairs.append((gbs, weights / seconds / 1e9 / gbs))
-        print(f"{gbs:5.1f} GB/s  {1 / seconds:5.0f} tok/s  {100 * pairs[-1][1]:3.0f}% of the bound",
+        tps = bench.genlab_run(lm, prompts, case).decode_tps  # as `genlab bench` times it
+        pairs.append((gbs, tps * weights / 1e9 / gbs))
+        print(f"{gbs:5.1f} GB/s  {tps:5.0f} tok/s  {100 * pairs[-1][1]:3.0f}% of the bound",
               flush=True)
     print(f"\n{weights / 1e6:.1f} MB of weights per token, {torch.get_num_threads()} threads")
     for low, high in BANDS:

@@ -20,9 +20,10 @@ if [ -d "$MODELS/code-target" ]; then
         --dtype bfloat16 --json > "$OUT/code-target-bf16.json"
 fi
 # One-row products as the decode step runs them, and the read bandwidth bench measures
-python benchmarks/bench_matvec.py
+python benchmarks/bench_matvec.py | tee "$OUT/matvec.txt"
 # genlab generate end to end (start, load, 50 tokens, exit), and where the time goes
-python benchmarks/bench_startup.py --runs 5 --model "$MODELS/stories260K"
+python benchmarks/bench_startup.py --runs 5 --model "$MODELS/stories260K" \
+    | tee "$OUT/startup.txt"
 # code-target --compile against the bound as the machine's bandwidth moves (3 minutes)
 if [ -d "$MODELS/code-target" ]; then
     python benchmarks/bench_bound_vs_load.py --model "$MODELS/code-target" --seconds 180 \

@@ -67,14 +67,14 @@ def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: l
                 no_cache: bool) -> list[list[Case]]:
     """One group per configuration: genlab's plain loop, plus its compiled and no-cache
     variants when asked for (they share prompts and the baseline). The compiled path
-    exists for greedy and sampling at batch 1 only (larger batches fall back to the
-    plain loop; beam search has none), so it is measured there only."""
+    exists at batch 1 only (larger batches fall back to the plain loop), so it is
+    measured there only; `strategy_settings` has refused beam search already."""
     from genlib.bench import Case
 
     groups = []
     for (label, settings), p, n, b in product(strategies, prompt_lens, new_tokens, batch_sizes):
         group = [Case(label, settings, p, n, b)]
-        if compile and b == 1 and settings.strategy != "beam":
+        if compile and b == 1:
             group.append(Case(label, settings, p, n, b, compile=True))
         if no_cache:
             group.append(Case(label, settings, p, n, b, cache=False))
@@ -86,11 +86,10 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
            weight_bytes: int, runs: int, warmup: int) -> dict[str, Any]:
     """One JSON/CSV record: what was run, every metric, and how it compares (the bound
     from the bandwidth sampled between this configuration's rounds)."""
-    import statistics
-
     case = engine_result.case
     metrics = engine_result.metrics()
     bound_tps = group.bound_tps(weight_bytes)
+    bandwidth = group.median_bandwidth()
     row: dict[str, Any] = {
         "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
         "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
@@ -99,8 +98,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "runs": runs, "warmup": warmup, **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
-        "read_bandwidth_gbs": statistics.median(group.bandwidth) / 1e9 if group.bandwidth
-        else None,
+        "read_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
         "bandwidth_bound_tps": bound_tps * case.batch_size if bound_tps else None,
     }
     bound = row["bandwidth_bound_tps"]
@@ -312,7 +310,8 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
         for key, weights in machine.get("weight_bytes", {}).items():
             bound = machine["read_bandwidth_gbs"] * 1e9 / weights
             notes.append(f"weights {key}: {weights / 1e6:.1f} MB read per step -> bound "
-                         f"{bound:,.0f} tok/s at batch 1")
+                         f"{bound:,.0f} tok/s at batch 1 at that median (each row's % uses "
+                         f"its own configuration's samples)")
     out.print("[dim]" + " · ".join(notes) + "[/]")
 
 

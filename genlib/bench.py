@@ -378,12 +378,16 @@ class Group:
     baseline: Result | None = None
     bandwidth: list[float] = field(default_factory=list)  # bytes/s sampled between rounds
 
+    def median_bandwidth(self) -> float | None:
+        """The median of the bandwidth sampled between its rounds, bytes/s (None when it
+        was not sampled)."""
+        return statistics.median(self.bandwidth) if self.bandwidth else None
+
     def bound_tps(self, weight_bytes: int) -> float | None:
         """Decode steps/s the median sampled bandwidth allows when each step reads
         `weight_bytes` (None when the bandwidth was not sampled)."""
-        if not self.bandwidth or not weight_bytes:
-            return None
-        return statistics.median(self.bandwidth) / weight_bytes
+        bandwidth = self.median_bandwidth()
+        return bandwidth / weight_bytes if bandwidth and weight_bytes else None
 
     def speedup(self, result: Result) -> float | None:
         """decode tokens/s of `result` over the baseline's (medians)."""
