@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from genlib import hugepages
+from genlib import hugepages, native
 from genlib.compiled import DirectCompiled
+from genlib.native import NativeStep
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible_config` checks).
@@ -140,6 +141,7 @@ class LeanCache:
     position: torch.Tensor  # 0-d long
     token: torch.Tensor  # (1, 1) long
     length: int = 0
+    native: Any = None  # the native step's pointers to these buffers (genlib.native)
 
     @property
     def capacity(self) -> int:
@@ -217,6 +219,7 @@ class LeanLlama:
                        for i, (qkv, gate_up) in enumerate(fused)]
         self.cos, self.sin = self._rotary_tables(inv_freq)
         self._compiled: DirectCompiled | None = None
+        self._native: NativeStep | None | bool = None  # False: it does not apply
 
     @classmethod
     def from_model(cls, model: Any) -> LeanLlama | None:
@@ -412,6 +415,11 @@ class LeanLlama:
             x = self._mlp(layer, x, _matvec)
         return self._logits(x, _matvec)
 
+    def _small(self) -> bool:
+        projections = [self.lm_head] + [p for layer in self.layers
+                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        return sum(p.w.numel() * p.w.element_size() for p in projections) < SMALL_BYTES
+
     def _compile_options(self) -> dict[str, Any]:
         # The C++ wrapper saves a Python call per kernel. Inductor inlines a pointwise
         # producer into the reduction that reads it, so each product's inner loop would
@@ -422,21 +430,36 @@ class LeanLlama:
         # A small model's kernels are shorter than waking a second thread for each of
         # them: run those on one.
         options: dict[str, Any] = {"cpp_wrapper": True, "realize_opcount_threshold": 0}
-        projections = [self.lm_head] + [p for layer in self.layers
-                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if sum(p.w.numel() * p.w.element_size() for p in projections) < SMALL_BYTES:
+        if self._small():
             options["cpp.threads"] = 1
         return options
 
+    def native_step(self) -> NativeStep | None:
+        """The step as one native kernel (genlib.native), where it applies and
+        GENLAB_NATIVE=0 does not switch it off; made once."""
+        if not native.enabled():
+            return None
+        if self._native is None:
+            threads = 1 if self._small() else torch.get_num_threads()
+            self._native = NativeStep.of(self, threads) or False
+        return self._native or None
+
     @torch.inference_mode()
     def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
-        """`step` under torch.compile (the first call per cache capacity compiles)."""
-        if self._compiled is None:
-            self._compiled = DirectCompiled(self._static_step, self._compile_options(),
-                                            dynamo_config={"capture_scalar_outputs": True})
+        """`step`, compiled: as one native kernel where it applies (`genlib.native`: the
+        first call builds it, once per machine), else under torch.compile (the first call
+        per cache capacity compiles)."""
         if cache.length >= cache.capacity:
             raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
                              f"{cache.capacity}")
+        step = self.native_step()
+        if step is not None:
+            logits = step(int(token), cache)
+            cache.length += 1
+            return logits
+        if self._compiled is None:
+            self._compiled = DirectCompiled(self._static_step, self._compile_options(),
+                                            dynamo_config={"capture_scalar_outputs": True})
         cache.position.fill_(cache.length)
         cache.token.copy_(token)  # the same input tensor on every step, as the position
         logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,

@@ -247,8 +247,10 @@ def test_generations_on_one_model_interleave(stories):
     assert [e for e in first if isinstance(e, Finish)][0].token_ids == expected
 
 
-def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama):
-    """torch.compile over the fixed-shape step (about 10 s per model on 2 cores)."""
+def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama, monkeypatch):
+    """torch.compile over the fixed-shape step (about 10 s per model on 2 cores), the
+    compiled step where the native one does not apply (tests/test_native.py)."""
+    monkeypatch.setenv("GENLAB_NATIVE", "0")
     ids = stories.encode("Once upon a time")
     expected = genlab_greedy(stories, ids, 120)
     events = list(decode.stream(stories, [ids], greedy(120), compile=True))
@@ -290,8 +292,10 @@ def test_mistral_without_sliding_window_matches_generate(sliding_window):
     assert_lean_matches_generate(model, lean)
 
 
-def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target):
-    """The compiled step's products are its own reductions, not torch.mm's: same tokens."""
+def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target, monkeypatch):
+    """torch.compile's step's products are its own reductions, not torch.mm's: same
+    tokens."""
+    monkeypatch.setenv("GENLAB_NATIVE", "0")
     ids = code_target.encode("def fibonacci(n):\n    ")
     expected = genlab_greedy(code_target, ids, 64)
     events = list(decode.stream(code_target, [ids], greedy(64), compile=True))
