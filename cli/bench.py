@@ -95,6 +95,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
         "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
         case.new_tokens, "batch_size": case.batch_size, "compile": case.compile,
+        "compiled_step": compiled_step_kind(lm) if case.compile else None,
         "runs": runs, "warmup": warmup, **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
@@ -104,6 +105,20 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
     bound = row["bandwidth_bound_tps"]
     row["bound_fraction"] = metrics["decode_tps"] / bound if bound else None
     return row
+
+
+def compiled_step_kind(lm: LoadedModel) -> str:
+    from genlib import forward
+
+    return forward.compiled_step_kind(lm)
+
+
+def engine_label(r: dict[str, Any]) -> str:
+    """The engine, and for a compiled one which step it ran and what compiling took."""
+    if not r["compile"]:
+        return r["engine"]
+    took = "" if r["compile_s"] is None else f", compile {r['compile_s']:.1f}s"
+    return f"{r['engine']} ({r['compiled_step']}{took})"
 
 
 def check_plot_available(plot: str | None) -> None:
@@ -284,8 +299,7 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
         table.add_column(name, justify="left" if name in ("strategy", "engine") else "right")
     for r in records:
         table.add_row(
-            r["strategy"], r["engine"] + (f" (compile {r['compile_s']:.1f}s)"
-                                          if r["compile_s"] else ""),
+            r["strategy"], engine_label(r),
             f"{r['torch_dtype']}/{r['quantize']}",
             f"{r['prompt_tokens']}/{r['new_tokens']}/{r['rows']}",
             f"{r['prefill_tps']:,.0f}", _spread(r, "decode_tps"),

@@ -246,6 +246,14 @@ def lean_of(lm: Any) -> Any:
     return lean_model(lm.model)
 
 
+def compiled_step_kind(lm: Any) -> str:
+    """Which step --compile runs for one prompt on `lm`: "native" (genlib.native's kernel
+    over the lean forward) or "torch.compile" (of the lean step, or of transformers'
+    static-cache step)."""
+    lean = lean_of(lm)
+    return "native" if lean is not None and lean.native_step() is not None else "torch.compile"
+
+
 def prefill_row(lm: Any, input_ids: torch.Tensor, capacity: int | None = None, *,
                 compile: bool = False) -> tuple[torch.Tensor | None, KVState]:
     """`prefill` for one unpadded prompt (1, T), T >= 0, with room for `capacity` tokens

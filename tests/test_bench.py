@@ -210,3 +210,32 @@ def test_csv_on_stdout_is_clean_csv(one_thread):
     assert "decode tok/s" in result.stderr  # the table went to stderr
     both = run_cli("--runs", "1", "--json", "--csv", "-")
     assert both.exit_code == 2 and "both write to stdout" in both.stderr
+
+
+@pytest.mark.parametrize("native_on", ["1", "0"])
+def test_a_compiled_record_says_which_step_ran(one_thread, monkeypatch, native_on):
+    """--compile runs genlab's native kernel where it builds, torch.compile's step with
+    GENLAB_NATIVE=0; the records say which."""
+    from genlib import native
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    monkeypatch.setenv("GENLAB_NATIVE", native_on)
+    expected = "native" if native_on == "1" and native.build().library else "torch.compile"
+    result = run_cli("--compile", "--runs", "1", "--prompt-len", "4", "--new-tokens", "3",
+                     "--no-bandwidth", "--csv", "-")
+    assert result.exit_code == 0, result.output
+    records = {r["engine"]: r for r in csv.DictReader(result.stdout.splitlines())}
+    assert records["genlab+compile"]["compiled_step"] == expected
+    assert records["genlab"]["compiled_step"] == ""
+
+
+def test_the_table_names_the_compiled_step_and_its_compile_time():
+    from cli.bench import engine_label
+
+    plain = {"engine": "genlab", "compile": False, "compiled_step": None, "compile_s": None}
+    assert engine_label(plain) == "genlab"
+    compiled = {"engine": "genlab+compile", "compile": True, "compiled_step": "native",
+                "compile_s": 0.25}
+    assert engine_label(compiled) == "genlab+compile (native, compile 0.2s)"
+    assert engine_label({**compiled, "compile_s": None}) == "genlab+compile (native)"
