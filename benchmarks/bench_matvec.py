@@ -1,8 +1,9 @@
 """One-row products at batch 1, as the decode step runs them: the README's figures for
 torch.mm (MKL's one-column SGEMM), the lean forward's split product (`genlib.lean._mm`)
-and the compiled step's reduction (`genlib.lean._matvec`), over code-target's weight
-shapes (69 MB in float32, more than the L3 cache, so the weights stream from memory), and
-the read bandwidth `genlab bench` measures (`genlib.bench.read_bandwidth`).
+and torch.compile's reduction (`genlib.lean._matvec`, --compile's products where the
+native step does not apply), over code-target's weight shapes (69 MB in float32, more
+than the L3 cache, so the weights stream from memory), and the read bandwidth `genlab
+bench` measures (`genlib.bench.read_bandwidth`).
 
     python benchmarks/bench_matvec.py [--threads 2] [--reps 30]
 """
@@ -46,7 +47,7 @@ def main() -> None:
     ways = {
         "torch.mm (one MKL thread)": lambda: [torch.mm(rows[p.w.shape[0]], p.w) for p in projs],
         "split product (lean, eager)": lambda: [_mm(rows[p.w.shape[0]], p) for p in projs],
-        "compiled reduction (--compile)": compiled,
+        "torch.compile reduction": compiled,
     }
     print(f"{len(projs)} products, {total / 1e6:.1f} MB of float32 weights, "
           f"{torch.get_num_threads()} threads")
