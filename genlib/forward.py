@@ -247,11 +247,14 @@ def lean_of(lm: Any) -> Any:
 
 
 def compiled_step_kind(lm: Any) -> str:
-    """Which step --compile runs for one prompt on `lm`: "native" (genlib.native's kernel
-    over the lean forward) or "torch.compile" (of the lean step, or of transformers'
-    static-cache step)."""
+    """Which step --compile runs for one prompt on `lm`, as `prefill_row` chooses it:
+    "native" (genlib.native's kernel over the lean forward), "torch.compile" (of the lean
+    step, or of transformers' static-cache step), or "none" (a quantized model's steps
+    are not compiled)."""
     lean = lean_of(lm)
-    return "native" if lean is not None and lean.native_step() is not None else "torch.compile"
+    if lean is not None:
+        return "native" if lean.native_step() is not None else "torch.compile"
+    return "torch.compile" if lm.quantize == "none" else "none"
 
 
 def prefill_row(lm: Any, input_ids: torch.Tensor, capacity: int | None = None, *,

@@ -17,13 +17,13 @@ The weights are shared; each generation has its own `LeanCache`, so generations 
 model may interleave (a draft model that is the target itself, a generation started
 while another one waits).
 
-`compiled_step` is the same step under torch.compile: the KV buffers are updated in
-place at a position held in a 0-d tensor and attention reads as many cached tokens as
-that position says, a size the graph reads from the tensor, so one graph serves every
-step; after the first, it is called without dynamo's per-call guards
-(`genlib.compiled.DirectCompiled`). Its products are reductions inductor generates
-(`_matvec`), not torch.mm: the logits differ in the last bits, the tokens do not in the
-tests.
+`compiled_step` is the same step compiled: for float32 on a CPU as one native kernel
+(`genlib.native`, the whole step in one C function), elsewhere under torch.compile: the
+KV buffers are updated in place at a position held in a 0-d tensor and attention reads
+as many cached tokens as that position says, a size the graph reads from the tensor, so
+one graph serves every step; after the first, it is called without dynamo's per-call
+guards (`genlib.compiled.DirectCompiled`). Neither uses torch.mm for its products: the
+logits differ in the last bits, the tokens do not in the tests.
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ class LeanCache:
     position: torch.Tensor  # 0-d long
     token: torch.Tensor  # (1, 1) long
     length: int = 0
-    native: Any = None  # the native step's pointers to these buffers (genlib.native)
+    native: Any = None  # (step, its pointers to these buffers, its scratch): genlib.native
 
     @property
     def capacity(self) -> int:
@@ -449,14 +449,14 @@ class LeanLlama:
         """`step`, compiled: as one native kernel where it applies (`genlib.native`: the
         first call builds it, once per machine), else under torch.compile (the first call
         per cache capacity compiles)."""
-        if cache.length >= cache.capacity:
-            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
-                             f"{cache.capacity}")
         step = self.native_step()
         if step is not None:
             logits = step(int(token), cache)
             cache.length += 1
             return logits
+        if cache.length >= cache.capacity:
+            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
+                             f"{cache.capacity}")
         if self._compiled is None:
             self._compiled = DirectCompiled(self._static_step, self._compile_options(),
                                             dynamo_config={"capture_scalar_outputs": True})

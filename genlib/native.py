@@ -8,7 +8,7 @@ It is built once per machine with the system's C compiler (`$CC`, else `cc`, as 
 needs one too), cached under the user's cache directory by a hash of its source, flags,
 compiler and CPU, and called through ctypes, which releases the GIL.
 
-    step = NativeStep.of(lean)             # None where it does not apply (`reason` says why)
+    step = NativeStep.of(lean, threads)    # None where it does not apply (`applies` says why)
     logits = step(token_id, cache)         # (1, vocab) float32; writes the cache's next slot
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
@@ -159,7 +159,6 @@ class NativeStep:
             post_norm=self._array([la.post_norm for la in layers]),
             gate_up=self._array([matrix(la.gate_up.w) for la in layers]),
             down=self._array([matrix(la.down.w) for la in layers]))
-        self._arrays: dict[int, tuple[Any, ...]] = {}
 
     @classmethod
     def of(cls, lean: Any, threads: int) -> NativeStep | None:
@@ -176,17 +175,23 @@ class NativeStep:
         return array
 
     def _buffers(self, cache: Any) -> tuple[Any, Any, torch.Tensor]:
-        """The cache's KV pointers and a scratch buffer, made on its first step."""
-        if cache.native is None:
+        """The cache's KV pointers and a scratch buffer sized for this step's threads,
+        made on the cache's first step through it."""
+        if cache.native is None or cache.native[0] is not self:
             floats = self._scratch_floats(ctypes.byref(self.model), cache.capacity)
-            cache.native = (_pointers(cache.keys), _pointers(cache.values),
+            cache.native = (self, _pointers(cache.keys), _pointers(cache.values),
                             torch.empty(floats, dtype=torch.float32))
-        return cache.native
+        return cache.native[1:]
 
     def __call__(self, token: int, cache: Any) -> torch.Tensor:
-        """Feed `token` after the cache's `length` tokens; its logits (1, vocab)."""
-        if not 0 <= token < self.tokens:  # the kernel indexes the embeddings unchecked
+        """Feed `token` after the cache's `length` tokens; its logits (1, vocab). The
+        cache's length is the caller's to advance."""
+        # The kernel indexes the embeddings and writes the KV slot unchecked.
+        if not 0 <= token < self.tokens:
             raise ValueError(f"token {token} is outside the model's {self.tokens} embeddings")
+        if cache.length >= cache.capacity:
+            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
+                             f"{cache.capacity}")
         keys, values, scratch = self._buffers(cache)
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
         self._function(ctypes.byref(self.model), ctypes.c_long(token),

@@ -230,6 +230,22 @@ def test_a_compiled_record_says_which_step_ran(one_thread, monkeypatch, native_o
     assert records["genlab"]["compiled_step"] == ""
 
 
+def test_a_quantized_model_compiles_no_step():
+    """prefill_row compiles no step for a quantized model without the lean forward."""
+    from types import SimpleNamespace
+
+    from transformers import AutoModelForCausalLM
+
+    from genlib import forward
+    from tests.conftest import tiny_config
+
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
+    assert forward.compiled_step_kind(SimpleNamespace(lean=None, model=gpt2,
+                                                      quantize="8bit")) == "none"
+    assert forward.compiled_step_kind(SimpleNamespace(lean=None, model=gpt2,
+                                                      quantize="none")) == "torch.compile"
+
+
 def test_the_table_names_the_compiled_step_and_its_compile_time():
     from cli.bench import engine_label
 

@@ -169,3 +169,28 @@ def test_a_token_outside_the_embeddings_is_refused(library):
     lean.prefill(torch.tensor([[1, 2]]), cache)
     with pytest.raises(ValueError, match="outside the model's 512 embeddings"):
         native.NativeStep(lean, 1, library)(512, cache)
+
+
+def test_a_full_cache_is_refused_before_the_kernel_writes_past_it(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    cache = lean.new_cache(3)
+    lean.prefill(torch.tensor([[1, 2, 3]]), cache)
+    with pytest.raises(ValueError, match="4 tokens exceed the KV buffers' 3"):
+        native.NativeStep(lean, 1, library)(5, cache)
+
+
+def test_a_cache_gets_scratch_for_the_step_that_runs_it(library):
+    """Scratch is sized by the step's threads: a cache first run by a one-thread step
+    gets new scratch from a two-thread one, and both follow the lean step."""
+    lean = LeanLlama.from_model(odd_llama())
+    one, two = native.NativeStep(lean, 1, library), native.NativeStep(lean, 2, library)
+    eager, cache = lean.new_cache(16), lean.new_cache(16)
+    ids = torch.tensor([[1, 5, 9]])
+    logits = lean.prefill(ids, eager)
+    lean.prefill(ids, cache)
+    for step in (one, two, one):
+        token = logits.argmax(-1, keepdim=True)
+        logits = lean.step(token, eager)
+        torch.testing.assert_close(step(int(token), cache), logits, rtol=1e-5, atol=1e-4)
+        cache.length += 1
+        assert cache.native[0] is step

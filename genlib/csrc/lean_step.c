@@ -15,8 +15,9 @@
  *   down  rows split, added to the residual                      | barrier
  *
  * and the norms are computed by every thread for itself (a few hundred numbers). The
- * products read four weight rows at a time, with vector accumulators (GCC's vector
- * extensions: AVX-512, AVX2 or NEON, whatever -march=native gives).
+ * products read four weight rows at a time into vector accumulators, and softmax and
+ * SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512, GCC's
+ * vector extensions and libm's expf elsewhere (AVX2, NEON, ...).
  *
  * Weights are row-major (out, in), as nn.Linear holds them; the q/k/v and gate/up
  * matrices are stacked ([q; k; v], [gate; up]). KV buffers are (kv_heads, capacity,
