@@ -461,9 +461,9 @@ def compare(
       genlab compare "def add(a, b):" --samples 3 --seed 1 --json out.json\n
       genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
-    from cli.generate import read_prompt
+    from cli.context import read_prompt
     from genlib.compare import build_strategies, strategy_from_variant, with_seed
-    from genlib.sampling import fresh_seed
+    from genlib.config import fresh_seed
 
     if json_path == "-" and markdown_path == "-":
         raise fail("--json - and --markdown - both want stdout; write one of them to a file")

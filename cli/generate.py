@@ -18,55 +18,6 @@ if TYPE_CHECKING:
     from genlib.models import LoadedModel
 
 
-def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or stdin for `-` / no argument with piped input."""
-    if prompt is not None and prompt != "-":
-        return prompt
-    if prompt is None and sys.stdin.isatty():
-        raise fail("no prompt: pass one as an argument, pipe it on stdin, or use -i")
-    text = sys.stdin.read()
-    if text.endswith("\n"):
-        text = text[:-1]
-    if not text:
-        raise fail("the prompt read from stdin is empty")
-    return text
-
-
-def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
-                  truncate: bool, max_new_tokens: int) -> list[int]:
-    if chat:
-        messages = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": "user", "content": prompt}]
-        ids = lm.encode_chat(messages)
-    else:
-        if system:
-            raise fail("--system needs --chat")
-        ids = lm.encode(prompt)
-    if truncate and lm.max_positions is not None:
-        room = lm.max_positions - max_new_tokens
-        if room < 1:
-            from genlib.errors import ContextLengthError
-
-            raise ContextLengthError(
-                f"max_new_tokens ({max_new_tokens}) leaves no room for the prompt in the "
-                f"model's {lm.max_positions} positions; lower it to at most "
-                f"{lm.max_positions - 1} (--truncate-prompt keeps a prompt's "
-                f"last tokens in whatever room is left)")
-        if len(ids) > room:
-            ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
-                else ids[len(ids) - room:]
-    return ids
-
-
-def with_seed(settings: GenerationSettings) -> GenerationSettings:
-    """Fix a fresh seed for sampling runs without one, so --json can report it."""
-    if settings.do_sample and settings.seed is None:
-        from genlib.sampling import fresh_seed
-
-        return settings.replace(seed=fresh_seed())
-    return settings
-
-
 def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
                 settings: GenerationSettings) -> dict[str, Any]:
     return {

@@ -348,7 +348,7 @@ def save(session: Session, args: str) -> None:
 
 def turn(session: Session, text: str) -> None:
     """Generate for one prompt, streamed; record it for /save and for chat mode."""
-    from cli.generate import with_seed
+    from cli.context import with_seed
 
     lm = session.lm
     settings = with_seed(session.settings)

@@ -12,7 +12,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
-from cli.generate import encode_prompt, read_prompt, with_seed
+from cli.context import encode_prompt, read_prompt, with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings

@@ -176,7 +176,7 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
                   ) -> GenerationSettings:
     """Precedence for one line: its own keys > its preset > the run's flags > the run's
     preset > defaults. The seed is the line's own, else derived from the run seed and id."""
-    from genlib.sampling import derive_seed
+    from genlib.config import derive_seed
 
     under = {**run.preset_settings, **run.flags, **line_preset}
     # Before the settings' own rules (which would suggest sampling for a greedy line).

@@ -188,9 +188,9 @@ def with_seed(strategies: Sequence[Strategy], seed: int) -> list[Strategy]:
 
 def sample_seeds(seed: int, n: int) -> list[int]:
     """Seeds of the n samples: the base seed, then seeds derived from it."""
-    from genlib.sampling import derive_seed
+    from genlib.config import row_seeds
 
-    return [seed if i == 0 else derive_seed(seed, i) for i in range(n)]
+    return row_seeds(seed, n)
 
 
 def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import math
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -312,3 +314,37 @@ def _check_combination(s: Mapping[str, Any]) -> None:
     if s["min_new_tokens"] > s["max_new_tokens"]:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")
+
+
+# --- The seed policy ----------------------------------------------------------------
+# Every command seeds the same way: a run without --seed draws a fresh seed and reports
+# it; row 0 of a generation uses the seed itself and row i a seed derived from it; a
+# batch line without a seed of its own derives one from the run's seed and its id.
+
+SEED_MAX = 2**63 - 1  # torch.Generator.manual_seed takes at most a signed 64-bit value
+
+
+def fresh_seed() -> int:
+    """A random seed for runs without --seed (reported, so the run can be repeated)."""
+    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
+
+
+def derive_seed(seed: int, key: object) -> int:
+    """A stable seed from a base seed and a key (row number, JSONL id...)."""
+    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
+    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
+
+
+def row_seeds(base: int | None, rows: int) -> list[int]:
+    """Per-row seeds of one generation: row 0 uses `base` itself (a fresh seed when
+    None) and row i `derive_seed(base, i)`, so --seed S always draws the same tokens."""
+    base = fresh_seed() if base is None else base
+    return [base if i == 0 else derive_seed(base, i) for i in range(rows)]
+
+
+def with_seed(settings: GenerationSettings, seed: int | None = None) -> GenerationSettings:
+    """Sampling settings with a fixed seed (`seed`, else a fresh one) when they have
+    none, so a run can report and repeat it; other settings unchanged."""
+    if settings.do_sample and settings.seed is None:
+        return settings.replace(seed=fresh_seed() if seed is None else seed)
+    return settings

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlib import forward, processors, sampling
+from genlib import config, forward, processors, sampling
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
@@ -75,8 +75,7 @@ def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | No
         if len(seeds) != rows:
             raise ValueError(f"{len(seeds)} seeds for {rows} rows")
         return list(seeds)
-    base = settings.seed if settings.seed is not None else sampling.fresh_seed()
-    return [base if i == 0 else sampling.derive_seed(base, i) for i in range(rows)]
+    return config.row_seeds(settings.seed, rows)
 
 
 def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,

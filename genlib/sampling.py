@@ -1,9 +1,8 @@
-"""Samplers: `(logits, generator) -> token_ids`. Greedy is the argmax sampler."""
+"""Samplers: `(logits, generator) -> token_ids`. Greedy is the argmax sampler. Seeds
+follow `genlib.config`'s seed policy (`fresh_seed`, `derive_seed`, `row_seeds`)."""
 
 from __future__ import annotations
 
-import hashlib
-import os
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,17 +35,6 @@ def sample_rows(sampler: Sampler, logits: torch.Tensor,
     if len(generators) == 1:
         return sampler(logits, generators[0])
     return torch.stack([sampler(logits[i], g) for i, g in enumerate(generators)])
-
-
-def fresh_seed() -> int:
-    """A random seed for runs without --seed (reported, so the run can be repeated)."""
-    return int.from_bytes(os.urandom(4), "little") & 0x7FFFFFFF
-
-
-def derive_seed(seed: int, key: object) -> int:
-    """A stable per-row seed from a base seed and a key (row number, JSONL id...)."""
-    digest = hashlib.sha256(f"{seed}:{key!r}".encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
 
 def make_generator(seed: int, device: torch.device) -> torch.Generator:

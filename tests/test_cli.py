@@ -106,7 +106,7 @@ def test_user_errors_are_one_line_and_exit_2(args, fragment):
 
 
 def test_truncate_prompt_is_opt_in(llama2xs):
-    from cli.generate import encode_prompt
+    from cli.context import encode_prompt
 
     long_prompt = "Once upon a time " * 60
     refused = invoke("generate", long_prompt, "-m", str(LLAMA2XS), "-n", "100")

@@ -72,7 +72,7 @@ def test_bad_strategies_are_rejected(variants, message):
 
 
 def test_sample_seeds_derive_from_base():
-    from genlib.sampling import derive_seed
+    from genlib.config import derive_seed
 
     assert cmp.sample_seeds(7, 3) == [7, derive_seed(7, 1), derive_seed(7, 2)]
 
