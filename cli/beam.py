@@ -8,10 +8,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, load, settings_for
+from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
-from cli.context import encode_prompt, read_prompt, with_seed
-from genlib.config import parse_value, resolve_settings
+from genlib.config import parse_value, resolve_settings, with_seed
 
 if TYPE_CHECKING:
     from genlib.beam import BeamResult, Hypothesis
@@ -62,11 +61,13 @@ def hypothesis_json(rank: int, hyp: Hypothesis) -> dict[str, Any]:
 
 
 def result_json(lm: LoadedModel, prompt: str, result: BeamResult, greedy: Finish | None,
-                settings: GenerationSettings, seconds: float, tree: bool) -> dict[str, Any]:
+                settings: GenerationSettings, seconds: float, tree: bool, backend_name: str
+                ) -> dict[str, Any]:
     from cli.render_beam import tree_json
 
     out: dict[str, Any] = {
-        "model": lm.ref, "prompt": prompt, "steps": result.steps, "seconds": round(seconds, 6),
+        "model": lm.ref, "backend": backend_name, "prompt": prompt, "steps": result.steps,
+        "seconds": round(seconds, 6),
         "hypotheses": [hypothesis_json(r, h) for r, h in enumerate(result.hypotheses)],
         "greedy": None if greedy is None else {
             "text": greedy.text, "token_ids": list(greedy.token_ids),
@@ -86,18 +87,21 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     import time
 
     from cli import render, render_beam
-    from genlib.beam import beam_search
-    from genlib.decode import generate
+    from genlib.backends.choose import choose_backend
+    from genlib.beam import backend_request, beam_search
+    from genlib.generate import generate
 
+    backend = choose_backend(lm, backend_request([ids], settings, lm.backend))
     start = time.perf_counter()
-    result = beam_search(lm, [ids], settings, record_tree=tree)[0]
+    result = beam_search(lm, [ids], settings, record_tree=tree, backend=backend)[0]
     seconds = time.perf_counter() - start
     greedy = generate(lm, [ids], greedy_settings(settings))[0] \
         if with_greedy and not result.interrupted else None
     # The greedy run's loop keeps a Ctrl-C too: its row ends "interrupted".
     interrupted = result.interrupted or (greedy is not None and greedy.reason == "interrupted")
     if as_json:
-        render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree))
+        render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree,
+                                     backend.name))
         return interrupted
     if tree:
         render_beam.search_tree(result, prompt, tree_steps, tree_width)
@@ -106,7 +110,8 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         render.warn("some outputs do not contain every forced phrase (marked NOT met): the "
                     "model could not fit them in max_new_tokens; raise --max-new-tokens or "
                     "--num-beams")
-    render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s")
+    render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
+                f"backend {backend.name}")
     return interrupted
 
 
@@ -159,6 +164,7 @@ def beam(
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
+    backend: opt.Backend = "auto",
 ) -> None:
     """Beam search: the n best continuations with their scores, beside the greedy one.
 
@@ -179,7 +185,8 @@ def beam(
     if settings.num_return_sequences == 1 and num_return_sequences is None:
         settings = settings.replace(num_return_sequences=settings.num_beams)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset)
+    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
+              loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     interrupted = run_beam(lm, ids, text, settings, as_json=as_json, tree=tree,
                            tree_steps=tree_steps, tree_width=tree_width,

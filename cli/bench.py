@@ -14,6 +14,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail, user_errors
+from genlib.backends.choose import BACKENDS
 
 if TYPE_CHECKING:
     from genlib.bench import Case, Group, Result
@@ -63,19 +64,16 @@ def strategy_settings(names: list[str], seed: int) -> list[tuple[str, Generation
 
 
 def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: list[int],
-                new_tokens: list[int], batch_sizes: list[int], compile: bool,
+                new_tokens: list[int], batch_sizes: list[int], backends: list[str],
                 no_cache: bool) -> list[list[Case]]:
-    """One group per configuration: genlab's plain loop, plus its compiled and no-cache
-    variants when asked for (they share prompts and the baseline). The compiled path
-    exists at batch 1 only (larger batches fall back to the plain loop), so it is
-    measured there only; `strategy_settings` has refused beam search already."""
+    """One group per configuration: genlab on each backend asked for, plus the no-cache
+    loop when asked for (they share prompts and the baseline, and run interleaved);
+    `strategy_settings` has refused beam search already."""
     from genlib.bench import Case
 
     groups = []
     for (label, settings), p, n, b in product(strategies, prompt_lens, new_tokens, batch_sizes):
-        group = [Case(label, settings, p, n, b)]
-        if compile and b == 1:
-            group.append(Case(label, settings, p, n, b, compile=True))
+        group = [Case(label, settings, p, n, b, backend=name) for name in backends]
         if no_cache:
             group.append(Case(label, settings, p, n, b, cache=False))
         groups.append(group)
@@ -94,8 +92,9 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
         "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
         "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
-        case.new_tokens, "batch_size": case.batch_size, "compile": case.compile,
-        "compiled_step": compiled_step_kind(lm) if case.compile else None,
+        case.new_tokens, "batch_size": case.batch_size,
+        "backend": engine_result.backend, "backend_requested":
+        case.backend if engine_result.engine == "genlab" else None,
         "runs": runs, "warmup": warmup, **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
@@ -107,18 +106,10 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
     return row
 
 
-def compiled_step_kind(lm: LoadedModel) -> str:
-    from genlib import forward
-
-    return forward.compiled_step_kind(lm)
-
-
 def engine_label(r: dict[str, Any]) -> str:
-    """The engine, and for a compiled one which step it ran and what compiling took."""
-    if not r["compile"]:
-        return r["engine"]
+    """The engine, the backend it ran on, and what compiling took where it compiled."""
     took = "" if r["compile_s"] is None else f", compile {r['compile_s']:.1f}s"
-    return f"{r['engine']} ({r['compiled_step']}{took})"
+    return f"{r['engine']} ({r['backend']}{took})"
 
 
 def check_plot_available(plot: str | None) -> None:
@@ -150,13 +141,15 @@ def bench(
     runs: Annotated[int, typer.Option("--runs", min=1, help="Counted runs per "
                                       "configuration (medians reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Uncounted warm-up runs "
-                                        "(at least one with --compile).")] = 1,
+                                        "(at least one for the compiled backend).")] = 1,
     baseline: Annotated[str, typer.Option(
         "--baseline", help="none, or transformers: model.generate() on the same inputs, "
         "interleaved with genlab's runs.")] = "none",
-    compile: Annotated[bool, typer.Option(
-        "--compile", help="Also measure genlab's static-cache torch.compile path (at batch "
-        "1 only; compile time reported separately, never in tokens/s).")] = False,
+    backend: Annotated[str, typer.Option(
+        "--backend", help="Comma list of backends to measure genlab on, interleaved: auto, "
+        "transformers, lean, compiled, native (compile time reported apart, never in "
+        "tokens/s).")] = "auto",
+    compile: opt.RetiredCompile = False,
     no_cache: Annotated[bool, typer.Option(
         "--no-cache", help="Also measure the naive loop that re-runs the whole sequence "
         "every step (quadratic) against the KV-cache loop (linear).")] = False,
@@ -179,22 +172,24 @@ def bench(
     """Measure generation speed honestly: warm-up, counted runs, medians and spread.
 
     Examples:\n
-      genlab bench -m ../shared/models/stories260K --baseline transformers --compile\n
+      genlab bench -m ../shared/models/stories260K --baseline transformers --backend auto,lean\n
       genlab bench -m ../shared/models/stories260K --no-cache --new-tokens 64,128,256,384\n
       genlab bench -m ../shared/models/code-target --batch-size 1,4 --json
     """
+    opt.refuse_compile(compile)
     names = str_list("--strategy", strategy)
     lengths = int_list("--prompt-len", prompt_len)
     counts = int_list("--new-tokens", new_tokens)
     batches = int_list("--batch-size", batch_size)
     dtypes = str_list("--dtype", dtype, ("auto", "float32", "bfloat16", "float16"))
     quants = str_list("--quantize", quantize, ("none", "8bit", "4bit"))
+    backends = str_list("--backend", backend, BACKENDS)
     if baseline not in BASELINES:
         raise fail(f"--baseline: unknown value {baseline!r}; use {', '.join(BASELINES)}")
     check_plot_available(plot)
     if as_json and csv_path == "-":
         raise fail("--json and --csv - both write to stdout; send the CSV to a file")
-    groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, compile,
+    groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, backends,
                          no_cache)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
                                  runs, warmup, baseline == "transformers", threads, bandwidth)

@@ -390,8 +390,8 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
         raise fail(f"--models/--quantize compare one strategy, got {len(strategies)}; "
                    f"give exactly one -p or --variant (default: greedy)")
     refs = model_refs or [resolve_model_ref(flags.model)]
-    specs = [ModelSpec(ref, flags.device, flags.dtype, q, flags.trust_remote_code)
-             for ref in refs for q in quantizations]
+    specs = [ModelSpec(ref, flags.device, flags.dtype, q, flags.trust_remote_code,
+                       flags.backend) for ref in refs for q in quantizations]
     render.info(f"comparing {len(specs)} model runs, one at a time…")
     comparison = compare_models(specs, prompt, strategies[0])
     to_stdout = "-" in (json_path, markdown_path)
@@ -450,6 +450,7 @@ def compare(
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
+    backend: opt.Backend = "auto",
 ) -> None:
     """Run one prompt through several decoding strategies and show them side by side.
 
@@ -473,7 +474,7 @@ def compare(
     strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
                            base_seed)
     text = read_prompt(prompt)
-    model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code)
+    model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend)
     model_refs, quantizations = split_list(models), split_list(quantize) or ["none"]
     if len(model_refs) > 1 or len(quantizations) > 1:
         if not preset and not variant:

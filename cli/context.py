@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cli.errors import fail
-from genlib.config import GenerationSettings, resolve_settings, with_seed
+from genlib.config import GenerationSettings, resolve_settings
 from genlib.presets import Preset, load_preset
 
 if TYPE_CHECKING:
@@ -22,6 +22,7 @@ class ModelFlags:
     dtype: str = "auto"
     quantize: str = "none"
     trust_remote_code: bool = False
+    backend: str = "auto"
 
 
 def settings_for(preset_ref: str | None, flags: dict[str, Any]
@@ -37,12 +38,14 @@ def settings_for(preset_ref: str | None, flags: dict[str, Any]
 def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -> LoadedModel:
     """The model the flags and preset name; `quick` starts without transformers where
     the checkpoint allows (genlib.quickload), for commands that mostly decode one row."""
+    from genlib.backends.choose import check_name
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
     return load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
                                 quantize=flags.quantize,
-                                trust_remote_code=flags.trust_remote_code), quick=quick)
+                                trust_remote_code=flags.trust_remote_code,
+                                backend=check_name(flags.backend)), quick=quick)
 
 
 def read_prompt(prompt: str | None) -> str:

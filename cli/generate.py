@@ -2,26 +2,29 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, load, settings_for
-from cli.errors import INTERRUPTED, fail, user_errors
+from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.errors import INTERRUPTED, user_errors
+from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
-    from genlib.events import Finish
+    from genlib.events import Finish, Prefill
     from genlib.models import LoadedModel
 
 
-def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
+def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill: Prefill | None,
                 settings: GenerationSettings) -> dict[str, Any]:
+    prefill_s = prefill.seconds if prefill is not None else 0.0
     return {
         "model": lm.ref,
+        "backend": {"name": prefill.backend if prefill else None,
+                    "reason": prefill.backend_reason if prefill else None},
         "prompt": prompt,
         "sequence": finish.row,
         "text": finish.text,
@@ -41,22 +44,21 @@ def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
 
 
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
-                   settings: GenerationSettings, as_json: bool, show_stats: bool,
-                   compile: bool = False) -> int:
+                   settings: GenerationSettings, as_json: bool, show_stats: bool) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
     from cli import render
-    from genlib.decode import collect, stream
     from genlib.events import Finish, Prefill, Token
+    from genlib.generate import stream
+    from genlib.step import collect
 
-    # beam search yields only Finish events (the best beams are known at the end)
-    live = not as_json and settings.num_return_sequences == 1 and settings.strategy != "beam"
-    prefill_s = 0.0
+    live = not as_json and settings.num_return_sequences == 1
+    prefill: Prefill | None = None
     finished: list[Finish] = []
 
     def handle(event: Any) -> None:
-        nonlocal prefill_s
+        nonlocal prefill
         if isinstance(event, Prefill):
-            prefill_s = event.seconds
+            prefill = event
         elif isinstance(event, Token) and live:
             render.stream_text(event.text)
         elif isinstance(event, Finish):
@@ -64,25 +66,28 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             if live:
                 render.stream_text(event.tail)
 
-    _, interrupted = collect(stream(lm, [ids], settings, compile=compile), handle)
+    _, interrupted = collect(stream(lm, [ids], settings), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
     for finish in sorted(finished, key=lambda f: f.row):
         if as_json:
-            render.json_line(result_json(lm, finish, prompt, prefill_s, settings))
+            render.json_line(result_json(lm, finish, prompt, prefill, settings))
         elif not live:
             if finish.row:
                 render.stream_text("\n")
             render.stream_text(finish.text + "\n")
         if show_stats:
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
-                         COMPILE_NOTE if compile else "")
+                         backend_note(prefill))
     return INTERRUPTED if interrupted else 0
 
 
-COMPILE_NOTE = (" · tok/s includes the first run's compilation (genlab bench --compile "
-                "reports it apart)")
+def backend_note(prefill: Prefill | None) -> str:
+    """--stats' words on the backend that ran, and why it was chosen."""
+    if prefill is None or not prefill.backend:
+        return ""
+    return f" · backend {prefill.backend} ({prefill.backend_reason})"
 
 
 @user_errors
@@ -116,9 +121,8 @@ def generate(
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
-    compile: Annotated[bool, typer.Option(
-        "--compile", rich_help_panel=opt.MODEL_PANEL, help="Static KV cache + torch.compile "
-        "for one prompt: faster per token after a one-off compile.")] = False,
+    backend: opt.Backend = "auto",
+    compile: opt.RetiredCompile = False,
     interactive: Annotated[bool, typer.Option(
         "--interactive", "-i", help="Interactive session: load the model once, then type "
         "prompts (/help lists the commands).")] = False,
@@ -139,13 +143,14 @@ def generate(
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
     flags = opt.decoding_flags(locals())
+    opt.refuse_compile(compile)
+    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
     if interactive or input_file is not None or output is not None or batch_size is not None:
         from cli import batch as batch_cmd
 
-        model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code)
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--stats": show_stats,
-                               "--truncate-prompt": truncate_prompt, "--compile": compile})
+                               "--truncate-prompt": truncate_prompt})
         if interactive:
             from cli import repl
 
@@ -155,9 +160,8 @@ def generate(
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset,
-              quick=True)
+    lm = load(model_flags, loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    code = run_generation(lm, ids, text, settings, as_json, show_stats, compile)
+    code = run_generation(lm, ids, text, settings, as_json, show_stats)
     if code:
         raise typer.Exit(code)

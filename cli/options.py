@@ -28,6 +28,13 @@ Quantize = Annotated[str, typer.Option(
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", rich_help_panel=MODEL_PANEL,
     help="Allow model code from the hub to run.")]
+Backend = Annotated[str, typer.Option(
+    "--backend", rich_help_panel=MODEL_PANEL,
+    help="auto, transformers, lean, compiled or native: the forward that runs the model "
+         "(auto: the fastest exact one for the request; an explicit one that cannot serve it "
+         "is refused).")]
+RetiredCompile = Annotated[bool, typer.Option(
+    "--compile", hidden=True, help="Replaced by --backend compiled / --backend native.")]
 Preset = Annotated[str | None, typer.Option(
     "--preset", "-p", rich_help_panel=DECODING_PANEL,
     help="Preset name (see `genlab presets list`) or path to a .yaml file.")]
@@ -77,6 +84,16 @@ TruncatePrompt = Annotated[bool, typer.Option(
 
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
                                     help="Print JSON instead of text.")]
+
+
+def refuse_compile(given: bool) -> None:
+    """The retired --compile flag: a usage error naming its replacements."""
+    if given:
+        from genlib.errors import ConfigError
+
+        raise ConfigError("--compile was replaced by --backend: --backend native runs the "
+                          "native kernel (auto already picks it where it applies), --backend "
+                          "compiled runs torch.compile")
 
 
 def unescape(text: str) -> str:

@@ -348,7 +348,7 @@ def save(session: Session, args: str) -> None:
 
 def turn(session: Session, text: str) -> None:
     """Generate for one prompt, streamed; record it for /save and for chat mode."""
-    from cli.context import with_seed
+    from genlib.config import with_seed
 
     lm = session.lm
     settings = with_seed(session.settings)
@@ -377,21 +377,19 @@ def turn(session: Session, text: str) -> None:
 def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
                   ) -> Finish | None:
     """Print the answer as it arrives; Ctrl-C ends it early ("interrupted")."""
-    from genlib.decode import collect, stream
     from genlib.events import Finish, Token
+    from genlib.generate import stream
+    from genlib.step import collect
 
     finish: Finish | None = None
-    streamed = False
 
     def handle(event: Any) -> None:
-        nonlocal finish, streamed
+        nonlocal finish
         if isinstance(event, Token) and event.row == 0:
-            streamed = streamed or bool(event.text)
             render.stream_text(event.text)
         elif isinstance(event, Finish) and event.row == 0:
             finish = event
-            # Strategies that only know the text at the end (beam) stream no tokens.
-            render.stream_text(event.tail if streamed else event.text)
+            render.stream_text(event.tail)
 
     collect(stream(lm, [ids], settings), handle)
     render.end_line()

@@ -10,9 +10,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, load, settings_for
+from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
-from cli.context import encode_prompt, read_prompt, with_seed
+from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
@@ -46,9 +46,10 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
                        num_draft_tokens: int | None, adaptive: bool, live: bool
                        ) -> tuple[list[Event], bool]:
     from cli import render
-    from genlib.decode import collect
     from genlib.events import Finish, Token
-    from genlib.speculative import speculative_stream
+    from genlib.generate import stream
+    from genlib.speculative import Drafting
+    from genlib.step import collect
 
     def handle(event: Any) -> None:
         if not live:
@@ -60,17 +61,17 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
             render.stream_text(event.tail)
             render.end_line()
 
-    events = speculative_stream(target, ids, settings, draft_lm=draft,
-                                prompt_lookup=prompt_lookup, num_draft_tokens=num_draft_tokens,
-                                adaptive=adaptive)
+    drafting = Drafting(draft_lm=draft, prompt_lookup=prompt_lookup,
+                        num_draft_tokens=num_draft_tokens, adaptive=adaptive)
+    events = stream(target, [ids], settings, drafter=drafting)
     return collect(events, handle)
 
 
 def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettings
                  ) -> tuple[Finish, float]:
     """Plain decoding of the same prompt and settings: (finish, decode tokens/s)."""
-    from genlib.decode import stream
     from genlib.events import Finish, Prefill
+    from genlib.generate import stream
 
     events = list(stream(target, [ids], settings))
     prefill = next(e for e in events if isinstance(e, Prefill))
@@ -207,6 +208,7 @@ def speculate(
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
+    backend: opt.Backend = "auto",
 ) -> None:
     """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
 
@@ -228,9 +230,9 @@ def speculate(
     target_ref = resolve_model_ref(model, loaded_preset.model if loaded_preset else None)
     draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
     text = read_prompt(prompt)
-    model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code)
+    model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code, backend)
     target = load(model_flags)
-    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code)) \
+    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend)) \
         if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
@@ -241,16 +243,18 @@ def speculate(
 
 
 def warm_up(lm: LoadedModel, ids: list[int]) -> None:
-    """A short prefill and a two-token extension through the forward the runs use (the
-    lean one where the model has it), so first-call costs (allocation, lazy init) fall
-    on neither the speculative run nor the baseline."""
+    """A short prefill, a two-token extension and a step on the backend the runs use, so
+    first-call costs (allocation, lazy init, a kernel build) fall on neither the
+    speculative run nor the baseline."""
     import torch
 
-    from genlib import forward
+    from genlib.backends.choose import Request, choose_backend
 
+    backend = choose_backend(lm, Request(rows=1, crop=True, backend=lm.backend))
     head = torch.tensor([ids[:2]], dtype=torch.long, device=lm.device)
-    _, state = forward.prefill_row(lm, head)
-    forward.extend(state, head)
+    backend.prefill([ids[:2]], 8)
+    backend.extend(head)
+    backend.step(head[:, 0])
 
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],

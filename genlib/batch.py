@@ -1,5 +1,5 @@
 """Generation for a whole JSONL file: parse lines into jobs, group jobs that can share a
-forward pass, generate each group in left-padded batches through `genlib.decode.stream`,
+forward pass, generate each group in left-padded batches through `genlib.generate.stream`,
 and write one result line per input line as soon as it is done.
 
 Input lines are JSON objects: `prompt` (or `messages` for chat models), an optional `id`
@@ -256,8 +256,8 @@ def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]
     Rows ended by Ctrl-C (reason "interrupted") are yielded too: the caller must not
     record them as results.
     """
-    from genlib.decode import stream
     from genlib.events import Finish
+    from genlib.generate import stream
 
     settings = batch[0].settings
     seeds = [job.settings.seed for job in batch]

@@ -32,12 +32,24 @@ from typing import Any
 import torch
 
 from genlib import constraints as cons
-from genlib import decode, forward, processors, sampling
+from genlib import processors, sampling
+from genlib.backends.base import Backend
+from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
-from genlib.events import Event, Finish, Prefill
+from genlib.events import BeamStep, Event, Prefill
 from genlib.models import LoadedModel
+from genlib.step import (
+    Row,
+    advance,
+    context_of,
+    finish_row,
+    new_row,
+    process_logits,
+    row_seeds,
+    suppress_eos_for,
+)
 from genlib.stopping import StopStrings
 
 DEAD = -1.0e9  # score of beams that must not be extended (as transformers uses)
@@ -151,14 +163,34 @@ class _Plan:
     tree: dict[int, list[TreeStep]] = field(default_factory=dict)
 
 
+def check_request(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+                  settings: GenerationSettings) -> None:
+    """ConfigError / ContextLengthError for a search that cannot run, before any work."""
+    if not prompts_ids or any(len(p) == 0 for p in prompts_ids):
+        raise ConfigError("every prompt needs at least one token")
+    for prompt in prompts_ids:
+        lm.check_fits(len(prompt), settings.max_new_tokens)
+
+
+def backend_request(prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+                    backend: str) -> Request:
+    """What the search needs of its backend: every prompt's beams at once, reordered."""
+    return Request(rows=len(prompts_ids) * settings.num_beams, reorder=True, backend=backend)
+
+
 def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
                 settings: GenerationSettings, *, record_tree: bool = False,
-                seeds: Sequence[int] | None = None) -> list[BeamResult]:
+                seeds: Sequence[int] | None = None, backend: Backend | None = None
+                ) -> list[BeamResult]:
     """Beam search (plain, sampled with `do_sample`, diverse with `num_beam_groups`,
     constrained with `force_words` / `force_any`) for every prompt; one BeamResult per
     prompt holding its `num_return_sequences` best hypotheses. `seeds`: one per prompt
-    for beam sampling (default: derived from settings.seed)."""
-    run = _run(lm, prompts_ids, settings, record_tree, seeds)
+    for beam sampling (default: derived from settings.seed). `backend`: default the one
+    `choose_backend` picks under the model's --backend."""
+    check_request(lm, prompts_ids, settings)
+    if backend is None:
+        backend = choose_backend(lm, backend_request(prompts_ids, settings, lm.backend))
+    run = _run(lm, backend, prompts_ids, settings, record_tree, seeds)
     while True:
         try:
             next(run)
@@ -167,65 +199,118 @@ def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
 
 
 def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
-           *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
-    """Beam search as genlib's event stream: a Prefill event, then one Finish per returned
-    sequence (row = prompt_index * num_return_sequences + rank, `score` set)."""
+           backend: Backend, *, seeds: Sequence[int] | None = None,
+           record_tree: bool = False) -> Iterator[Event]:
+    """Beam search as genlib's event stream: Prefill; per step and prompt a BeamStep
+    (the running best, the tree's candidates with `record_tree`) and Token events for
+    the best row's newly settled tokens; then per returned sequence its remaining
+    Token events and a Finish (row = prompt_index * num_return_sequences + rank,
+    `score` set). `seeds`: one per row, as the plain loop takes them."""
     start = time.perf_counter()
-    prompt_seeds = None if seeds is None else list(seeds)[::settings.num_return_sequences]
-    run = _run(lm, prompts_ids, settings, False, prompt_seeds)
-    prefill_end: float | None = None
+    n = settings.num_return_sequences
+    rows = [new_row(lm, p, prompt, settings)
+            for p, prompt in enumerate(prompts_ids) for _ in range(n)]
+    prompt_seeds = None if seeds is None else list(seeds)[::n]
+    run = _run(lm, backend, prompts_ids, settings, record_tree, prompt_seeds)
     while True:
         try:
             event = next(run)
         except StopIteration as stop:
             results: list[BeamResult] = stop.value
             break
-        prefill_end = event.time
         yield event
-    end = time.perf_counter()
-    n = settings.num_return_sequences
+        if isinstance(event, _Settled):
+            row = event.prompt_index * n
+            yield from _tokens(lm, rows[row], row, event.ids, event.logprobs)
     for result in results:
         for rank, hyp in enumerate(result.hypotheses):
-            yield Finish(row=result.prompt_index * n + rank, prompt_index=result.prompt_index,
-                         reason=hyp.finish_reason, token_ids=hyp.token_ids, text=hyp.text,
-                         prompt_tokens=len(prompts_ids[result.prompt_index]), start=start,
-                         first_token=prefill_end, end=end, logprobs=hyp.logprobs,
-                         score=hyp.score)
+            number = result.prompt_index * n + rank
+            yield from _tokens(lm, rows[number], number, hyp.token_ids, hyp.logprobs)
+            for finish in finish_row(rows[number], number, hyp.finish_reason, start):
+                yield dataclasses.replace(finish, score=hyp.score)
 
 
-def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
-         record_tree: bool, seeds: Sequence[int] | None
-         ) -> Iterator[Prefill]:
-    """The search, as a generator that yields the Prefill event and returns the results."""
-    if not prompts_ids or any(len(p) == 0 for p in prompts_ids):
-        raise ConfigError("every prompt needs at least one token")
-    for prompt in prompts_ids:
-        lm.check_fits(len(prompt), settings.max_new_tokens)
+def _tokens(lm: LoadedModel, row: Row, number: int, ids: Sequence[int],
+            logprobs: Sequence[float]) -> Iterator[Event]:
+    """Token events for `ids[len(row.ids):]`: the part of a hypothesis not streamed yet."""
+    now = time.perf_counter()
+    for i in range(len(row.ids), len(ids)):
+        event, _ = advance(lm, row, number, ids[i], logprobs[i], i, now)
+        if event is not None:
+            yield event
+
+
+@dataclass(frozen=True)
+class _Settled(BeamStep):
+    """A BeamStep that also carries the settled tokens of its prompt's best row (for
+    `stream`; consumers see a BeamStep)."""
+
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+def _run(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
+         settings: GenerationSettings, record_tree: bool, seeds: Sequence[int] | None
+         ) -> Iterator[Prefill | BeamStep]:
+    """The search, as a generator that yields the Prefill event and a BeamStep per
+    prompt and step, and returns the results."""
     plan = _make_plan(lm, settings, record_tree)
     searches = _make_searches(lm, prompts_ids, plan, seeds)
     start = time.perf_counter()
-    logits, state, context = _prefill_beams(lm, prompts_ids, plan)
+    logits, context = _prefill_beams(lm, backend, prompts_ids, plan)
     yield Prefill(tuple(len(p) for p in prompts_ids), time.perf_counter() - start,
-                  time.perf_counter())
+                  time.perf_counter(), backend.name, backend.reason)
     steps = 0
     interrupted = False
     try:
-        for step in range(settings.max_new_tokens):
-            steps = step + 1
-            parents, tokens = _search_step(plan, searches, logits, context, step)
+        for number in range(settings.max_new_tokens):
+            steps = number + 1
+            parents, tokens = _search_step(plan, searches, logits, context, number)
+            for p in range(len(prompts_ids)):
+                yield _beam_step(plan, searches, p, number)
             if all(s.done for s in searches):
                 break
             rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
-            new = torch.tensor(tokens, dtype=torch.long, device=lm.device)[:, None]
+            new = torch.tensor(tokens, dtype=torch.long, device=lm.device)
             if parents != list(range(len(parents))):  # no cache copy when no beam moved
-                state.reorder(rows)
+                backend.reorder(rows)
                 context = context.index_select(0, rows) if context is not None else None
             if context is not None:
-                context = torch.cat([context, new], dim=1)
-            logits = forward.extend(state, new)[:, -1, :]
+                context = torch.cat([context, new[:, None]], dim=1)
+            logits = backend.step(new)
     except KeyboardInterrupt:  # Ctrl-C: the best beams so far, marked "interrupted"
         interrupted = True
     return [_result(plan, searches, p, steps, interrupted) for p in range(len(prompts_ids))]
+
+
+def _beam_step(plan: _Plan, searches: list[_Search], prompt_index: int, number: int
+               ) -> _Settled:
+    """The step's event for one prompt: its best running beam, the tree's candidates
+    of this step (when recorded), and the tokens every beam that can still win shares
+    (running beams and finished hypotheses alike)."""
+    mine = [s for s in searches if s.prompt_index == prompt_index]
+    running = [(length_score(sc, len(b.tokens), plan.settings.length_penalty), b)
+               for s in mine for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    alive = [b for _, b in running] + [d.beam for s in mine for d in s.finished]
+    best_score, best = max(running, key=lambda pair: pair[0], default=(0.0, _Beam([], [])))
+    shared = _shared_prefix([b.tokens for b in alive])
+    tree = plan.tree.get(prompt_index, []) if plan.record_tree else []
+    candidates = tree[-1].candidates if tree and tree[-1].step == number else ()
+    head = alive[0] if alive else best
+    return _Settled(number, prompt_index, tuple(best.tokens), float(best_score), candidates,
+                    time.perf_counter(), tuple(head.tokens[:shared]),
+                    tuple(head.logprobs[:shared]))
+
+
+def _shared_prefix(sequences: list[list[int]]) -> int:
+    if not sequences:
+        return 0
+    n = min(len(s) for s in sequences)
+    first = sequences[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in sequences):
+            return i
+    return n
 
 
 def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool) -> _Plan:
@@ -239,7 +324,7 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool)
     eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
     constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,
                                          settings.max_new_tokens)
-    suppress = decode.suppress_eos_for(lm, settings)
+    suppress = suppress_eos_for(lm, settings)
     # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
     # even if the best ones all end.
     n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
@@ -255,7 +340,7 @@ def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: 
     at DEAD, so the first step does not pick the same token k times."""
     s = plan.settings
     # One generator per prompt, seeded as decode seeds its rows.
-    prompt_seeds = decode.row_seeds(s, len(prompts_ids), seeds) if s.do_sample else None
+    prompt_seeds = row_seeds(s, len(prompts_ids), seeds) if s.do_sample else None
     searches = []
     for p, prompt in enumerate(prompts_ids):
         generator = (sampling.make_generator(prompt_seeds[p], lm.device)
@@ -269,24 +354,24 @@ def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: 
     return searches
 
 
-def _prefill_beams(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan
-                   ) -> tuple[torch.Tensor, forward.KVState, torch.Tensor | None]:
+def _prefill_beams(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
+                   plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prefill each prompt once, then repeat its cache rows to num_beams rows."""
-    input_ids, mask = forward.left_pad(prompts_ids, lm.pad_id, lm.device)
-    logits, state = forward.prefill(lm.model, input_ids, mask)
+    logits = backend.prefill(prompts_ids, max(map(len, prompts_ids)) +
+                             plan.settings.max_new_tokens)
+    assert logits is not None  # prompts are never empty here
     rows = torch.arange(len(prompts_ids), device=lm.device).repeat_interleave(
         plan.settings.num_beams)
-    state.reorder(rows)
-    context = None
-    if plan.chain:
-        context = input_ids.masked_fill(mask == 0, processors.PAD).index_select(0, rows)
-    return logits.index_select(0, rows), state, context
+    backend.reorder(rows)
+    context = context_of(prompts_ids, lm.device).index_select(0, rows) \
+        if plan.chain else None
+    return logits.index_select(0, rows), context
 
 
 def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logprobs: torch.Tensor,
                         step: int) -> torch.Tensor:
     """The core's processors applied to log-probabilities, as transformers does."""
-    return decode.process_logits(plan.settings, plan.chain, plan.suppress_eos, context,
+    return process_logits(plan.settings, plan.chain, plan.suppress_eos, context,
                                  logprobs, step)
 
 

@@ -2,8 +2,9 @@
 counted runs, prompts of exactly the requested length, outputs forced to the requested
 length, and medians with their spread.
 
-genlab's timings are read from its own event stream (`decode.stream`, the code path
-`genlab generate` uses): `Prefill`, `Token` and `Finish` carry perf_counter stamps.
+genlab's timings are read from its own event stream (`genlib.generate.stream`, the code
+path `genlab generate` uses): `Prefill`, `Token` and `Finish` carry perf_counter stamps,
+and `Prefill` names the backend that ran.
 The transformers baseline runs `model.generate()` on the same model and inputs, timed
 by a streamer that stamps each step as it arrives, interleaved run by run with
 genlab's so that a noisy, shared machine slows both alike.
@@ -24,10 +25,12 @@ from typing import Any
 
 import torch
 
-from genlib import decode, forward
+from genlib.backends.transformers import TransformersBackend
 from genlib.config import GenerationSettings
 from genlib.events import Event, Finish, Prefill, Token
+from genlib.generate import stream
 from genlib.models import LoadedModel
+from genlib.step import choose_tokens, make_plan
 
 PERCENTILES = (50, 90, 99)
 FILLER = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
@@ -43,7 +46,7 @@ class Case:
     prompt_len: int
     new_tokens: int
     batch_size: int
-    compile: bool = False
+    backend: str = "auto"  # the --backend asked for (genlib.backends.choose)
     cache: bool = True  # False: the naive loop that re-runs the whole sequence per step
 
 
@@ -60,6 +63,7 @@ class Run:
     prompt_tokens: int  # all rows together
     inter_token_s: tuple[float, ...]  # gaps between consecutive steps
     token_ids: tuple[tuple[int, ...], ...]
+    backend: str = ""  # the backend that ran, as its Prefill event names it
 
     @property
     def prefill_tps(self) -> float:
@@ -76,7 +80,7 @@ class Result:
     """Every counted run of one case (genlab or baseline) and what was measured around it."""
 
     case: Case
-    engine: str  # "genlab", "genlab+compile", "no-cache", "transformers"
+    engine: str  # "genlab", "no-cache", "transformers"
     runs: list[Run] = field(default_factory=list)
     first_run_s: float | None = None  # the first warm-up run (includes any compilation)
     peak_rss_mb: float | None = None
@@ -99,11 +103,17 @@ class Result:
         out["prompt_tokens"] = self.runs[0].prompt_tokens // self.runs[0].rows
         out["rows"] = self.runs[0].rows
         out["compile_s"] = (max(self.first_run_s - out["e2e_s"], 0.0)
-                            if self.first_run_s is not None and self.case.compile else None)
+                            if self.first_run_s is not None and self.backend == "compiled"
+                            else None)
         out["peak_rss_mb"] = self.peak_rss_mb
         out["rss_reset"] = self.rss_reset
         out["cuda_peak_mb"] = self.cuda_peak_mb
         return out
+
+    @property
+    def backend(self) -> str:
+        """The backend its runs ran on (from their events; transformers for the baseline)."""
+        return self.runs[0].backend if self.runs else ""
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -167,14 +177,14 @@ def run_from_events(events: Iterable[Event], start: float) -> Run:
                decode_s=times[-1] - times[0], e2e_s=end - start, steps=len(times),
                rows=len(finishes), prompt_tokens=sum(prefill.prompt_tokens),
                inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
-               token_ids=tuple(f.token_ids for f in finishes))
+               token_ids=tuple(f.token_ids for f in finishes), backend=prefill.backend)
 
 
 def genlab_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
     settings = forced_settings(case.settings, case.new_tokens)
     start = time.perf_counter()
     if case.cache:
-        events = decode.stream(lm, prompts, settings, compile=case.compile)
+        events = stream(lm, prompts, settings, backend=case.backend)
     else:
         events = no_cache_stream(lm, prompts, settings)
     return run_from_events(events, start)
@@ -185,20 +195,20 @@ def no_cache_stream(lm: LoadedModel, prompts: list[list[int]], settings: Generat
     """The naive decoder (seed note 004): every step runs the whole sequence so far
     through the model again, with no KV cache. Step t costs O(prompt + t) forward
     positions, so the whole generation is quadratic where the cached loop is linear.
-    Kept only to measure that difference; it yields the same events as `decode.stream`
-    for equal-length prompts."""
-    plan = decode.make_plan(lm, settings, len(prompts))
+    Kept only to measure that difference; it yields the same events as
+    `genlib.generate.stream` for equal-length prompts."""
+    plan = make_plan(lm, settings, len(prompts))
+    forward = TransformersBackend(lm)
     start = time.perf_counter()
     ids = torch.tensor(prompts, dtype=torch.long, device=lm.device)
-    mask = torch.ones_like(ids)
-    logits, _ = forward.prefill(lm.model, ids, mask)
+    logits = forward.prefill_ids(ids, torch.ones_like(ids))[:, -1]
     yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
-                  time.perf_counter())
+                  time.perf_counter(), forward.name, "the naive loop runs transformers' forward")
     first = None
     out: list[list[int]] = [[] for _ in prompts]
     for step in range(settings.max_new_tokens):
         context = ids if plan.needs_context else None
-        tokens, logprobs = decode.choose_tokens(plan, context, logits, step)
+        tokens, logprobs = choose_tokens(plan, context, logits, step)
         now = time.perf_counter()
         first = first or now
         for row, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
@@ -206,7 +216,7 @@ def no_cache_stream(lm: LoadedModel, prompts: list[list[int]], settings: Generat
             yield Token(row, tok, "", lp, step, now)
         ids = torch.cat([ids, tokens[:, None]], dim=1)
         if step + 1 < settings.max_new_tokens:
-            logits, _ = forward.prefill(lm.model, ids, torch.ones_like(ids))  # no cache kept
+            logits = forward.prefill_ids(ids, torch.ones_like(ids))[:, -1]  # no cache kept
     for row, tokens_out in enumerate(out):
         yield Finish(row=row, prompt_index=row, reason="length", token_ids=tuple(tokens_out),
                      text="", prompt_tokens=len(prompts[row]), start=start, first_token=first,
@@ -269,7 +279,8 @@ def baseline_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
                decode_s=times[-1] - times[0], e2e_s=end - start, steps=len(times),
                rows=len(prompts), prompt_tokens=ids.numel(),
                inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
-               token_ids=tuple(tuple(r) for r in out[:, ids.shape[1]:].tolist()))
+               token_ids=tuple(tuple(r) for r in out[:, ids.shape[1]:].tolist()),
+               backend="transformers")
 
 
 # --- Memory ---------------------------------------------------------------------------
@@ -406,9 +417,7 @@ class Group:
 
 
 def engine_name(case: Case) -> str:
-    if not case.cache:
-        return "no-cache"
-    return "genlab+compile" if case.compile else "genlab"
+    return "genlab" if case.cache else "no-cache"
 
 
 Runner = Callable[[LoadedModel, list[list[int]], Case], Run]
@@ -447,7 +456,7 @@ def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, base
 
 
 def warmup_count(case: Case, warmup: int) -> int:
-    return max(warmup, 1) if case.compile else warmup
+    return max(warmup, 1) if case.backend == "compiled" else warmup
 
 
 def _warm_up(lm: LoadedModel, prompts: list[list[int]], result: Result, runner: Runner,

@@ -1,7 +1,7 @@
 """Run one prompt through several decoding strategies (or several models /
 quantizations) and collect the outputs with the metrics that tell them apart.
 
-Every strategy goes through `genlib.decode.stream` with the same loaded model, prompt
+Every strategy goes through `genlib.generate.stream` with the same loaded model, prompt
 and seed; a stochastic strategy draws its samples as one batch (one row per sample,
 seeds derived from the base seed). A strategy that cannot run (an unsupported setting,
 a prompt that does not fit) keeps its error in its result instead of stopping the rest.
@@ -200,7 +200,7 @@ def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy
     Every row of the batch is one sample. A GenlabError (e.g. a setting the decoder
     does not support) ends the strategy with `error` set instead of propagating.
     """
-    from genlib.decode import stream
+    from genlib.generate import stream
 
     settings = strategy.settings
     seeds = None
@@ -317,7 +317,7 @@ class ModelComparison:
 
 def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRun, Any]:
     """Load one model, generate once; return the run and the tokenizer (for divergence)."""
-    from genlib.decode import generate
+    from genlib.generate import generate
     from genlib.models import load_model
 
     run = ModelRun(spec.ref, spec.quantize)

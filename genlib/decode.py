@@ -1,9 +1,8 @@
-"""genlib's decode loop: prefill once, then one token per step against the KV cache,
-yielding typed events (`genlib.events`). Greedy and sampling share this one loop;
-greedy is just the argmax sampler.
+"""genlib's plain decode loop: prefill once, then one token per row per step against the
+KV cache, yielding typed events (`genlib.events`). Greedy and sampling share this one
+loop; greedy is just the argmax sampler. `genlib.generate.stream` routes here.
 
-    events = stream(lm, [lm.encode("Once upon a time")], settings)
-    for event in events: ...
+    events = stream(lm, [lm.encode("Once upon a time")], settings, backend)
 
 Batches of prompts of different lengths are left-padded; each row stops on its own
 (end id, token budget, stop string, time) and leaves the batch when it does.
@@ -12,174 +11,65 @@ Batches of prompts of different lengths are left-padded; each row stops on its o
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterator, Sequence
 
 import torch
 
-from genlib import config, forward, processors, sampling
+from genlib.backends.base import Backend
 from genlib.config import GenerationSettings
-from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
-from genlib.events import Event, Finish, Prefill, Token
+from genlib.events import Event, Prefill
 from genlib.models import LoadedModel
-from genlib.stopping import StopStrings
+from genlib.step import (
+    Plan,
+    Row,
+    advance,
+    choose_tokens,
+    context_of,
+    expand_prompts,
+    finish_row,
+    make_plan,
+    new_row,
+)
 
 
-@dataclass
-class Row:
-    """What a decode loop tracks for one output sequence (shared with speculative
-    decoding, so both stop, detokenize and report exactly alike)."""
-
-    prompt_index: int
-    prompt_ids: tuple[int, ...]
-    decoder: IncrementalDecoder
-    stops: StopStrings
-    ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    first_token: float | None = None
-    finished: bool = False
-
-
-@dataclass
-class Plan:
-    """Everything the loop needs that can be decided before the first step."""
-
-    settings: GenerationSettings
-    chain: list[processors.Processor]
-    sampler: sampling.Sampler
-    generators: list[torch.Generator] | None
-    suppress_eos: processors.Processor | None
-    needs_context: bool
-    seeds: list[int]
-
-
-def new_row(lm: LoadedModel, prompt_index: int, prompt_ids: Sequence[int],
-            settings: GenerationSettings, shared_texts: dict[int, str] | None = None) -> Row:
-    """A fresh row: its detokenizer (seeded with the prompt) and stop-string matcher."""
-    ids = tuple(prompt_ids)
-    return Row(prompt_index, ids, IncrementalDecoder(lm.tokenizer, ids, shared_texts),
-               StopStrings(settings.stop_strings))
-
-
-def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[tuple[int, tuple[int, ...]]]:
-    """(prompt_index, ids) for every output row: each prompt n times, consecutively."""
-    return [(i, tuple(p)) for i, p in enumerate(prompts) for _ in range(n)]
-
-
-def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | None
-              ) -> list[int]:
-    """Per-row seeds: given ones, else row 0 uses `settings.seed` itself and row i a seed
-    derived from it, so one generation with --seed S always draws the same tokens."""
-    if seeds is not None:
-        if len(seeds) != rows:
-            raise ValueError(f"{len(seeds)} seeds for {rows} rows")
-        return list(seeds)
-    return config.row_seeds(settings.seed, rows)
-
-
-def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
-              seeds: Sequence[int] | None = None) -> Plan:
-    chain = processors.build_processors(settings)
-    suppress = suppress_eos_for(lm, settings)
-    all_seeds = row_seeds(settings, rows, seeds)
-    generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
-                  if settings.do_sample else None)
-    return Plan(settings=settings, chain=chain, sampler=sampling.pick_sampler(settings.do_sample),
-                generators=generators, suppress_eos=suppress, needs_context=bool(chain),
-                seeds=all_seeds)
-
-
-def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
-                     ) -> processors.Processor | None:
-    """The EOS-suppressing processor `process_logits` applies while `min_new_tokens` or
-    `ignore_eos` say so; None when neither can apply."""
-    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
-        return processors.suppress_tokens(lm.eos_ids)
-    return None
-
-
-def process_logits(settings: GenerationSettings, chain: Sequence[processors.Processor],
-                   suppress_eos: processors.Processor | None, context: torch.Tensor | None,
-                   logits: torch.Tensor, step: int) -> torch.Tensor:
-    """One step's logits (rows, vocab) as every loop processes them (decode, beam,
-    speculative): EOS suppressed before `min_new_tokens` (or throughout with
-    `ignore_eos`), then the settings' processor chain."""
-    if suppress_eos is not None and (settings.ignore_eos or step < settings.min_new_tokens):
-        logits = suppress_eos(context, logits)
-    return processors.apply(chain, context, logits)
-
-
-def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Process the logits, pick one token per row; return (tokens, model logprobs)."""
-    processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
-                               step)
-    tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
-    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
-    return tokens, logprobs
-
-
-def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           *, seeds: Sequence[int] | None = None, compile: bool = False) -> Iterator[Event]:
-    """Generate for every prompt (`num_return_sequences` rows each); yield events.
-
-    `seeds` gives each row its own sampling seed (default: derived from settings.seed).
-    A single row runs through `forward.prefill_row`: the lean forward where the model
-    allows it, its steps torch.compile'd with `compile` (same tokens, faster per step;
-    the first call compiles), else a static compiled cache with `compile`; batches of
-    several rows keep the dynamic cache. Beam search runs `genlib.beam`'s loop, which
-    has no compiled path (ConfigError with `compile`).
-    On KeyboardInterrupt thrown into the generator (see `interrupt`), the rows still
-    running finish with reason "interrupted".
-    """
-    if settings.strategy == "beam" and compile:
-        raise ConfigError("--compile runs greedy and sampling decoding; beam search has no "
-                          "compiled path: drop --compile")
-    expanded_rows = len(prompts) * settings.num_return_sequences
-    if settings.strategy == "beam" or expanded_rows > 1:
-        lm.load_model_now()  # beams and batches run on transformers' forward
-    if settings.strategy == "beam":
-        from genlib import beam  # beam search has its own loop over the same forward pass
-
-        yield from beam.stream(lm, prompts, settings, seeds=seeds)
-        return
+def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
+                  settings: GenerationSettings) -> None:
+    """ConfigError / ContextLengthError for prompts no loop can run, before any work."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     for prompt in prompts:
         lm.check_fits(len(prompt), settings.max_new_tokens)
+
+
+def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+           backend: Backend, *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
+    """Generate for every prompt (`num_return_sequences` rows each) on `backend`; yield
+    events. `seeds` gives each row its own sampling seed (default: derived from
+    settings.seed). On KeyboardInterrupt thrown into the generator (see
+    `step.interrupt`), the rows still running finish with reason "interrupted"."""
+    check_prompts(lm, prompts, settings)
     expanded = expand_prompts(prompts, settings.num_return_sequences)
     plan = make_plan(lm, settings, len(expanded), seeds)
     single_token_texts: dict[int, str] = {}
     rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
-    yield from _decode_loop(lm, plan, rows, compile)
+    yield from _decode_loop(lm, backend, plan, rows)
 
 
-def _prefill(lm: LoadedModel, input_ids: torch.Tensor, mask: torch.Tensor, new_tokens: int,
-             compile: bool) -> tuple[torch.Tensor, forward.KVState]:
-    """Prefill a single row through `forward.prefill_row` (the lean forward, or a static
-    compiled cache with `compile`); a batch into a dynamic cache."""
-    if input_ids.shape[0] == 1:
-        logits, state = forward.prefill_row(lm, input_ids, input_ids.shape[1] + new_tokens,
-                                            compile=compile)
-        assert logits is not None  # prompts are never empty here
-        return logits, state
-    return forward.prefill(lm.model, input_ids, mask)
-
-
-def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = False
+def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
                  ) -> Iterator[Event]:
     settings = plan.settings
     start = time.perf_counter()
     deadline = start + settings.max_time if settings.max_time else None
-    input_ids, mask = forward.left_pad([r.prompt_ids for r in rows], lm.pad_id, lm.device)
+    prompts = [r.prompt_ids for r in rows]
     active = list(range(len(rows)))  # batch position -> row number
     try:
-        logits, state = _prefill(lm, input_ids, mask, settings.max_new_tokens, compile)
-        context = input_ids.masked_fill(mask == 0, processors.PAD) if plan.needs_context \
-            else None
-        yield Prefill(tuple(len(r.prompt_ids) for r in rows), time.perf_counter() - start,
-                      time.perf_counter())
+        capacity = max(len(p) for p in prompts) + settings.max_new_tokens
+        logits = backend.prefill(prompts, capacity)
+        assert logits is not None  # prompts are never empty here
+        context = context_of(prompts, lm.device) if plan.needs_context else None
+        yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
+                      time.perf_counter(), backend.name, backend.reason)
         for step in range(settings.max_new_tokens):
             tokens, logprobs = choose_tokens(plan, context, logits, step)
             now = time.perf_counter()
@@ -201,92 +91,27 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = F
                     done.append(pos)
             if len(done) == len(active):
                 return
-            keep = _drop_rows(state, plan, active, done, lm.device) if done else None
-            if keep is not None:
+            if done:
+                keep = _drop_rows(backend, plan, active, done, lm.device)
                 tokens = tokens.index_select(0, keep)
                 context = context.index_select(0, keep) if context is not None else None
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
-            logits = forward.extend(state, tokens[:, None])[:, -1, :]
+            logits = backend.step(tokens)
     except KeyboardInterrupt:
         for row_number in active:
             if not rows[row_number].finished:
                 yield from finish_row(rows[row_number], row_number, "interrupted", start)
 
 
-def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: float,
-             step: int, now: float) -> tuple[Token | None, str | None]:
-    """Record one token for a row; return its event and a finish reason (or None)."""
-    row.ids.append(token)
-    row.logprobs.append(logprob)
-    if row.first_token is None:
-        row.first_token = now
-    is_eos = token in lm.eos_ids and not row.stops.stopped
-    text = row.stops.feed(row.decoder.push(token))
-    event = Token(row_number, token, text, logprob, step, now)
-    if row.stops.stopped:
-        return event, "stop"
-    if is_eos:
-        return event, "eos"
-    return event, None
-
-
-def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
-    """The Finish event, carrying any text still pending (`tail`)."""
-    row.finished = True
-    tail = ""
-    if reason != "stop":
-        tail = row.stops.feed(row.decoder.flush()) + row.stops.finish()
-    yield Finish(row=row_number, prompt_index=row.prompt_index, reason=reason,
-                 token_ids=tuple(row.ids), text=row.stops.final_text,
-                 prompt_tokens=len(row.prompt_ids), start=start,
-                 first_token=row.first_token, end=time.perf_counter(),
-                 logprobs=tuple(row.logprobs), tail=tail)
-
-
-def _drop_rows(state: forward.KVState, plan: Plan, active: list[int], done: list[int],
+def _drop_rows(backend: Backend, plan: Plan, active: list[int], done: list[int],
                device: torch.device) -> torch.Tensor:
-    """Remove finished rows from the batch (cache, mask, generators); return kept indices."""
+    """Remove finished rows from the batch (cache, generators); return kept indices."""
     finished = set(done)
     keep = [pos for pos in range(len(active)) if pos not in finished]
     index = torch.tensor(keep, dtype=torch.long, device=device)
-    state.reorder(index)
+    backend.reorder(index)
     if plan.generators is not None:
         plan.generators = [plan.generators[p] for p in keep]
     active[:] = [active[p] for p in keep]
     return index
-
-
-def interrupt(events: Iterator[Event]) -> Iterator[Event]:
-    """After Ctrl-C reached the consumer, let the generator finish its rows as
-    "interrupted" and yield those events."""
-    try:
-        first = events.throw(KeyboardInterrupt())  # type: ignore[attr-defined]
-    except (KeyboardInterrupt, StopIteration):
-        return
-    yield first
-    yield from events
-
-
-def collect(events: Iterator[Event], handle: Callable[[Event], None]
-            ) -> tuple[list[Event], bool]:
-    """Run an event stream to its end through `handle`, keeping Ctrl-C's events (see
-    `interrupt`); (every event, whether Ctrl-C reached the consumer)."""
-    seen: list[Event] = []
-    try:
-        for event in events:
-            seen.append(event)
-            handle(event)
-    except KeyboardInterrupt:
-        for event in interrupt(events):
-            seen.append(event)
-            handle(event)
-        return seen, True
-    return seen, False
-
-
-def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-             *, seeds: Sequence[int] | None = None) -> list[Finish]:
-    """Run `stream` to the end; the Finish events in row order."""
-    finished = [e for e in stream(lm, prompts, settings, seeds=seeds) if isinstance(e, Finish)]
-    return sorted(finished, key=lambda f: f.row)

@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from genlib import forward
+from genlib.backends.base import Backend
 from genlib.errors import ModelLoadError
 from genlib.models import LoadedModel
 
@@ -69,26 +69,29 @@ class ModelDrafter:
     """Drafts with a small model. Its cache always holds a prefix of the committed ids
     (never all of them), so each proposal feeds at least one token."""
 
-    def __init__(self, lm: LoadedModel, sample: bool):
+    def __init__(self, lm: LoadedModel, backend: Backend, sample: bool):
         self.lm = lm
+        self.backend = backend
         self.sample = sample
-        self.state: forward.KVState | None = None
+        self.started = False
         self.cached: list[int] = []
 
     def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
-        self.state, self.cached = prefill_all_but_last(self.lm, prompt_ids, capacity)
+        self.cached = prefill_all_but_last(self.backend, prompt_ids,
+                                           capacity or self.lm.max_positions or len(prompt_ids))
+        self.started = True
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
                 generator: torch.Generator | None) -> Draft:
         """x_i ~ q_i (or argmax q_i when greedy) for i = 1..gamma, one forward each."""
-        assert self.state is not None, "start() first"
+        assert self.started, "start() first"
         begin = time.perf_counter()
         context = list(ids)
         feed = context[len(self.cached):]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         for i in range(gamma):
-            logits = forward.extend(self.state, _as_batch(feed, self.lm))[0, -1]
+            logits = self.backend.extend(_as_batch(feed, self.lm))[0, -1]
             self.cached.extend(feed)
             q_logits = process(context, logits, i)
             if self.sample:
@@ -105,9 +108,9 @@ class ModelDrafter:
 
     def commit(self, ids: Sequence[int]) -> None:
         """Roll the cache back past the first token that was not kept."""
-        assert self.state is not None, "start() first"
+        assert self.started, "start() first"
         keep = _common_prefix(self.cached, ids, limit=len(ids) - 1)
-        self.state.crop(keep)
+        self.backend.crop(keep)
         del self.cached[keep:]
 
 
@@ -145,17 +148,13 @@ def lookup(ids: Sequence[int], max_ngram: int, gamma: int) -> list[int]:
     return []
 
 
-def prefill_all_but_last(lm: LoadedModel, ids: Sequence[int], capacity: int | None = None
-                          ) -> tuple[forward.KVState, list[int]]:
-    """A cache of ids[:-1]: the last token is fed by the first step, which then yields
-    the logits for the first new position (one code path for every step).
-
-    Through `forward.prefill_row`: the lean forward when the model allows it, with room
-    for `capacity` tokens (default: the model's positions)."""
+def prefill_all_but_last(backend: Backend, ids: Sequence[int], capacity: int) -> list[int]:
+    """Prefill `backend` with ids[:-1], room for `capacity` tokens; return those ids. The
+    last token is fed by the first step, which then yields the logits for the first new
+    position (one code path for every step)."""
     head = list(ids[:-1])
-    input_ids = torch.tensor(head, dtype=torch.long, device=lm.device).view(1, len(head))
-    _, state = forward.prefill_row(lm, input_ids, capacity)
-    return state, head
+    backend.prefill([head], capacity)
+    return head
 
 
 def _as_batch(tokens: Sequence[int], lm: LoadedModel) -> torch.Tensor:

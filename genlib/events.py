@@ -4,15 +4,20 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True, slots=True)
 class Prefill:
-    """The prompt(s) went through the model once; `seconds` is the prefill's wall time."""
+    """The prompt(s) went through the model once; `seconds` is the prefill's wall time.
+    `backend` names the backend that runs the generation and `backend_reason` why it was
+    chosen (genlib.backends.choose)."""
 
     prompt_tokens: tuple[int, ...]  # per row
     seconds: float
     time: float  # perf_counter() at the end of prefill
+    backend: str = ""
+    backend_reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,4 +95,20 @@ class Verify:
     time: float
 
 
-Event = Prefill | Token | Finish | Verify
+@dataclass(frozen=True, slots=True)
+class BeamStep:
+    """One step of beam search for one prompt: the running best hypothesis (`best_ids`,
+    its length-normalised `best_score`) and, when the tree is recorded, the step's
+    candidates (`genlib.beam.TreeCandidate`s). The Token events of a beam row carry only
+    its settled tokens (those every hypothesis that can still win shares), so they join
+    to the final text; this event is the running view."""
+
+    step: int
+    prompt_index: int
+    best_ids: tuple[int, ...]
+    best_score: float
+    candidates: tuple[Any, ...] = ()
+    time: float = 0.0
+
+
+Event = Prefill | Token | Finish | Verify | BeamStep

@@ -1,11 +1,11 @@
 """A fast start for Llama checkpoints in a local folder: the weights straight from
-`model.safetensors` into the lean forward (genlib/lean.py), and the tokenizer through
+`model.safetensors` into the lean forward (genlib/backends/llama.py), and the tokenizer through
 transformers' own tokenizer class imported directly, without importing transformers'
 config and model modules or AutoTokenizer's config lookup (that import chain costs more
 than a second and a half here: more than everything else `genlab generate` does for a
 small model).
 
-    lm = quick_load(spec, folder, device)    # None when the checkpoint does not qualify
+    lm = quick_load(spec, folder, device, full)  # None when the checkpoint does not qualify
 
 Only what is known to load exactly as transformers loads it qualifies: a plain `llama`
 config (`lean.eligible_config`) holding only keys in CONFIG_KEYS, each of a type and
@@ -21,6 +21,7 @@ search, ...), so every feature keeps working, and exactly as before.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
@@ -29,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from genlib.models import LoadedModel, ModelSpec
+    from genlib.modelinfo import LoadedModel, ModelSpec
 
 WEIGHTS = "model.safetensors"
 TOKENIZER_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "TokenizersBackend",
@@ -52,26 +53,29 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 MAX_ROTARY_ELEMENTS = 1 << 26  # the lean forward's cos/sin tables: positions x head_dim
 
 
-def quick_load(spec: ModelSpec, folder: str, device: torch.device) -> LoadedModel | None:
+def quick_load(spec: ModelSpec, folder: str, device: torch.device,
+               full: Callable[[], Any]) -> LoadedModel | None:
     """The model in `folder` with a lean forward and transformers' tokenizer, or None
-    when it does not qualify (see the module doc)."""
+    when it does not qualify (see the module doc). `full()` loads the transformers
+    model, on the first read of `LoadedModel.model`."""
     path = Path(folder)
-    from genlib.forward import lean_enabled
+    from genlib.backends.choose import lean_allowed
 
-    if (not lean_enabled() or device.type != "cpu"
+    if (not lean_allowed() or device.type != "cpu"
             or spec.quantize != "none" or spec.trust_remote_code):
         return None
     if (path / "adapter_config.json").exists():
         return None  # transformers would apply the adapter
     try:
-        return _quick_load(spec, path, device)
+        return _quick_load(spec, path, device, full)
     except Exception:  # noqa: BLE001  (whatever it is, transformers' load reports it)
         return None
 
 
-def _quick_load(spec: ModelSpec, path: Path, device: torch.device) -> LoadedModel | None:
-    from genlib.lean import LeanLlama
-    from genlib.models import LoadedModel, eos_ids_of, load_model, pad_id_of, pick_dtype
+def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callable[[], Any]
+                ) -> LoadedModel | None:
+    from genlib.backends.llama import LeanLlama
+    from genlib.modelinfo import LoadedModel, eos_ids_of, pad_id_of, pick_dtype
 
     config = _read_json(path / "config.json")
     model_config = _model_config(config) if config is not None else None
@@ -89,7 +93,7 @@ def _quick_load(spec: ModelSpec, path: Path, device: torch.device) -> LoadedMode
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
                        pad_id=pad_id_of(facts, tokenizer),
                        max_positions=model_config.max_position_embeddings,
-                       lean=lean, deferred=lambda: load_model(spec).model)
+                       backend=spec.backend, lean=lean, deferred=full)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
@@ -123,7 +127,7 @@ def _tokenizer(path: Path) -> Any | None:
     declared = tokenizer_config.get("tokenizer_class")
     if declared not in TOKENIZER_CLASSES or not (path / "tokenizer.json").is_file():
         return None
-    from genlib.models import quiet_transformers
+    from genlib.modelinfo import quiet_transformers
 
     quiet_transformers()
     from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
@@ -149,7 +153,7 @@ def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
     """config.json as the LlamaConfig fields LeanLlama reads, or None unless it is a
     plain llama config that states them all validly (transformers' defaults applied only
     to the token ids and flags in LLAMA_DEFAULTS)."""
-    from genlib.lean import eligible_config
+    from genlib.backends.llama import eligible_config
 
     if not set(config) <= CONFIG_KEYS or config.get("rope_scaling") is not None:
         return None

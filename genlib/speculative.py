@@ -4,6 +4,7 @@ tokens while the output follows exactly the target's own distribution.
 
     events = speculative_stream(target, target.encode("def f(x):"), settings,
                                 draft_lm=draft, num_draft_tokens=5)
+    # or, through genlib's one entry: genlib.generate.stream(..., drafter=Drafting(...))
 
 Greedy: keep draft tokens while they equal the target's argmax; the first mismatch is
 replaced by the target's token, so the output is the target's greedy output, token for
@@ -29,9 +30,9 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from genlib import forward
+from genlib.backends.base import Backend
+from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
-from genlib.decode import Plan, Row, advance, finish_row, make_plan, new_row, process_logits
 from genlib.drafters import (
     Draft,
     Drafter,
@@ -43,22 +44,35 @@ from genlib.drafters import (
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
+from genlib.step import Plan, Row, advance, finish_row, make_plan, new_row, process_logits
 
 DEFAULT_DRAFT_TOKENS = 5  # draft model: transformers starts its heuristic higher (20)
 DEFAULT_LOOKUP_TOKENS = 10  # prompt lookup drafts for free: transformers' usual 10
 MAX_DRAFT_TOKENS = 64  # adaptive gamma never grows past this
 
 
+@dataclass(frozen=True)
+class Drafting:
+    """Speculative decoding: a draft model (same vocabulary as the target) or prompt
+    lookup (the largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for
+    a draft model and 10 for prompt lookup; `adaptive` grows/shrinks it per step."""
+
+    draft_lm: LoadedModel | None = None
+    prompt_lookup: int | None = None
+    num_draft_tokens: int | None = None
+    adaptive: bool = False
+
+
 @dataclass
 class Speculation:
-    """One sequence being decoded speculatively. Invariant: `state` caches the target's
+    """One sequence being decoded speculatively. Invariant: `backend` caches the target's
     keys/values for ids[:-1]; the last committed token is fed by the next verify."""
 
     target: LoadedModel
     plan: Plan
     drafter: Drafter
     ids: list[int]
-    state: forward.KVState
+    backend: Backend
     prompt_len: int
 
     @property
@@ -111,13 +125,13 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
                           step)[0]
 
 
-def start(target: LoadedModel, prompt_ids: Sequence[int], plan: Plan, drafter: Drafter
-          ) -> Speculation:
+def start(target: LoadedModel, backend: Backend, prompt_ids: Sequence[int], plan: Plan,
+          drafter: Drafter) -> Speculation:
     """Prefill target and drafter with the prompt (all but its last token)."""
     capacity = len(prompt_ids) + plan.settings.max_new_tokens
-    state, _ = prefill_all_but_last(target, prompt_ids, capacity)
+    prefill_all_but_last(backend, prompt_ids, capacity)
     drafter.start(prompt_ids, capacity)
-    return Speculation(target, plan, drafter, list(prompt_ids), state, len(prompt_ids))
+    return Speculation(target, plan, drafter, list(prompt_ids), backend, len(prompt_ids))
 
 
 def speculative_step(spec: Speculation, gamma: int) -> StepResult:
@@ -133,7 +147,7 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     draft = spec.drafter.propose(spec.ids, gamma, draft_process, generator)
     begin = time.perf_counter()
     fed = [spec.ids[-1], *draft.tokens]
-    raw = forward.extend(spec.state, torch.tensor(
+    raw = spec.backend.extend(torch.tensor(
         [fed], dtype=torch.long, device=spec.target.device))[0]  # (k+1, vocab)
     p_logits = torch.stack([process(plan, spec.ids + draft.tokens[:i], raw[i], base + i)
                             for i in range(len(fed))])
@@ -145,7 +159,7 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     logprobs = raw[:len(tokens)].log_softmax(dim=-1).gather(
         -1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
     spec.ids.extend(tokens)
-    spec.state.crop(len(spec.ids) - 1)
+    spec.backend.crop(len(spec.ids) - 1)
     target_seconds = time.perf_counter() - begin
     spec.drafter.commit(spec.ids)
     return StepResult(tokens, [True] * accepted + [False], logprobs, len(draft.tokens),
@@ -200,8 +214,10 @@ def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
 
 
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
-                 draft_lm: LoadedModel | None, prompt_lookup: int | None) -> Drafter:
-    """The drafter asked for: a draft model (vocabulary checked) or prompt lookup."""
+                 draft_lm: LoadedModel | None, prompt_lookup: int | None,
+                 backend: str | None = None) -> Drafter:
+    """The drafter asked for: a draft model (vocabulary checked) on the backend
+    `choose_backend` picks for it under the user's `backend`, or prompt lookup."""
     if (draft_lm is None) == (prompt_lookup is None):
         raise ConfigError("speculative decoding needs exactly one drafter: a draft model "
                           "(--draft-model) or prompt lookup (--prompt-lookup N)")
@@ -212,7 +228,9 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
         return PromptLookupDrafter(prompt_lookup)
     assert draft_lm is not None
     check_same_vocabulary(target, draft_lm)
-    return ModelDrafter(draft_lm, sample=settings.do_sample)
+    draft_backend = choose_backend(draft_lm, Request(rows=1, crop=True,
+                                                     backend=backend or draft_lm.backend))
+    return ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
 
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
@@ -238,32 +256,49 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                        settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
                        prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-                       adaptive: bool = False) -> Iterator[Event]:
+                       adaptive: bool = False, backend: str | None = None) -> Iterator[Event]:
     """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
     Token events (draft=True for accepted draft tokens, False for the target's own),
     then Finish. Stopping, detokenization and processing are the core loop's.
 
     Give either `draft_lm` (same vocabulary as the target) or `prompt_lookup` (the
     largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for a draft model
-    and 10 for prompt lookup; `adaptive` grows/shrinks it per step.
+    and 10 for prompt lookup; `adaptive` grows/shrinks it per step. `backend` is the
+    user's choice for both models (default: each model's own, `LoadedModel.backend`).
     """
     gamma = num_draft_tokens or (DEFAULT_LOOKUP_TOKENS if prompt_lookup is not None
                                  else DEFAULT_DRAFT_TOKENS)
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
-    drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup)
+    drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
+                           backend=backend)
+    target = choose_backend(target_lm, Request(rows=1, crop=True,
+                                               backend=backend or target_lm.backend))
     plan = make_plan(target_lm, settings, 1)
     row = new_row(target_lm, 0, prompt_ids, settings)
-    yield from _speculative_loop(target_lm, plan, drafter, row, GammaSchedule(gamma, adaptive))
+    yield from _speculative_loop(target_lm, target, plan, drafter, row,
+                                 GammaSchedule(gamma, adaptive))
 
 
-def _speculative_loop(target: LoadedModel, plan: Plan, drafter: Drafter, row: Row,
-                      schedule: GammaSchedule) -> Iterator[Event]:
+def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+           drafting: Drafting, backend: str | None = None) -> Iterator[Event]:
+    """`speculative_stream` for `genlib.generate.stream`: one prompt, `drafting`'s drafter."""
+    if len(prompts) != 1:
+        raise ConfigError(f"speculative decoding runs one prompt at a time, got {len(prompts)}")
+    yield from speculative_stream(lm, prompts[0], settings, draft_lm=drafting.draft_lm,
+                                  prompt_lookup=drafting.prompt_lookup,
+                                  num_draft_tokens=drafting.num_draft_tokens,
+                                  adaptive=drafting.adaptive, backend=backend)
+
+
+def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter: Drafter,
+                      row: Row, schedule: GammaSchedule) -> Iterator[Event]:
     settings = plan.settings
     begin = time.perf_counter()
     deadline = begin + settings.max_time if settings.max_time else None
     try:
-        spec = start(target, row.prompt_ids, plan, drafter)
-        yield Prefill((len(row.prompt_ids),), time.perf_counter() - begin, time.perf_counter())
+        spec = start(target, backend, row.prompt_ids, plan, drafter)
+        yield Prefill((len(row.prompt_ids),), time.perf_counter() - begin, time.perf_counter(),
+                      backend.name, backend.reason)
         while True:
             # The verify yields up to gamma + 1 tokens: never draft past the budget.
             room = settings.max_new_tokens - spec.generated

@@ -37,7 +37,7 @@ def beam(**changes) -> GenerationSettings:
 
 def hf_beam(lm: LoadedModel, prompts: list[list[int]], s: GenerationSettings):
     """transformers' own beam search on the same (left-padded) prompts."""
-    from genlib.forward import left_pad
+    from genlib.backends.transformers import left_pad
 
     ids, mask = left_pad(prompts, lm.pad_id, lm.device)
     out = lm.model.generate(

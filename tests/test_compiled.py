@@ -1,10 +1,10 @@
-"""genlib.compiled.DirectCompiled: compiled once per key through dynamo, then called
+"""genlib.backends.direct.DirectCompiled: compiled once per key through dynamo, then called
 straight into inductor's function, with the current argument tensors."""
 
 import pytest
 import torch
 
-from genlib.compiled import DirectCompiled
+from genlib.backends.direct import DirectCompiled
 
 
 class Step:
@@ -107,7 +107,7 @@ def test_importing_the_decode_path_does_not_import_dynamo():
     import subprocess
     import sys
 
-    code = ("import sys, genlib.decode, genlib.lean, genlib.compiled, genlib.quickload; "
+    code = ("import sys, genlib.decode, genlib.backends.llama, genlib.backends.direct, genlib.quickload; "
             "print('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

@@ -1,4 +1,4 @@
-"""genlib.hugepages: weight buffers on 2 MiB boundaries, in 2 MiB pages where Linux has
+"""genlib.backends.hugepages: weight buffers on 2 MiB boundaries, in 2 MiB pages where Linux has
 transparent huge pages on."""
 
 import re
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genlib import hugepages
-from genlib.lean import LeanLlama
+from genlib.backends.llama import LeanLlama
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 

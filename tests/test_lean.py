@@ -1,4 +1,4 @@
-"""The lean Llama forward (genlib/lean.py) against transformers' own forward and
+"""The lean Llama forward (genlib/backends/llama.py) against transformers' own forward and
 generate(): the same logits, the same greedy tokens, on real and tiny random models."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from genlib import decode, forward
 from genlib.config import resolve_settings
 from genlib.events import Finish
-from genlib.lean import LeanLlama, _mm, _Proj
+from genlib.backends.llama import LeanLlama, _mm, _Proj
 from tests.conftest import (
     assert_lean_follows_transformers,
     tiny_config,
@@ -146,11 +146,11 @@ def test_products_whose_slices_would_not_be_exact_are_not_split(two_threads, k, 
 
 @pytest.mark.skipif(not torch.backends.mkl.is_available(), reason="splits need MKL")
 def test_a_split_that_would_change_the_bits_is_dropped(two_threads, monkeypatch):
-    import genlib.lean
+    import genlib.backends.llama
 
     weight = torch.randn(1152, 384).t()
     assert _Proj.of(weight).split is not None
-    monkeypatch.setattr(genlib.lean, "_same_as_mm", lambda w, split: False)
+    monkeypatch.setattr(genlib.backends.llama, "_same_as_mm", lambda w, split: False)
     assert _Proj.of(weight).split is None
 
 

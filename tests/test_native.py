@@ -1,4 +1,4 @@
-"""The native decode step (genlib/native.py, genlib/csrc/lean_step.c) against the lean
+"""The native decode step (genlib/backends/kernel.py, genlib/backends/csrc/lean_step.c) against the lean
 forward it replaces under --compile: the same logits to float32 rounding, the same cache
 contents, the same greedy tokens as transformers' generate(); its build and fallbacks."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from genlib import decode, forward, native
-from genlib.lean import LeanLlama
+from genlib.backends.llama import LeanLlama
 from tests.conftest import tiny_config, torch_threads
 from tests.test_lean import genlab_greedy, greedy
 

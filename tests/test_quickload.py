@@ -16,7 +16,7 @@ import torch
 
 from genlib import decode, forward
 from genlib.config import resolve_settings
-from genlib.lean import LeanLlama
+from genlib.backends.llama import LeanLlama
 from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
 from genlib.quickload import quick_load
 from tests.conftest import (

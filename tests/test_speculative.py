@@ -21,7 +21,7 @@ from genlib.decode import generate, make_plan
 from genlib.drafters import ModelDrafter, lookup, prefill_all_but_last
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
-from genlib.lean import LeanCache
+from genlib.backends.llama import LeanCache
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,

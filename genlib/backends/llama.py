@@ -17,12 +17,12 @@ The weights are shared; each generation has its own `LeanCache`, so generations 
 model may interleave (a draft model that is the target itself, a generation started
 while another one waits).
 
-`compiled_step` is the same step compiled: for float32 on a CPU as one native kernel
-(`genlib.native`, the whole step in one C function), elsewhere under torch.compile: the
+`compiled_step` is the same step under torch.compile (`native_step` is it as one native
+kernel, `genlib.backends.kernel`, the whole step in one C function): the
 KV buffers are updated in place at a position held in a 0-d tensor and attention reads
 as many cached tokens as that position says, a size the graph reads from the tensor, so
 one graph serves every step; after the first, it is called without dynamo's per-call
-guards (`genlib.compiled.DirectCompiled`). Neither uses torch.mm for its products: the
+guards (`genlib.backends.direct.DirectCompiled`). Neither uses torch.mm for its products: the
 logits differ in the last bits, the tokens do not in the tests.
 """
 
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from genlib import hugepages, native
-from genlib.compiled import DirectCompiled
-from genlib.native import NativeStep
+from genlib.backends import hugepages
+from genlib.backends.direct import DirectCompiled
+from genlib.backends.kernel import NativeStep
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible_config` checks).
@@ -141,7 +141,7 @@ class LeanCache:
     position: torch.Tensor  # 0-d long
     token: torch.Tensor  # (1, 1) long
     length: int = 0
-    native: Any = None  # (step, its pointers to these buffers, its scratch): genlib.native
+    native: Any = None  # (step, its pointers to these buffers, its scratch): genlib.backends.kernel
 
     @property
     def capacity(self) -> int:
@@ -239,7 +239,7 @@ class LeanLlama:
         gate/up weights into another: one product instead of three (two), with the same
         dot products, so the same values (tests/test_lean.py checks the logits are
         bit-identical). All of them are written into one buffer of 2 MiB pages
-        (genlib.hugepages), which the decode step streams faster."""
+        (genlib.backends.hugepages), which the decode step streams faster."""
         groups = [[tensors[f"model.layers.{i}.{name}.weight"] for name in names]
                   for i in range(layers) for names in (_QKV, _GATE_UP)]
         sizes = [sum(w.numel() for w in group) for group in groups]
@@ -435,10 +435,8 @@ class LeanLlama:
         return options
 
     def native_step(self) -> NativeStep | None:
-        """The step as one native kernel (genlib.native), where it applies and
-        GENLAB_NATIVE=0 does not switch it off; made once."""
-        if not native.enabled():
-            return None
+        """The step as one native kernel (genlib.backends.kernel), None where it does not
+        apply (`kernel.applies` says why); made once."""
         if self._native is None:
             threads = 1 if self._small() else torch.get_num_threads()
             self._native = NativeStep.of(self, threads) or False
@@ -446,14 +444,7 @@ class LeanLlama:
 
     @torch.inference_mode()
     def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
-        """`step`, compiled: as one native kernel where it applies (`genlib.native`: the
-        first call builds it, once per machine), else under torch.compile (the first call
-        per cache capacity compiles)."""
-        step = self.native_step()
-        if step is not None:
-            logits = step(int(token), cache)
-            cache.length += 1
-            return logits
+        """`step` under torch.compile (the first call per cache capacity compiles)."""
         if cache.length >= cache.capacity:
             raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
                              f"{cache.capacity}")

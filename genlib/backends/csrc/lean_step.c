@@ -1,5 +1,5 @@
 /* One decode step of a Llama-architecture model in float32 on the CPU, batch 1: the
- * arithmetic of genlib.lean.LeanLlama._static_step in one OpenMP parallel region.
+ * arithmetic of genlib.backends.llama.LeanLlama._static_step in one OpenMP parallel region.
  *
  * A one-token step reads every weight once and does two multiply-adds per weight, so
  * it is bound by memory bandwidth, and what keeps it from that bound is everything
@@ -21,7 +21,7 @@
  *
  * Weights are row-major (out, in), as nn.Linear holds them; the q/k/v and gate/up
  * matrices are stacked ([q; k; v], [gate; up]). KV buffers are (kv_heads, capacity,
- * head_dim) per layer, as genlib.lean.LeanCache holds them. Sums run in another order
+ * head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run in another order
  * than PyTorch's, so logits differ in the last bits (the tests bound the difference and
  * check the tokens).
  */

@@ -111,11 +111,6 @@ def _pointers(tensors: list[Any]) -> Any:
     return (_float_p * len(tensors))(*[_pointer(t) for t in tensors])
 
 
-def enabled() -> bool:
-    """False when GENLAB_NATIVE=0 leaves --compile to torch.compile everywhere."""
-    return os.environ.get("GENLAB_NATIVE", "1") != "0"
-
-
 def applies(lean: Any) -> str | None:
     """Why the kernel does not apply to `lean`, or None when it does."""
     if lean.device.type != "cpu" or lean.dtype != torch.float32:

@@ -1,0 +1,122 @@
+"""The one interface every forward path offers the decode loops.
+
+A `Backend` runs one model's forward for one generation at a time: `prefill` the prompt
+rows, then `step` one token per row or `extend` k tokens per row against the KV cache,
+`crop` it back (speculative rollback) and `reorder` its rows (beam search). Each backend
+declares what it can do (`Capabilities`); an operation it cannot do raises a
+`ConfigError` that names the backend and what would work (`Backend.refuse`). Nothing
+falls back silently: which backend runs is decided once, by `genlib.backends.choose`.
+
+    backend = choose_backend(lm, Request(rows=1))       # the fastest exact one
+    logits = backend.prefill([prompt_ids], capacity)    # (rows, vocab) float32
+    logits = backend.step(tokens)                       # tokens (rows,) -> (rows, vocab)
+    logits = backend.extend(tokens)                     # (rows, k) -> (rows, k, vocab)
+    backend.crop(length); backend.reorder(indices)
+
+Logits are float32 whatever the model's dtype. Rows are left-padded where a backend
+takes several of different lengths; `length` counts the cache's slots, padding included.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar
+
+import torch
+
+from genlib.errors import ConfigError
+
+if TYPE_CHECKING:
+    from genlib.modelinfo import LoadedModel
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a backend can do. `rows`: how many rows one generation may hold (None: any);
+    `dtypes`/`devices`: where it runs (torch names: "float32", "cpu"; empty: any)."""
+
+    rows: int | None
+    reorder: bool
+    extend: bool
+    crop: bool
+    dtypes: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+
+
+class Backend(ABC):
+    """One model's forward for one generation at a time (see the module doc). `step` and
+    `extend` are the only ways tokens reach the model after prefill."""
+
+    name: ClassVar[str]
+    capabilities: ClassVar[Capabilities]
+    reason: str = ""  # why `choose_backend` picked it (shown by --stats, --json, bench)
+
+    def __init__(self, lm: LoadedModel) -> None:
+        self.lm = lm
+        self.length = 0  # cached slots (padding included)
+
+    # --- The operations, checked against the capabilities ------------------------------
+
+    def prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
+        """Start a generation: run the prompt rows (left-padded) into a fresh cache with
+        room for `capacity` tokens per row; the last position's logits (rows, vocab).
+        None for one empty row (a cache of nothing, which `extend` then fills)."""
+        limit = self.capabilities.rows
+        if limit is not None and len(rows) > limit:
+            raise self.refuse(f"runs {limit} row{'s' if limit > 1 else ''} at a time, "
+                              f"not {len(rows)}", "transformers")
+        return self._prefill(rows, capacity)
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """One token per row (rows,) after the cached ones; their logits (rows, vocab)."""
+        return self._step(tokens)
+
+    def extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        """k tokens per row (rows, k) after the cached ones, in one call (speculative
+        verification, chunked prefill); the logits of every one (rows, k, vocab)."""
+        if not self.capabilities.extend and tokens.shape[1] > 1:
+            raise self.refuse("feeds one token per step, not several", "lean or transformers")
+        return self._extend(tokens)
+
+    def crop(self, length: int) -> None:
+        """Forget every cached token after the first `length` (speculative rollback)."""
+        if not self.capabilities.crop:
+            raise self.refuse("cannot roll its cache back (speculative decoding needs that)",
+                              "lean, native or transformers")
+        if length < self.length:
+            self._crop(length)
+            self.length = length
+
+    def reorder(self, indices: torch.Tensor) -> None:
+        """Keep/duplicate cache rows: row i becomes old row indices[i] (beam search, and
+        finished rows leaving a batch)."""
+        if not self.capabilities.reorder:
+            raise self.refuse("cannot reorder its cache rows (beam search and batches of "
+                              "several rows need that)", "transformers")
+        self._reorder(indices)
+
+    def refuse(self, what: str, instead: str) -> ConfigError:
+        """The error for an operation this backend cannot do, naming what would work."""
+        return ConfigError(f"the {self.name} backend {what}; use --backend {instead} "
+                           f"(or auto, which picks one that can)")
+
+    # --- What each backend implements --------------------------------------------------
+
+    @abstractmethod
+    def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
+        ...
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self._extend(tokens[:, None])[:, -1]
+
+    @abstractmethod
+    def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        ...
+
+    def _crop(self, length: int) -> None:
+        raise NotImplementedError
+
+    def _reorder(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError

@@ -1,0 +1,51 @@
+"""genlib's one public way to generate: `stream` routes a request to the plain decode
+loop, beam search or speculative decoding, each on the backend `genlib.backends.choose`
+picks for it, and yields one event stream (`genlib.events`) whichever runs.
+
+    for event in stream(lm, [lm.encode("Once upon a time")], settings): ...
+    for event in stream(lm, [ids], settings, drafter=Drafting(prompt_lookup=3)): ...
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+from genlib import beam, decode, speculative
+from genlib.backends.choose import Request, choose_backend
+from genlib.config import GenerationSettings
+from genlib.events import Event, Finish
+from genlib.models import LoadedModel
+from genlib.speculative import Drafting
+
+
+def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+           *, drafter: Drafting | None = None, backend: str | None = None,
+           seeds: Sequence[int] | None = None, record_tree: bool = False
+           ) -> Iterator[Event]:
+    """Generate for `prompts` with `settings`; yield events. `drafter` decodes
+    speculatively (one prompt); beam search runs for strategy beam (`record_tree` adds
+    its tree to the BeamStep events); the plain loop otherwise. `backend` is the user's
+    choice, default the model's (`LoadedModel.backend`, from --backend; auto: the fastest
+    exact one). `seeds`: one per output row."""
+    if drafter is not None:
+        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend)
+    elif settings.strategy == "beam":
+        request = beam.backend_request(prompts, settings, backend or lm.backend)
+        beam.check_request(lm, prompts, settings)
+        yield from beam.stream(lm, prompts, settings, choose_backend(lm, request),
+                               seeds=seeds, record_tree=record_tree)
+    else:
+        decode.check_prompts(lm, prompts, settings)
+        request = Request(rows=len(prompts) * settings.num_return_sequences,
+                          backend=backend or lm.backend)
+        yield from decode.stream(lm, prompts, settings, choose_backend(lm, request),
+                                 seeds=seeds)
+
+
+def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+             *, drafter: Drafting | None = None, backend: str | None = None,
+             seeds: Sequence[int] | None = None) -> list[Finish]:
+    """Run `stream` to the end; the Finish events in row order."""
+    events = stream(lm, prompts, settings, drafter=drafter, backend=backend, seeds=seeds)
+    finished = [e for e in events if isinstance(e, Finish)]
+    return sorted(finished, key=lambda f: f.row)

@@ -1,0 +1,180 @@
+"""What every decode loop shares (the plain loop in `genlib.decode`, beam search in
+`genlib.beam`, speculative decoding in `genlib.speculative`): a row's bookkeeping, its
+seeds, the one processing of a step's logits, advancing a row by a token and finishing
+it, and keeping Ctrl-C's events. No loop imports another; each imports this.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from genlib import config, processors, sampling
+from genlib.config import GenerationSettings
+from genlib.detok import IncrementalDecoder
+from genlib.events import Event, Finish, Token
+from genlib.models import LoadedModel
+from genlib.stopping import StopStrings
+
+
+@dataclass
+class Row:
+    """What a decode loop tracks for one output sequence (shared with speculative
+    decoding, so both stop, detokenize and report exactly alike)."""
+
+    prompt_index: int
+    prompt_ids: tuple[int, ...]
+    decoder: IncrementalDecoder
+    stops: StopStrings
+    ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    first_token: float | None = None
+    finished: bool = False
+
+
+@dataclass
+class Plan:
+    """Everything the loop needs that can be decided before the first step."""
+
+    settings: GenerationSettings
+    chain: list[processors.Processor]
+    sampler: sampling.Sampler
+    generators: list[torch.Generator] | None
+    suppress_eos: processors.Processor | None
+    needs_context: bool
+    seeds: list[int]
+
+
+def new_row(lm: LoadedModel, prompt_index: int, prompt_ids: Sequence[int],
+            settings: GenerationSettings, shared_texts: dict[int, str] | None = None) -> Row:
+    """A fresh row: its detokenizer (seeded with the prompt) and stop-string matcher."""
+    ids = tuple(prompt_ids)
+    return Row(prompt_index, ids, IncrementalDecoder(lm.tokenizer, ids, shared_texts),
+               StopStrings(settings.stop_strings))
+
+
+def expand_prompts(prompts: Sequence[Sequence[int]], n: int) -> list[tuple[int, tuple[int, ...]]]:
+    """(prompt_index, ids) for every output row: each prompt n times, consecutively."""
+    return [(i, tuple(p)) for i, p in enumerate(prompts) for _ in range(n)]
+
+
+def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | None
+              ) -> list[int]:
+    """Per-row seeds: given ones, else row 0 uses `settings.seed` itself and row i a seed
+    derived from it, so one generation with --seed S always draws the same tokens."""
+    if seeds is not None:
+        if len(seeds) != rows:
+            raise ValueError(f"{len(seeds)} seeds for {rows} rows")
+        return list(seeds)
+    return config.row_seeds(settings.seed, rows)
+
+
+def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
+              seeds: Sequence[int] | None = None) -> Plan:
+    chain = processors.build_processors(settings)
+    suppress = suppress_eos_for(lm, settings)
+    all_seeds = row_seeds(settings, rows, seeds)
+    generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
+                  if settings.do_sample else None)
+    return Plan(settings=settings, chain=chain, sampler=sampling.pick_sampler(settings.do_sample),
+                generators=generators, suppress_eos=suppress, needs_context=bool(chain),
+                seeds=all_seeds)
+
+
+def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
+                     ) -> processors.Processor | None:
+    """The EOS-suppressing processor `process_logits` applies while `min_new_tokens` or
+    `ignore_eos` say so; None when neither can apply."""
+    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
+        return processors.suppress_tokens(lm.eos_ids)
+    return None
+
+
+def process_logits(settings: GenerationSettings, chain: Sequence[processors.Processor],
+                   suppress_eos: processors.Processor | None, context: torch.Tensor | None,
+                   logits: torch.Tensor, step: int) -> torch.Tensor:
+    """One step's logits (rows, vocab) as every loop processes them (decode, beam,
+    speculative): EOS suppressed before `min_new_tokens` (or throughout with
+    `ignore_eos`), then the settings' processor chain."""
+    if suppress_eos is not None and (settings.ignore_eos or step < settings.min_new_tokens):
+        logits = suppress_eos(context, logits)
+    return processors.apply(chain, context, logits)
+
+
+def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Process the logits, pick one token per row; return (tokens, model logprobs)."""
+    processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
+                               step)
+    tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs
+
+
+def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: float,
+             step: int, now: float) -> tuple[Token | None, str | None]:
+    """Record one token for a row; return its event and a finish reason (or None)."""
+    row.ids.append(token)
+    row.logprobs.append(logprob)
+    if row.first_token is None:
+        row.first_token = now
+    is_eos = token in lm.eos_ids and not row.stops.stopped
+    text = row.stops.feed(row.decoder.push(token))
+    event = Token(row_number, token, text, logprob, step, now)
+    if row.stops.stopped:
+        return event, "stop"
+    if is_eos:
+        return event, "eos"
+    return event, None
+
+
+def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
+    """The Finish event, carrying any text still pending (`tail`)."""
+    row.finished = True
+    tail = ""
+    if reason != "stop":
+        tail = row.stops.feed(row.decoder.flush()) + row.stops.finish()
+    yield Finish(row=row_number, prompt_index=row.prompt_index, reason=reason,
+                 token_ids=tuple(row.ids), text=row.stops.final_text,
+                 prompt_tokens=len(row.prompt_ids), start=start,
+                 first_token=row.first_token, end=time.perf_counter(),
+                 logprobs=tuple(row.logprobs), tail=tail)
+
+
+def interrupt(events: Iterator[Event]) -> Iterator[Event]:
+    """After Ctrl-C reached the consumer, let the generator finish its rows as
+    "interrupted" and yield those events."""
+    try:
+        first = events.throw(KeyboardInterrupt())  # type: ignore[attr-defined]
+    except (KeyboardInterrupt, StopIteration):
+        return
+    yield first
+    yield from events
+
+
+def collect(events: Iterator[Event], handle: Callable[[Event], None]
+            ) -> tuple[list[Event], bool]:
+    """Run an event stream to its end through `handle`, keeping Ctrl-C's events (see
+    `interrupt`); (every event, whether Ctrl-C reached the consumer)."""
+    seen: list[Event] = []
+    try:
+        for event in events:
+            seen.append(event)
+            handle(event)
+    except KeyboardInterrupt:
+        for event in interrupt(events):
+            seen.append(event)
+            handle(event)
+        return seen, True
+    return seen, False
+
+
+def context_of(prompts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+    """The prompts as the processors' context (rows, length): left-padded with
+    `processors.PAD`, which they ignore."""
+    width = max(len(p) for p in prompts)
+    rows = [[processors.PAD] * (width - len(p)) + list(p) for p in prompts]
+    return torch.tensor(rows, dtype=torch.long, device=device)
