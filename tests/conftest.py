@@ -31,24 +31,27 @@ def torch_threads(n: int):
 
 @pytest.fixture
 def ctrl_c_at(monkeypatch):
-    """ctrl_c_at(n): the n-th decoding step from now on (the n-th call of
-    `forward.extend`, which every loop's steps go through) raises KeyboardInterrupt, as
-    Ctrl-C arriving during that step would."""
-    from genlib import forward
+    """ctrl_c_at(n): the n-th decoding step from now on (the n-th call of a backend's
+    `step` or `extend`, which every loop's steps go through) raises KeyboardInterrupt,
+    as Ctrl-C arriving during that step would."""
+    from genlib.backends.base import Backend
 
-    real = forward.extend
+    real = {"step": Backend.step, "extend": Backend.extend}
 
     def arm(n: int) -> None:
         calls = 0
 
-        def extend(*args, **kwargs):
-            nonlocal calls
-            calls += 1
-            if calls == n:
-                raise KeyboardInterrupt
-            return real(*args, **kwargs)
+        def counted(name):
+            def call(self, tokens):
+                nonlocal calls
+                calls += 1
+                if calls == n:
+                    raise KeyboardInterrupt
+                return real[name](self, tokens)
+            return call
 
-        monkeypatch.setattr(forward, "extend", extend)
+        for name in real:
+            monkeypatch.setattr(Backend, name, counted(name))
 
     return arm
 
@@ -58,15 +61,26 @@ def assert_lean_follows_transformers(model, lean, ids, tokens=(42, 7, 300, 2, 1)
     transformers' forward on `model`, bit for bit."""
     import torch
 
-    from genlib import forward
-
-    hf_logits, state = forward.prefill(model, ids, torch.ones_like(ids))
+    hf = transformers_backend(model)
+    hf_logits = hf.prefill_ids(ids, torch.ones_like(ids))[:, -1]
     cache = lean.new_cache(64)
     assert torch.equal(lean.prefill(ids, cache), hf_logits)
     for token in tokens:
         t = torch.tensor([[token]])
-        assert torch.equal(lean.step(t, cache), forward.extend(state, t)[:, -1])
-    assert cache.length == state.length == ids.shape[1] + len(tokens)
+        assert torch.equal(lean.step(t, cache), hf.step(t[:, 0]))
+    assert cache.length == hf.length == ids.shape[1] + len(tokens)
+
+
+def transformers_backend(model):
+    """A TransformersBackend over a bare transformers model (pad id 0: prompts here are
+    not padded)."""
+    from genlib.backends.transformers import TransformersBackend
+    from genlib.modelinfo import LoadedModel
+
+    param = next(model.parameters())
+    return TransformersBackend(LoadedModel(model=model, tokenizer=None, ref="test",
+                                           device=param.device, dtype=param.dtype, eos_ids=(),
+                                           pad_id=0, max_positions=None))
 
 
 def shared_model(path: Path):

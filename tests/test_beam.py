@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib.beam import beam_search, length_score
 from genlib.config import GenerationSettings
-from genlib.decode import generate
+from genlib.generate import generate
 from genlib.models import LoadedModel
 from tests.conftest import STORIES
 
@@ -171,7 +171,7 @@ def test_stop_strings_end_beams(stories):
 
 def test_stream_dispatches_beam_with_scores(stories):
     from genlib.config import resolve_settings
-    from genlib.decode import stream
+    from genlib.generate import stream
     from genlib.events import Finish, Prefill
 
     s = resolve_settings({"strategy": "beam", "num_beams": 3, "num_return_sequences": 2,
@@ -379,15 +379,15 @@ def test_cli_ctrl_c_shows_the_beams_so_far_and_exits_130(ctrl_c_at):
 
 
 def test_cli_ctrl_c_in_the_greedy_contrast_run_exits_130(ctrl_c_at, monkeypatch):
-    from genlib import decode
+    import genlib.generate
 
-    real = decode.generate
+    real = genlib.generate.generate
 
-    def generate(*args, **kwargs):  # the contrast run: Ctrl-C during its 3rd step
+    def contrast(*args, **kwargs):  # the contrast run: Ctrl-C during its 3rd step
         ctrl_c_at(3)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(decode, "generate", generate)
+    monkeypatch.setattr(genlib.generate, "generate", contrast)
     result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "8"])
     assert result.exit_code == 130, result.output
     greedy_row = next(line for line in result.stdout.splitlines() if "greedy" in line)

@@ -190,13 +190,13 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert "Traceback" not in result.output
 
 
-def test_compiled_variant_only_at_batch_one():
+def test_one_case_per_backend_asked_for_and_the_no_cache_loop():
     from cli.bench import build_cases
 
-    groups = build_cases([("greedy", GenerationSettings())], [8], [4], [1, 2], compile=True,
-                         no_cache=True)
-    engines = [[bench.engine_name(c) for c in g] for g in groups]
-    assert engines == [["genlab", "genlab+compile", "no-cache"], ["genlab", "no-cache"]]
+    groups = build_cases([("greedy", GenerationSettings())], [8], [4], [1, 2],
+                         ["auto", "lean"], no_cache=True)
+    assert [[(bench.engine_name(c), c.backend) for c in g] for g in groups] == \
+        [[("genlab", "auto"), ("genlab", "lean"), ("no-cache", "auto")]] * 2
 
 
 def test_csv_on_stdout_is_clean_csv(one_thread):
@@ -213,45 +213,39 @@ def test_csv_on_stdout_is_clean_csv(one_thread):
 
 
 @pytest.mark.parametrize("native_on", ["1", "0"])
-def test_a_compiled_record_says_which_step_ran(one_thread, monkeypatch, native_on):
-    """--compile runs genlab's native kernel where it builds, torch.compile's step with
-    GENLAB_NATIVE=0; the records say which."""
-    from genlib import native
+def test_every_record_names_the_backend_that_ran(one_thread, monkeypatch, native_on):
+    """auto runs the native kernel where it builds, the lean forward with
+    GENLAB_NATIVE=0; an explicit backend runs as asked; the baseline is transformers'.
+    The records take the name from the backend object that ran (its Prefill event)."""
+    from genlib.backends import kernel
 
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
     monkeypatch.setenv("GENLAB_NATIVE", native_on)
-    expected = "native" if native_on == "1" and native.build().library else "torch.compile"
-    result = run_cli("--compile", "--runs", "1", "--prompt-len", "4", "--new-tokens", "3",
+    expected = "native" if native_on == "1" and kernel.build().library else "lean"
+    result = run_cli("--backend", "auto,transformers", "--baseline", "transformers",
+                     "--runs", "1", "--prompt-len", "4", "--new-tokens", "3",
                      "--no-bandwidth", "--csv", "-")
     assert result.exit_code == 0, result.output
-    records = {r["engine"]: r for r in csv.DictReader(result.stdout.splitlines())}
-    assert records["genlab+compile"]["compiled_step"] == expected
-    assert records["genlab"]["compiled_step"] == ""
+    records = [(r["engine"], r["backend_requested"], r["backend"])
+               for r in csv.DictReader(result.stdout.splitlines())]
+    assert records == [("genlab", "auto", expected), ("genlab", "transformers", "transformers"),
+                       ("transformers", "", "transformers")]
 
 
-def test_a_quantized_model_compiles_no_step():
-    """prefill_row compiles no step for a quantized model without the lean forward."""
-    from types import SimpleNamespace
-
-    from transformers import AutoModelForCausalLM
-
-    from genlib import forward
-    from tests.conftest import tiny_config
-
-    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
-    assert forward.compiled_step_kind(SimpleNamespace(lean=None, model=gpt2,
-                                                      quantize="8bit")) == "none"
-    assert forward.compiled_step_kind(SimpleNamespace(lean=None, model=gpt2,
-                                                      quantize="none")) == "torch.compile"
+def test_a_backend_that_cannot_serve_is_refused_before_any_run():
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    result = run_cli("--backend", "warp", "--runs", "1", "--no-bandwidth")
+    assert result.exit_code == 2 and "--backend: unknown value 'warp'" in result.output
+    result = run_cli("--compile", "--runs", "1", "--no-bandwidth")
+    assert result.exit_code == 2 and "--compile was replaced by --backend" in result.output
 
 
-def test_the_table_names_the_compiled_step_and_its_compile_time():
+def test_the_table_names_the_backend_and_its_compile_time():
     from cli.bench import engine_label
 
-    plain = {"engine": "genlab", "compile": False, "compiled_step": None, "compile_s": None}
-    assert engine_label(plain) == "genlab"
-    compiled = {"engine": "genlab+compile", "compile": True, "compiled_step": "native",
-                "compile_s": 0.25}
-    assert engine_label(compiled) == "genlab+compile (native, compile 0.2s)"
-    assert engine_label({**compiled, "compile_s": None}) == "genlab+compile (native)"
+    plain = {"engine": "genlab", "backend": "native", "compile_s": None}
+    assert engine_label(plain) == "genlab (native)"
+    compiled = {"engine": "genlab", "backend": "compiled", "compile_s": 0.25}
+    assert engine_label(compiled) == "genlab (compiled, compile 0.2s)"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from genlib import config, decode, processors, sampling
+from genlib import config, generate, processors, sampling
 from genlib.config import resolve_settings
 
 NEG = float("-inf")
@@ -127,7 +127,7 @@ def test_sampled_first_tokens_follow_processed_distribution(stories, flags):
     rows = 2000
     settings = resolve_settings({**flags, "max_new_tokens": 1, "seed": 123})
     ids = stories.encode("Once upon a time, there was a")
-    finishes = decode.generate(stories, [ids] * rows, settings,
+    finishes = generate.generate(stories, [ids] * rows, settings,
                                seeds=[config.derive_seed(123, i) for i in range(rows)])
     counts = torch.bincount(torch.tensor([f.token_ids[0] for f in finishes]),
                             minlength=stories.vocab_size).float()

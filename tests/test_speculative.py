@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from genlib import forward
+from genlib.backends.choose import Request, choose_backend
+from genlib.backends.lean import LeanBackend
 from genlib.config import resolve_settings
-from genlib.decode import generate, make_plan
 from genlib.drafters import ModelDrafter, lookup, prefill_all_but_last
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
-from genlib.backends.llama import LeanCache
+from genlib.generate import generate
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
@@ -33,7 +33,8 @@ from genlib.speculative import (
     start,
     summarize,
 )
-from tests.conftest import torch_threads
+from genlib.step import make_plan
+from tests.conftest import torch_threads, transformers_backend
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 needs_models = pytest.mark.skipif(not (MODELS / "stories260K").is_dir(),
@@ -123,11 +124,11 @@ def test_a_one_token_prompt_still_takes_the_lean_forward(stories, xs) -> None:
     """Nothing to prefill: both caches start empty, in the lean forward all the same."""
     settings = resolve_settings({"max_new_tokens": 40})
     ids = [1]
-    state, head = prefill_all_but_last(stories, ids, 64)
-    assert head == [] and state.length == 0
-    assert isinstance(state.cache, LeanCache)  # the lean state, not a dynamic cache
-    draft_state, _ = prefill_all_but_last(xs, ids, 64)  # as ModelDrafter.start does
-    assert isinstance(draft_state.cache, LeanCache)
+    for lm in (stories, xs):  # the target, and the draft as ModelDrafter.start does
+        backend = choose_backend(lm, Request(rows=1, crop=True))
+        head = prefill_all_but_last(backend, ids, 64)
+        assert head == [] and backend.length == 0
+        assert isinstance(backend, LeanBackend)  # a lean backend (or the native one on it)
     plain = generate(stories, [ids], settings)[0]
     finish, _ = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4)
     assert finish.token_ids == plain.token_ids
@@ -178,18 +179,19 @@ def test_caches_after_rejections_equal_fresh_prefill(stories, xs) -> None:
     settings = resolve_settings({"max_new_tokens": 60})
     ids = stories.encode("Once upon a time")
     plan = make_plan(stories, settings, 1)
-    drafter = ModelDrafter(xs, sample=False)
-    spec = start(stories, ids, plan, drafter)
+    drafter = ModelDrafter(xs, choose_backend(xs, Request(rows=1, crop=True)), sample=False)
+    spec = start(stories, choose_backend(stories, Request(rows=1, crop=True)), ids, plan,
+                 drafter)
     rejected = 0
     for _ in range(8):
         result = speculative_step(spec, 4)
         rejected += result.accepted < result.proposed
     assert rejected >= 2
-    for lm, state in ((stories, spec.state), (xs, drafter.state)):
-        assert state.length == len(spec.ids) - 1
-        cached = forward.extend(state, torch.tensor([[spec.ids[-1]]]))[0, -1]
-        fresh, _ = forward.prefill(lm.model, torch.tensor([spec.ids]),
-                                   torch.ones(1, len(spec.ids), dtype=torch.long))
+    for lm, backend in ((stories, spec.backend), (xs, drafter.backend)):
+        assert backend.length == len(spec.ids) - 1
+        cached = backend.extend(torch.tensor([[spec.ids[-1]]]))[0, -1]
+        fresh = transformers_backend(lm.model).prefill_ids(
+            torch.tensor([spec.ids]), torch.ones(1, len(spec.ids), dtype=torch.long))[:, -1]
         torch.testing.assert_close(cached, fresh[0], atol=1e-4, rtol=1e-4)
 
 
@@ -200,8 +202,8 @@ def exact_pairs(target: LoadedModel, prompt: list[int], settings) -> dict[tuple[
     plan = make_plan(target, settings, 1)
 
     def dist(ids: list[int], step: int) -> torch.Tensor:
-        logits, _ = forward.prefill(target.model, torch.tensor([ids]),
-                                    torch.ones(1, len(ids), dtype=torch.long))
+        logits = transformers_backend(target.model).prefill_ids(
+            torch.tensor([ids]), torch.ones(1, len(ids), dtype=torch.long))[:, -1]
         return process(plan, ids, logits[0], step).softmax(-1)
 
     p1 = dist(prompt, 0)

@@ -1,0 +1,141 @@
+"""Every backend against transformers: greedy tokens identical to `generate()`, extend(k)
+equal to k steps, crop-then-extend equal to a fresh prefill, reorder equal to
+transformers' own cache reorder; what each backend refuses, and with which message; and
+the choice `auto` makes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from genlib.backends.choose import BACKENDS, Request, choose_backend
+from genlib.config import GenerationSettings
+from genlib.errors import ConfigError
+from genlib.generate import generate
+from tests.conftest import transformers_backend
+
+NAMED = [b for b in BACKENDS if b != "auto"]
+
+
+def backend_or_skip(lm, name: str, **request):
+    """The named backend over `lm`, or a skip saying why it cannot serve (that refusal is
+    checked by the refusal tests below)."""
+    try:
+        return choose_backend(lm, Request(backend=name, **request))
+    except ConfigError as error:
+        pytest.skip(str(error))
+
+
+def hf_greedy(lm, ids: list[int], n: int) -> list[int]:
+    out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                            eos_token_id=list(lm.eos_ids), pad_token_id=lm.pad_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("name", ["auto", *NAMED])
+def test_greedy_tokens_equal_transformers_on_every_backend(tiny, name):
+    if name == "compiled" and tiny.ref != "tiny-llama":
+        pytest.skip("torch.compile of every tiny architecture would take minutes; the "
+                    "compiled backend is checked on the lean-eligible tiny llama")
+    backend_or_skip(tiny, name)
+    ids = [1, 37, 99, 4, 250]
+    [ours] = generate(tiny, [ids], GenerationSettings(max_new_tokens=24), backend=name)
+    assert list(ours.token_ids) == hf_greedy(tiny, ids, 24)[:len(ours.token_ids)]
+
+
+@pytest.mark.parametrize("name", ["auto", "lean", "native", "transformers"])
+def test_greedy_tokens_equal_transformers_on_the_shared_models(stories, code_target, name):
+    for lm, prompt in ((stories, "Once upon a time"), (code_target, "def fibonacci(n):")):
+        ids = lm.encode(prompt)
+        [ours] = generate(lm, [ids], GenerationSettings(max_new_tokens=60), backend=name)
+        assert list(ours.token_ids) == hf_greedy(lm, ids, 60)[:len(ours.token_ids)]
+
+
+@pytest.mark.parametrize("name", NAMED)
+def test_extend_k_equals_k_steps_and_crop_then_extend_equals_a_fresh_prefill(tiny, name):
+    if name == "compiled" and tiny.ref != "tiny-llama":
+        pytest.skip("torch.compile of every tiny architecture would take minutes")
+    ids, more = [1, 37, 99, 4], [250, 7, 300]
+    a = backend_or_skip(tiny, name, crop=True)
+    b = choose_backend(tiny, Request(backend=name, crop=True))
+    a.prefill([ids], 32)
+    b.prefill([ids], 32)
+    together = a.extend(torch.tensor([more]))[0]
+    one_by_one = torch.stack([b.step(torch.tensor([t]))[0] for t in more])
+    # The same arithmetic where a backend feeds k tokens as k steps; another order of
+    # sums otherwise (lean/native: one product over k rows).
+    torch.testing.assert_close(together, one_by_one, atol=1e-4, rtol=1e-4)
+    assert a.length == b.length == len(ids) + len(more)
+    a.crop(len(ids) + 1)  # roll back past the last two
+    cropped = a.extend(torch.tensor([[7, 300]]))[0]
+    fresh = transformers_backend(tiny.model).prefill_ids(
+        torch.tensor([ids + [250, 7, 300]]), torch.ones(1, 7, dtype=torch.long),
+        all_logits=True)[0, -2:]
+    torch.testing.assert_close(cropped, fresh, atol=1e-4, rtol=1e-4)
+
+
+def test_reorder_matches_transformers_own_cache_reorder(tiny):
+    """Rows reordered (and duplicated) in our cache give the logits of transformers' own
+    `reorder_cache` on its cache of the same prompts."""
+    prompts = [[1, 37, 99, 4], [1, 5, 6, 7]]
+    ours = choose_backend(tiny, Request(rows=2, reorder=True))
+    theirs = transformers_backend(tiny.model)
+    ours.prefill(prompts, 16)
+    theirs.prefill_ids(torch.tensor(prompts), torch.ones(2, 4, dtype=torch.long))
+    order = torch.tensor([1, 1, 0])
+    ours.reorder(order)
+    theirs.cache.reorder_cache(order)
+    token = torch.tensor([42, 43, 44])
+    out = tiny.model(input_ids=token[:, None], past_key_values=theirs.cache, use_cache=True)
+    assert torch.equal(ours.step(token), out.logits[:, -1].float())
+
+
+@pytest.mark.parametrize("name", ["lean", "native", "compiled"])
+def test_one_row_backends_refuse_several_rows_and_reorder_naming_what_works(stories, name):
+    with pytest.raises(ConfigError, match=f"the {name} backend runs one row, and this "
+                                          f"generation needs beam search; use --backend "
+                                          f"transformers"):
+        choose_backend(stories, Request(rows=4, reorder=True, backend=name))
+    with pytest.raises(ConfigError, match=f"the {name} backend runs one row, and this "
+                                          f"generation needs 3 rows at once"):
+        choose_backend(stories, Request(rows=3, backend=name))
+
+
+@pytest.mark.parametrize("name", ["lean", "native"])
+def test_lean_backends_refuse_models_that_are_not_plain_llama(tiny, name):
+    if tiny.ref in ("tiny-llama", "tiny-qwen2"):
+        pytest.skip("a plain Llama-style model")
+    with pytest.raises(ConfigError, match=f"the {name} backend runs plain Llama-style models"):
+        choose_backend(tiny, Request(backend=name))
+
+
+def test_the_operations_a_backend_lacks_raise_a_config_error_naming_it(stories):
+    lean = choose_backend(stories, Request(backend="lean"))
+    lean.prefill([[1, 2]], 8)
+    with pytest.raises(ConfigError, match="the lean backend cannot reorder its cache rows"):
+        lean.reorder(torch.tensor([0]))
+    with pytest.raises(ConfigError, match="the lean backend runs 1 row at a time, not 2"):
+        lean.prefill([[1, 2], [1, 3]], 8)
+
+
+def test_an_unknown_backend_name_is_refused():
+    with pytest.raises(ConfigError, match="--backend must be one of auto, transformers"):
+        choose_backend(None, Request(backend="fast"))  # type: ignore[arg-type]
+
+
+def test_auto_picks_native_lean_or_transformers_and_says_why(stories, tiny, monkeypatch):
+    from genlib.backends import kernel
+
+    native = kernel.build().library is not None
+    backend = choose_backend(stories, Request())
+    assert backend.name == ("native" if native else "lean")
+    assert backend.reason == ("one row of a float32 Llama-style model on the CPU" if native
+                              else f"no native kernel: {kernel.build().reason}")
+    assert choose_backend(stories, Request(rows=2)).name == "transformers"
+    assert choose_backend(stories, Request(rows=4, reorder=True)).reason == \
+        "beam search: the lean backends run one row"
+    monkeypatch.setenv("GENLAB_NATIVE", "0")
+    assert (choose_backend(stories, Request()).name,
+            choose_backend(stories, Request()).reason) == ("lean", "GENLAB_NATIVE=0")
+    monkeypatch.setenv("GENLAB_LEAN", "0")
+    assert choose_backend(stories, Request()).name == "transformers"
