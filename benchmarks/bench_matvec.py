@@ -1,9 +1,10 @@
 """One-row products at batch 1, as the decode step runs them: the README's figures for
-torch.mm (MKL's one-column SGEMM), the lean forward's split product (`genlib.backends.llama._mm`)
-and torch.compile's reduction (`genlib.backends.llama._matvec`, --compile's products where the
-native step does not apply), over code-target's weight shapes (69 MB in float32, more
-than the L3 cache, so the weights stream from memory), and the read bandwidth `genlab
-bench` measures (`genlib.bench.read_bandwidth`).
+torch.mm (MKL's one-column SGEMM), the lean forward's split product
+(`genlib.backends.llama._mm`) and torch.compile's reduction
+(`genlib.backends.llama._matvec`, the products of --backend compiled's step), over
+code-target's weight shapes (69 MB in float32, more than the L3 cache, so the weights
+stream from memory), and the read bandwidth `genlab bench` measures
+(`genlib.bench.read_bandwidth`).
 
     python benchmarks/bench_matvec.py [--threads 2] [--reps 30]
 """
@@ -15,8 +16,8 @@ import time
 
 import torch
 
-from genlib.bench import read_bandwidth
 from genlib.backends.llama import _matvec, _mm, _Proj
+from genlib.bench import read_bandwidth
 
 # code-target: 8 layers of q/k/v (fused), o, gate/up (fused), down; the tied lm_head.
 SHAPES = [(1152, 384), (384, 384), (2048, 384), (384, 1024)] * 8 + [(8192, 384)]

@@ -1,5 +1,5 @@
-"""genlib.backends.direct.DirectCompiled: compiled once per key through dynamo, then called
-straight into inductor's function, with the current argument tensors."""
+"""genlib.backends.direct.DirectCompiled: compiled once per key through dynamo, then
+called straight into inductor's function, with the current argument tensors."""
 
 import pytest
 import torch
@@ -107,8 +107,10 @@ def test_importing_the_decode_path_does_not_import_dynamo():
     import subprocess
     import sys
 
-    code = ("import sys, genlib.decode, genlib.backends.llama, genlib.backends.direct, genlib.quickload; "
-            "print('torch._dynamo' in sys.modules)")
+    modules = ("genlib.generate", "genlib.decode", "genlib.backends.choose",
+               "genlib.backends.llama", "genlib.backends.lean", "genlib.backends.native",
+               "genlib.backends.compiled", "genlib.backends.direct", "genlib.quickload")
+    code = f"import sys, {', '.join(modules)}; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "False"

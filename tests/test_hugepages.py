@@ -1,5 +1,5 @@
-"""genlib.backends.hugepages: weight buffers on 2 MiB boundaries, in 2 MiB pages where Linux has
-transparent huge pages on."""
+"""genlib.backends.hugepages: weight buffers on 2 MiB boundaries, in 2 MiB pages where
+Linux has transparent huge pages on."""
 
 import re
 import sys
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from genlib import hugepages
+from genlib.backends import hugepages
 from genlib.backends.llama import LeanLlama
 
 THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")

@@ -6,14 +6,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genlib import decode, forward
-from genlib.config import resolve_settings
-from genlib.events import Finish
+from genlib import generate
+from genlib.backends import kernel
+from genlib.backends.choose import Request, choose_backend
+from genlib.backends.lean import lean_model_of
 from genlib.backends.llama import LeanLlama, _mm, _Proj
+from genlib.config import resolve_settings
+from genlib.events import Finish, Prefill
 from tests.conftest import (
     assert_lean_follows_transformers,
     tiny_config,
     torch_threads,
+    transformers_backend,
 )
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the"]
@@ -31,15 +35,18 @@ def hf_generate(lm, ids: list[int], n: int) -> list[int]:
     return out[0, len(ids):].tolist()
 
 
-def genlab_greedy(lm, ids: list[int], n: int) -> list[int]:
-    return list(decode.generate(lm, [ids], greedy(n))[0].token_ids)
+def genlab_greedy(lm, ids: list[int], n: int, backend: str = "lean") -> list[int]:
+    """genlab's greedy loop on `backend` (the lean forward by default), checking that
+    `backend` is the one that ran."""
+    events = list(generate.stream(lm, [ids], greedy(n), backend=backend))
+    prefill = next(e for e in events if isinstance(e, Prefill))
+    assert backend == "auto" or prefill.backend == backend, prefill
+    return list(events[-1].token_ids)
 
 
-def hf_forward_greedy(lm, ids: list[int], n: int, monkeypatch) -> list[int]:
-    """genlab's loop over transformers' forward (the lean path switched off)."""
-    with monkeypatch.context() as patch:
-        patch.setenv("GENLAB_LEAN", "0")
-        return genlab_greedy(lm, ids, n)
+def hf_forward_greedy(lm, ids: list[int], n: int) -> list[int]:
+    """genlab's loop over transformers' forward."""
+    return genlab_greedy(lm, ids, n, backend="transformers")
 
 
 def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False,
@@ -75,26 +82,26 @@ def tiny_llama():
 
 
 @pytest.mark.parametrize("prompt", STORY_PROMPTS)
-def test_lean_greedy_matches_hf_forward_and_generate_on_stories(stories, prompt, monkeypatch):
-    assert forward.lean_model(stories.model) is not None
+def test_lean_greedy_matches_hf_forward_and_generate_on_stories(stories, prompt):
+    assert lean_model_of(stories) is not None
     ids = stories.encode(prompt)
     ours = genlab_greedy(stories, ids, 200)
-    assert ours == hf_forward_greedy(stories, ids, 200, monkeypatch)
+    assert ours == hf_forward_greedy(stories, ids, 200)
     assert ours == hf_generate(stories, ids, 200)
 
 
-def test_lean_greedy_matches_generate_on_llama2xs(llama2xs, monkeypatch):
+def test_lean_greedy_matches_generate_on_llama2xs(llama2xs):
     for prompt in STORY_PROMPTS[:2]:
         ids = llama2xs.encode(prompt)
         n = 240 - len(ids)  # llama2xs has 256 positions
         ours = genlab_greedy(llama2xs, ids, n)
-        assert ours == hf_forward_greedy(llama2xs, ids, n, monkeypatch)
+        assert ours == hf_forward_greedy(llama2xs, ids, n)
         assert ours == hf_generate(llama2xs, ids, n)
 
 
 def test_lean_greedy_matches_generate_on_code_target(code_target):
     ids = code_target.encode("def fibonacci(n):\n    ")
-    assert forward.lean_model(code_target.model) is not None
+    assert lean_model_of(code_target) is not None
     assert genlab_greedy(code_target, ids, 64) == hf_generate(code_target, ids, 64)
 
 
@@ -170,18 +177,20 @@ def test_several_tokens_after_a_prefix_equal_hf_logits(stories, tiny_llama, whic
     model = stories.model if which == "stories" else tiny_llama
     lean = LeanLlama.from_model(model)
     ids = torch.tensor([[1, 43, 67, 120, 9, 300, 41]])
-    _, state = forward.prefill(model, ids, torch.ones_like(ids))
+    hf = transformers_backend(model)
+    hf.prefill_ids(ids, torch.ones_like(ids))
     cache = lean.new_cache(64)
     lean.prefill(ids, cache)
     block = torch.tensor([[42, 7, 300, 2, 11]])
-    torch.testing.assert_close(lean.extend(block, cache), forward.extend(state, block),
+    torch.testing.assert_close(lean.extend(block, cache), hf.extend(block),
                                rtol=1e-4, atol=1e-4)
-    assert cache.length == state.length == 12
+    assert cache.length == hf.length == 12
     cache.crop(9)  # roll back past two of them; the next step sees only the first two
-    state.crop(9)
+    hf.crop(9)
     nxt = torch.tensor([[5]])
-    torch.testing.assert_close(lean.step(nxt, cache), forward.extend(state, nxt)[:, -1],
+    torch.testing.assert_close(lean.step(nxt, cache), hf.step(nxt[:, 0]),
                                rtol=1e-4, atol=1e-4)
+    assert cache.length == hf.length == 10
 
 
 def test_crop_rolls_back_to_an_earlier_length(stories):
@@ -214,8 +223,11 @@ def test_other_architectures_are_not_eligible_and_still_generate(stories_tokeniz
     model = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
     assert LeanLlama.from_model(model) is None
     lm = wrap_model(model, stories_tokenizer, ref="tiny-gpt2")
+    assert lean_model_of(lm) is None
+    backend = choose_backend(lm, Request())
+    assert backend.name == "transformers" and "not a plain Llama-style" in backend.reason
     ids = lm.encode("Once upon a time")
-    assert genlab_greedy(lm, ids, 30) == hf_generate(lm, ids, 30)
+    assert genlab_greedy(lm, ids, 30, backend="auto") == hf_generate(lm, ids, 30)
 
 
 def test_rope_scaling_is_not_eligible():
@@ -228,33 +240,53 @@ def test_rope_scaling_is_not_eligible():
 
 
 def test_genlab_lean_0_switches_the_lean_path_off(stories, monkeypatch):
+    assert choose_backend(stories, Request()).name in ("lean", "native")
     monkeypatch.setenv("GENLAB_LEAN", "0")
-    assert forward.lean_model(stories.model) is None
-    ids = torch.tensor([stories.encode("Once upon a time")])
-    _, state = decode._prefill(stories, ids, torch.ones_like(ids), 10, compile=False)
-    assert state.step is None  # transformers' dynamic cache
+    backend = choose_backend(stories, Request())
+    assert backend.name == "transformers" and backend.reason == "GENLAB_LEAN=0"
+    ids = stories.encode("Once upon a time")
+    events = list(generate.stream(stories, [ids], greedy(10)))
+    assert (events[0].backend, events[0].backend_reason) == ("transformers", "GENLAB_LEAN=0")
+    assert list(events[-1].token_ids) == hf_generate(stories, ids, 10)
 
 
-def test_generations_on_one_model_interleave(stories):
+@pytest.mark.parametrize("backend", ["lean", "native"])
+def test_generations_on_one_model_interleave(stories, backend):
     """Each generation has its own lean cache: one started while another waits leaves
     the other's tokens as they would have been."""
+    if backend == "native" and kernel.build().library is None:
+        pytest.skip(f"the native step cannot be built here: {kernel.build().reason}")
     ids, other = stories.encode("Once upon a time"), stories.encode("The dog")
-    expected = decode.generate(stories, [ids], greedy(20))[0].token_ids
-    expected_other = decode.generate(stories, [other], greedy(5))[0].token_ids
-    first = decode.stream(stories, [ids], greedy(20))
-    next(first), next(first)  # prefill and the first token
-    assert decode.generate(stories, [other], greedy(5))[0].token_ids == expected_other
+
+    def run(prompt, n):
+        return generate.generate(stories, [prompt], greedy(n), backend=backend)[0].token_ids
+
+    expected, expected_other = run(ids, 20), run(other, 5)
+    first = generate.stream(stories, [ids], greedy(20), backend=backend)
+    assert next(first).backend == backend
+    next(first)  # the first token
+    assert run(other, 5) == expected_other
     assert [e for e in first if isinstance(e, Finish)][0].token_ids == expected
 
 
+def count_compiled_steps(monkeypatch) -> list[int]:
+    """A list that grows by one on every call of `LeanLlama.compiled_step`."""
+    calls: list[int] = []
+    real = LeanLlama.compiled_step
+    monkeypatch.setattr(LeanLlama, "compiled_step",
+                        lambda self, *args: calls.append(1) or real(self, *args))
+    return calls
+
+
 def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama, monkeypatch):
-    """torch.compile over the fixed-shape step (about 10 s per model on 2 cores), the
-    compiled step where the native one does not apply (tests/test_native.py)."""
-    monkeypatch.setenv("GENLAB_NATIVE", "0")
+    """torch.compile over the fixed-shape step (about 10 s per model on 2 cores): the
+    compiled backend over the lean forward (the native one is tests/test_native.py)."""
     ids = stories.encode("Once upon a time")
     expected = genlab_greedy(stories, ids, 120)
-    events = list(decode.stream(stories, [ids], greedy(120), compile=True))
-    assert list(events[-1].token_ids) == expected
+    with monkeypatch.context() as patch:
+        calls = count_compiled_steps(patch)
+        assert genlab_greedy(stories, ids, 120, backend="compiled") == expected
+        assert len(calls) == 119  # every step after the prefill's token
     lean = LeanLlama.from_model(tiny_llama)
     prompt = [1, 5, 9, 200]
     eager = lean_greedy(lean, prompt, 40)
@@ -295,8 +327,8 @@ def test_mistral_without_sliding_window_matches_generate(sliding_window):
 def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target, monkeypatch):
     """torch.compile's step's products are its own reductions, not torch.mm's: same
     tokens."""
-    monkeypatch.setenv("GENLAB_NATIVE", "0")
     ids = code_target.encode("def fibonacci(n):\n    ")
     expected = genlab_greedy(code_target, ids, 64)
-    events = list(decode.stream(code_target, [ids], greedy(64), compile=True))
-    assert list(events[-1].token_ids) == expected
+    calls = count_compiled_steps(monkeypatch)
+    assert genlab_greedy(code_target, ids, 64, backend="compiled") == expected
+    assert len(calls) == 63

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from genlib import decode
+from genlib import generate
 from genlib.config import resolve_settings
 from genlib.errors import ModelLoadError
 from genlib.models import ModelSpec, eos_ids_of, load_model, resolve_model_ref
@@ -60,7 +60,7 @@ def test_bfloat16_loads_and_generates():
 
     lm = load_model(ModelSpec(str(STORIES), dtype="bfloat16"))
     assert lm.dtype == torch.bfloat16
-    [out] = decode.generate(lm, [lm.encode("Once upon a time")],
+    [out] = generate.generate(lm, [lm.encode("Once upon a time")],
                             resolve_settings({"max_new_tokens": 8}))
     assert out.new_tokens == 8 and out.text.startswith(",")
 
@@ -73,7 +73,7 @@ def test_8bit_and_4bit_quantization_generate_on_cpu():
     for mode, layer in (("8bit", "Linear8bitLt"), ("4bit", "Linear4bit")):
         lm = load_model(ModelSpec(str(CODE_DRAFT), quantize=mode))
         assert type(lm.model.model.layers[0].mlp.gate_proj).__name__ == layer
-        [out] = decode.generate(lm, [lm.encode(prompt)], resolve_settings({"max_new_tokens": 12}))
+        [out] = generate.generate(lm, [lm.encode(prompt)], resolve_settings({"max_new_tokens": 12}))
         assert out.new_tokens >= 1 and out.text.strip()
 
 

@@ -1,14 +1,21 @@
-"""The native decode step (genlib/backends/kernel.py, genlib/backends/csrc/lean_step.c) against the lean
-forward it replaces under --compile: the same logits to float32 rounding, the same cache
-contents, the same greedy tokens as transformers' generate(); its build and fallbacks."""
+"""The native decode step (genlib/backends/kernel.py, genlib/backends/csrc/lean_step.c)
+against the lean forward it replaces in the native backend: the same logits to float32
+rounding, the same cache contents, the same greedy tokens as transformers' generate();
+its build, and which backend auto picks where it cannot run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from genlib import decode, forward, native
+from genlib import generate
+from genlib.backends import kernel
+from genlib.backends.choose import Request, choose_backend
+from genlib.backends.lean import LeanBackend, lean_model_of
 from genlib.backends.llama import LeanLlama
+from genlib.backends.native import NativeBackend
+from genlib.errors import ConfigError
+from genlib.models import wrap_model
 from tests.conftest import tiny_config, torch_threads
 from tests.test_lean import genlab_greedy, greedy
 
@@ -33,7 +40,7 @@ def tiny(arch: str):
     return AutoModelForCausalLM.from_config(tiny_config(arch)).eval()
 
 
-def assert_native_follows_lean(lean: LeanLlama, step: native.NativeStep, ids: list[int],
+def assert_native_follows_lean(lean: LeanLlama, step: kernel.NativeStep, ids: list[int],
                                steps: int = 40) -> None:
     """`steps` tokens (past 16 positions, so every vector remainder runs) through the
     native step and the lean step side by side: logits within float32 rounding of the
@@ -55,7 +62,7 @@ def assert_native_follows_lean(lean: LeanLlama, step: native.NativeStep, ids: li
 
 @pytest.fixture(scope="module")
 def library():
-    build = native.build()
+    build = kernel.build()
     if build.library is None:
         pytest.skip(f"the native step cannot be built here: {build.reason}")
     return build.library
@@ -66,101 +73,139 @@ def library():
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_step_follows_the_lean_step_on_tiny_models(library, make, threads):
     lean = LeanLlama.from_model(make())
-    assert_native_follows_lean(lean, native.NativeStep(lean, threads, library), [1, 5, 9, 200])
+    assert_native_follows_lean(lean, kernel.NativeStep(lean, threads, library), [1, 5, 9, 200])
 
 
 @pytest.mark.slow
 def test_native_step_follows_the_lean_step_on_real_models(library, stories, code_target):
     for lm, ids in ((stories, stories.encode("Once upon a time")),
                     (code_target, code_target.encode("def fibonacci(n):\n    "))):
-        lean = forward.lean_model(lm.model)
+        lean = lean_model_of(lm)
         for threads in (1, 2):
-            assert_native_follows_lean(lean, native.NativeStep(lean, threads, library), ids)
+            assert_native_follows_lean(lean, kernel.NativeStep(lean, threads, library), ids)
 
 
 def test_the_portable_build_follows_the_lean_step_too(library):
     """Without AVX-512 the kernel takes its portable path (GCC's vector extensions)."""
-    portable = native.build(native.FLAGS + ("-mno-avx512f",))
+    portable = kernel.build(kernel.FLAGS + ("-mno-avx512f",))
     if portable.library is None:
         pytest.skip(f"no portable build here: {portable.reason}")
     for make in (lambda: tiny("llama"), odd_llama):
         lean = LeanLlama.from_model(make())
         for threads in (1, 2):
-            step = native.NativeStep(lean, threads, portable.library)
+            step = kernel.NativeStep(lean, threads, portable.library)
             assert_native_follows_lean(lean, step, [1, 5, 9, 200])
 
 
 @pytest.mark.slow
-def test_compile_runs_the_native_step_with_generates_tokens(library, stories, code_target,
-                                                            monkeypatch):
-    """--compile on float32 Llama models runs the native kernel, token for token as
-    transformers' generate() (the lean tests check genlab_greedy against it)."""
+@pytest.mark.parametrize("backend", ["native", "auto"])
+def test_the_native_backend_runs_the_kernel_with_generates_tokens(library, stories,
+                                                                  code_target, monkeypatch,
+                                                                  backend):
+    """The native backend (auto's pick) on float32 Llama models runs the native kernel,
+    token for token as transformers' generate() (the lean tests check genlab_greedy
+    against it)."""
     calls = []
-    real = native.NativeStep.__call__
-    monkeypatch.setattr(native.NativeStep, "__call__",
+    real = kernel.NativeStep.__call__
+    monkeypatch.setattr(kernel.NativeStep, "__call__",
                         lambda self, *args: calls.append(1) or real(self, *args))
     for lm, prompt, n in ((stories, "Once upon a time", 120),
                           (code_target, "def fibonacci(n):\n    ", 64)):
         ids = lm.encode(prompt)
         expected = genlab_greedy(lm, ids, n)
+        assert not calls  # the lean backend's steps are not the kernel's
         with torch_threads(2):
-            events = list(decode.stream(lm, [ids], greedy(n), compile=True))
+            events = list(generate.stream(lm, [ids], greedy(n), backend=backend))
+        assert events[0].backend == "native"
         assert list(events[-1].token_ids) == expected
         assert len(calls) == n - 1  # every step after the prefill's token
         calls.clear()
 
 
-def test_genlab_native_0_compiles_with_torch_compile_instead(library, monkeypatch):
-    lean = LeanLlama.from_model(tiny("llama"))
-    assert isinstance(lean.native_step(), native.NativeStep)
+def tiny_lm(stories_tokenizer, arch: str = "llama"):
+    return wrap_model(tiny(arch), stories_tokenizer, ref=f"tiny-{arch}")
+
+
+def test_auto_picks_native_and_genlab_native_0_picks_lean(library, stories_tokenizer,
+                                                           monkeypatch):
+    lm = tiny_lm(stories_tokenizer)
+    backend = choose_backend(lm, Request())
+    assert isinstance(backend, NativeBackend) and backend.kernel is lean_model_of(lm).native_step()
+    assert backend.reason == "one row of a float32 Llama-style model on the CPU"
+    for rows, reorder, why in ((2, False, "2 rows"), (1, True, "beam search")):
+        several = choose_backend(lm, Request(rows=rows, reorder=reorder))
+        assert several.name == "transformers" and several.reason.startswith(why)
     monkeypatch.setenv("GENLAB_NATIVE", "0")
-    assert lean.native_step() is None
-    cache = lean.new_cache(8)
+    backend = choose_backend(lm, Request())
+    assert type(backend) is LeanBackend and backend.reason == "GENLAB_NATIVE=0"
+    # The switch keeps auto off the kernel; asked for by name it still runs.
+    assert isinstance(choose_backend(lm, Request(backend="native")), NativeBackend)
+    ids = [1, 5, 9, 200]
+    events = list(generate.stream(lm, [ids], greedy(20)))
+    assert (events[0].backend, events[0].backend_reason) == ("lean", "GENLAB_NATIVE=0")
+    assert list(events[-1].token_ids) == genlab_greedy(lm, ids, 20, backend="native")
+
+
+def test_the_compiled_step_is_torch_compile_where_the_kernel_applies(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    assert isinstance(lean.native_step(), kernel.NativeStep)
+    eager, cache = lean.new_cache(8), lean.new_cache(8)
     logits = lean.prefill(torch.tensor([[1, 2]]), cache)
-    lean.compiled_step(logits.argmax(-1, keepdim=True), cache)
-    assert lean._compiled is not None
+    lean.prefill(torch.tensor([[1, 2]]), eager)
+    token = logits.argmax(-1, keepdim=True)
+    torch.testing.assert_close(lean.compiled_step(token, cache), lean.step(token, eager),
+                               rtol=1e-5, atol=1e-4)
+    assert lean._compiled is not None and cache.native is None  # the kernel never ran
 
 
-def test_without_a_compiler_compile_falls_back_to_torch_compile(monkeypatch, tmp_path):
+def test_without_a_compiler_auto_picks_lean_and_native_is_refused(monkeypatch, tmp_path,
+                                                                 stories_tokenizer):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    native.build.cache_clear()
+    kernel.build.cache_clear()
     try:
         lean = LeanLlama.from_model(tiny("llama"))
-        assert "could not build lean_step.c" in native.applies(lean)
+        assert "could not build lean_step.c" in kernel.applies(lean)
         assert lean.native_step() is None
+        lm = tiny_lm(stories_tokenizer)
+        backend = choose_backend(lm, Request())
+        assert type(backend) is LeanBackend
+        assert backend.reason.startswith("no native kernel: could not build lean_step.c")
+        with pytest.raises(ConfigError, match="the native backend cannot run here: could "
+                                              "not build lean_step.c.*--backend lean"):
+            choose_backend(lm, Request(backend="native"))
     finally:
-        native.build.cache_clear()
+        kernel.build.cache_clear()
 
 
 def test_a_compiler_error_is_reported_as_the_reason(monkeypatch, tmp_path):
-    native.build.cache_clear()
+    kernel.build.cache_clear()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     try:
-        build = native.build(native.FLAGS + ("-fno-such-flag",))
+        build = kernel.build(kernel.FLAGS + ("-fno-such-flag",))
         assert build.library is None
         assert "failed" in build.reason and "no-such-flag" in build.reason
     finally:
-        native.build.cache_clear()
+        kernel.build.cache_clear()
 
 
 def test_the_library_is_built_once_and_then_read_from_the_cache(library, monkeypatch,
                                                                  tmp_path):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    native.build.cache_clear()
+    kernel.build.cache_clear()
     try:
-        assert native.build().library is not None
+        assert kernel.build().library is not None
         built = list((tmp_path / "genlab" / "native").glob("lean_step-*.so"))
         assert len(built) == 1
-        native.build.cache_clear()
+        kernel.build.cache_clear()
 
         def no_compiling(*args):
             raise AssertionError("compiled again")
 
-        monkeypatch.setattr(native, "_compile", no_compiling)
-        assert native.build().library is not None
+        monkeypatch.setattr(kernel, "_compile", no_compiling)
+        assert kernel.build().library is not None
     finally:
-        native.build.cache_clear()
+        kernel.build.cache_clear()
 
 
 def test_a_token_outside_the_embeddings_is_refused(library):
@@ -168,7 +213,7 @@ def test_a_token_outside_the_embeddings_is_refused(library):
     cache = lean.new_cache(8)
     lean.prefill(torch.tensor([[1, 2]]), cache)
     with pytest.raises(ValueError, match="outside the model's 512 embeddings"):
-        native.NativeStep(lean, 1, library)(512, cache)
+        kernel.NativeStep(lean, 1, library)(512, cache)
 
 
 def test_a_full_cache_is_refused_before_the_kernel_writes_past_it(library):
@@ -176,14 +221,14 @@ def test_a_full_cache_is_refused_before_the_kernel_writes_past_it(library):
     cache = lean.new_cache(3)
     lean.prefill(torch.tensor([[1, 2, 3]]), cache)
     with pytest.raises(ValueError, match="4 tokens exceed the KV buffers' 3"):
-        native.NativeStep(lean, 1, library)(5, cache)
+        kernel.NativeStep(lean, 1, library)(5, cache)
 
 
 def test_a_cache_gets_scratch_for_the_step_that_runs_it(library):
     """Scratch is sized by the step's threads: a cache first run by a one-thread step
     gets new scratch from a two-thread one, and both follow the lean step."""
     lean = LeanLlama.from_model(odd_llama())
-    one, two = native.NativeStep(lean, 1, library), native.NativeStep(lean, 2, library)
+    one, two = kernel.NativeStep(lean, 1, library), kernel.NativeStep(lean, 2, library)
     eager, cache = lean.new_cache(16), lean.new_cache(16)
     ids = torch.tensor([[1, 5, 9]])
     logits = lean.prefill(ids, eager)

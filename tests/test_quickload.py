@@ -14,11 +14,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from genlib import decode, forward
-from genlib.config import resolve_settings
+from genlib import generate
+from genlib.backends.lean import lean_model_of
 from genlib.backends.llama import LeanLlama
+from genlib.config import resolve_settings
 from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
-from genlib.quickload import quick_load
+from genlib.quickload import quick_load as load_quickly
 from tests.conftest import (
     CODE_TARGET,
     LLAMA2XS,
@@ -39,6 +40,15 @@ def both(path: Path):
         pytest.skip(f"{path} is not present")
     spec = ModelSpec(str(path))
     return load_model(spec, quick=True), load_model(spec)
+
+
+def no_transformers_model():
+    raise AssertionError("the transformers model was loaded")
+
+
+def quick_load(spec: ModelSpec, folder: str, device: torch.device):
+    """genlib.quickload.quick_load, its transformers model never to be loaded here."""
+    return load_quickly(spec, folder, device, no_transformers_model)
 
 
 def greedy(n: int, **more):
@@ -67,17 +77,17 @@ def test_quick_load_gives_the_same_tokens_facts_and_tokenizer(path):
     prompt = full.encode("Once upon a time" if "stories" in path.name or "xs" in path.name
                          else "def fibonacci(n):\n    ")
     forced = greedy(40, ignore_eos=True)
-    ours = decode.generate(quick, [prompt], forced)[0]
-    assert ours.token_ids == decode.generate(full, [prompt], forced)[0].token_ids
+    ours = generate.generate(quick, [prompt], forced)[0]
+    assert ours.token_ids == generate.generate(full, [prompt], forced)[0].token_ids
     sampled = greedy(30, do_sample=True, temperature=0.9, top_k=40, seed=7)
-    assert decode.generate(quick, [prompt], sampled)[0].text \
-        == decode.generate(full, [prompt], sampled)[0].text
+    assert generate.generate(quick, [prompt], sampled)[0].text \
+        == generate.generate(full, [prompt], sampled)[0].text
     assert not quick.model_loaded  # a single row never needed transformers' model
 
 
 def test_quick_logits_are_bit_identical_to_transformers(stories):
     quick = load_model(ModelSpec(str(STORIES)), quick=True)
-    assert_lean_follows_transformers(stories.model, forward.lean_of(quick),
+    assert_lean_follows_transformers(stories.model, lean_model_of(quick),
                                      torch.tensor([stories.encode("The little dog")]))
 
 
@@ -86,13 +96,13 @@ def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
     prompts = [stories.encode("Once upon a time"), stories.encode("The dog")]
     settings = greedy(20, ignore_eos=True)
     assert not quick.model_loaded
-    batch = decode.generate(quick, prompts, settings)  # two rows: transformers' forward
+    batch = generate.generate(quick, prompts, settings)  # two rows: transformers' forward
     assert quick.model_loaded
     assert [r.token_ids for r in batch] == [r.token_ids for r in
-                                            decode.generate(stories, prompts, settings)]
+                                            generate.generate(stories, prompts, settings)]
     beam = greedy(20, num_beams=3)
-    assert decode.generate(quick, prompts[:1], beam)[0].token_ids \
-        == decode.generate(stories, prompts[:1], beam)[0].token_ids
+    assert generate.generate(quick, prompts[:1], beam)[0].token_ids \
+        == generate.generate(stories, prompts[:1], beam)[0].token_ids
     assert quick.tokenizer.get_vocab() == stories.tokenizer.get_vocab()
 
 
@@ -107,7 +117,7 @@ def test_loading_the_deferred_model_is_not_timed_as_prefill(stories):
         return load()
 
     quick.deferred = slow_load
-    events = list(decode.stream(quick, [stories.encode("Once upon a time")] * 2,
+    events = list(generate.stream(quick, [stories.encode("Once upon a time")] * 2,
                                 greedy(5, ignore_eos=True)))
     prefill = next(e for e in events if type(e).__name__ == "Prefill")
     assert quick.model_loaded and prefill.seconds < 0.4
