@@ -1,12 +1,12 @@
-"""How close `--compile` decoding comes to the memory-bandwidth bound as the machine's
-bandwidth moves: alternately samples the read bandwidth (as `genlab bench` does between
-rounds) and times a greedy generation through genlab's decode loop with --compile, for a
+"""How close decoding on a backend (default: native) comes to the memory-bandwidth bound
+as the machine's bandwidth moves: alternately samples the read bandwidth (as `genlab
+bench` does between rounds) and times a greedy generation through genlab's stream, for a
 while, then reports the fraction of the bound per bandwidth band. On a machine whose
 memory other tenants share, a quiet spell raises the bound; this shows whether the
 decode step follows it.
 
     python benchmarks/bench_bound_vs_load.py [--model ../shared/models/code-target]
-        [--seconds 240] [--new-tokens 256]
+        [--seconds 240] [--new-tokens 256] [--backend native]
 """
 
 from __future__ import annotations
@@ -29,14 +29,16 @@ def main() -> None:
     parser.add_argument("--model", default="../shared/models/code-target")
     parser.add_argument("--seconds", type=float, default=240)
     parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--backend", default="native")
     args = parser.parse_args()
     if args.new_tokens < 2:
         parser.error("--new-tokens must be at least 2 (decode speed is timed between tokens)")
     lm = load_model(ModelSpec(args.model))
     weights = bench.weight_bytes(lm.model)
     prompts = bench.exact_prompts(lm, 128, 1)
-    case = bench.Case("greedy", GenerationSettings(), 128, args.new_tokens, 1, compile=True)
-    bench.genlab_run(lm, prompts, case)  # compiles
+    case = bench.Case("greedy", GenerationSettings(), 128, args.new_tokens, 1,
+                      backend=args.backend)
+    bench.genlab_run(lm, prompts, case)  # builds or compiles, uncounted
     probe = bench.BandwidthProbe()
     pairs: list[tuple[float, float]] = []  # (GB/s, fraction of the bound)
     end = time.monotonic() + args.seconds

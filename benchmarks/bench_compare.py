@@ -1,4 +1,4 @@
-"""compare() vs plain decode.generate() on the same strategies, in the same run (ratios).
+"""compare() vs plain genlib.generate.generate() on the same strategies, in the same run (ratios).
 
 Run from the repository root: python benchmarks/bench_compare.py
 """
@@ -11,7 +11,7 @@ from rich.console import Console
 
 from cli.compare import run_live
 from genlib import compare as c
-from genlib.decode import generate
+from genlib.generate import generate
 from genlib.models import ModelSpec, load_model
 
 PROMPT = "Once upon a time"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The figures in the README's performance section: genlab's decode loop (default and
-# --compile) against transformers' generate(), measured interleaved in one run, and the
-# naive no-cache loop against the KV-cache loop. Run from the repository root, on a quiet
+# The figures in docs/performance.md: genlab's decode loop (on the backend auto picks,
+# and on the lean one) against transformers' generate(), measured interleaved in one
+# run, and the naive no-cache loop against the KV-cache loop. Run from the repository root, on a quiet
 # machine (torch's default threads, 2 here: on a busy machine add --threads 1 to every
 # command, both engines get the same setting so the ratios stay fair).
 set -euo pipefail
@@ -9,14 +9,14 @@ OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 MODELS=../shared/models
 
-genlab bench -m "$MODELS/stories260K" --baseline transformers --compile --runs 5 \
+genlab bench -m "$MODELS/stories260K" --baseline transformers --backend auto,lean --runs 5 \
     --json > "$OUT/stories260K.json"
 GENLAB_LEAN=0 genlab bench -m "$MODELS/stories260K" --no-cache --new-tokens 32,64,128,256 \
     --runs 3 --no-bandwidth --json --plot "$OUT/no_cache.png" > "$OUT/no_cache.json"
 if [ -d "$MODELS/code-target" ]; then
-    genlab bench -m "$MODELS/code-target" --baseline transformers --compile --runs 3 \
+    genlab bench -m "$MODELS/code-target" --baseline transformers --backend auto,lean --runs 3 \
         --json > "$OUT/code-target.json"
-    genlab bench -m "$MODELS/code-target" --baseline transformers --compile --runs 3 \
+    genlab bench -m "$MODELS/code-target" --baseline transformers --backend auto,lean --runs 3 \
         --dtype bfloat16 --json > "$OUT/code-target-bf16.json"
 fi
 # One-row products as the decode step runs them, and the read bandwidth bench measures
@@ -24,7 +24,7 @@ python benchmarks/bench_matvec.py | tee "$OUT/matvec.txt"
 # genlab generate end to end (start, load, 50 tokens, exit), and where the time goes
 python benchmarks/bench_startup.py --runs 5 --model "$MODELS/stories260K" \
     | tee "$OUT/startup.txt"
-# code-target --compile against the bound as the machine's bandwidth moves (3 minutes)
+# code-target on the native backend against the bound as the machine's bandwidth moves (3 minutes)
 if [ -d "$MODELS/code-target" ]; then
     python benchmarks/bench_bound_vs_load.py --model "$MODELS/code-target" --seconds 180 \
         > "$OUT/bound_vs_load.txt"

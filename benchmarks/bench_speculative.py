@@ -93,7 +93,7 @@ def measure(run: Any, repeats: int) -> tuple[float, list[Any]]:
 def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: int
                ) -> list[dict[str, Any]]:
     from genlib.config import resolve_settings
-    from genlib.decode import stream
+    from genlib.generate import stream
     from genlib.models import ModelSpec, load_model
     from genlib.speculative import summarize
 

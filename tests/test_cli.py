@@ -172,7 +172,7 @@ def test_stop_flag_understands_escapes():
     assert record["settings"]["stop_strings"] == ["\n"]
 
 
-@pytest.mark.parametrize("flag", ["--json", "--stats", "--truncate-prompt", "--compile"])
+@pytest.mark.parametrize("flag", ["--json", "--stats", "--truncate-prompt"])
 def test_batch_and_interactive_refuse_single_prompt_flags(tmp_path, flag):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once"}\n')
@@ -180,6 +180,15 @@ def test_batch_and_interactive_refuse_single_prompt_flags(tmp_path, flag):
         result = invoke("generate", *MODEL, *mode, flag)
         assert result.exit_code == 2, result.output
         assert f"{flag} only apply to a single prompt" in result.stderr
+
+
+def test_the_retired_compile_flag_names_its_replacement_in_every_mode(tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Once"}\n')
+    for mode in (["Once"], ["--input", str(prompts)], ["-i"]):
+        result = invoke("generate", *MODEL, *mode, "--compile")
+        assert result.exit_code == 2, result.output
+        assert "--compile was replaced by --backend: --backend native" in result.stderr
 
 
 def test_unexpected_errors_are_one_line_exit_1(monkeypatch):

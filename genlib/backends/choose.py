@@ -7,13 +7,15 @@ token-identical to transformers' `generate()`):
 | request and model | auto picks |
 | --- | --- |
 | one row, a Llama-style float32 model on a CPU, a C compiler | native |
-| one row, a Llama-style model otherwise (no compiler, bfloat16, GPU) | lean |
-| several rows (batches, beams), or any other model | transformers |
+| one row, a float32 Llama-style model on a CPU otherwise (no compiler, GENLAB_NATIVE=0) | lean |
+| one row, an unquantized model in another dtype or on a GPU | compiled |
+| several rows (batches, beams), a quantized model, or any other model | transformers |
 
-`compiled` (torch.compile) is never picked by auto: its first step compiles for seconds,
-which only a long generation earns back; ask for it by name. An explicit backend that
-cannot serve the request or the model is refused with a `ConfigError` naming what would
-work, never replaced by another.
+On a GPU or in bfloat16 a step's kernel launches and casts, not its arithmetic, set the
+pace, which a compiled step (torch.compile over a fixed-size cache, CUDA graphs where
+inductor uses them) removes; its first step compiles for seconds. An explicit backend
+that cannot serve the request or the model is refused with a `ConfigError` naming what
+would work, never replaced by another.
 
 Environment: GENLAB_LEAN=0 keeps auto (and the quick start-up) off the lean forward,
 GENLAB_NATIVE=0 keeps auto off the native kernel.
@@ -81,6 +83,9 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
         return "transformers", f"{what}: the lean backends run one row"
     if lm.quantize != "none":
         return "transformers", "a quantized model runs on transformers' forward"
+    if lm.device.type != "cpu" or lm.dtype != torch_float32():
+        return "compiled", f"one row in {str(lm.dtype).removeprefix('torch.')} on " \
+                           f"{lm.device.type}: a compiled step"
     if not lean_allowed():
         return "transformers", "GENLAB_LEAN=0"
     lean = _lean(lm)
@@ -94,6 +99,12 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if why_not is not None:
         return "lean", f"no native kernel: {why_not}"
     return "native", "one row of a float32 Llama-style model on the CPU"
+
+
+def torch_float32() -> object:
+    import torch
+
+    return torch.float32
 
 
 def _lean(lm: LoadedModel) -> LeanLlama | None:
