@@ -193,4 +193,4 @@ def test_a_cache_gets_scratch_for_the_step_that_runs_it(library):
         logits = lean.step(token, eager)
         torch.testing.assert_close(step(int(token), cache), logits, rtol=1e-5, atol=1e-4)
         cache.length += 1
-        assert cache.native[0] is step
+        assert cache.native.step is step
