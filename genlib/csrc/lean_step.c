@@ -28,8 +28,9 @@
  *
  * and the norms are computed by every thread for itself (a few hundred numbers a slot).
  * The products read four weight rows at a time into vector accumulators, and softmax
- * and SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512,
- * GCC's vector extensions and libm's expf elsewhere (AVX2, NEON, ...).
+ * and SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512;
+ * elsewhere GCC's vector extensions (8 lanes) for the products, and for exp AVX2
+ * intrinsics where there is AVX2, libm's expf on other CPUs (NEON, ...).
  *
  * Every slot's numbers are computed exactly as a one-slot call computes them: each
  * (weight row, slot) sum runs in the same order whatever the number of slots, and a
@@ -50,9 +51,15 @@
 #include <omp.h>
 #endif
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
+/* The products' vectors: 16 lanes with AVX-512; 8 elsewhere, one AVX2 register (two SSE
+ * or NEON ones), so four rows' accumulators for two slots fit AVX2's 16 registers. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned */
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, threads;
@@ -67,10 +74,19 @@ typedef struct {
 #include <immintrin.h>
 static float hsum(vec v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+typedef int lanes_i __attribute__((vector_size(32)));
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (lanes_i){__VA_ARGS__})
+#endif
+/* The sum of 8 lanes as a tree (lane i + lane i+4, then i+2, then i+1): three shuffles
+ * and adds, where a lane-by-lane sum would be a chain of seven dependent adds. */
 static float hsum(vec v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+    v += SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
+    return v[0];
 }
 #endif
 
@@ -115,6 +131,62 @@ static void silu_times(float *gate, const float *up, int n) {
         __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_mask_storeu_ps(gate + j, lanes,
                               _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + j)));
+    }
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* e^x, 8 lanes: the same polynomial as exp16; AVX2 has no scalef, so the power of two
+ * is built in the exponent bits, in two halves so that each stays a normal number
+ * (n runs from -150 to 128) and the product underflows to 0 as expf does. */
+static __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.72f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i k = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(k, 1);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 p2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(k, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* Lanes [0, count) of 8 set: the masked loads and stores of a row's last lanes. */
+static __m256i first_lanes(long count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* s[j] = e^(s[j] - top) for j < n; their sum. */
+static float exp_shifted(float *s, long n, float top) {
+    __m256 sum = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (long j = 0; j < n; j += 8) {
+        __m256i lanes = first_lanes(n - j);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
+        _mm256_maskstore_ps(s + j, lanes, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum((vec)sum);
+}
+
+/* gate[j] = silu(gate[j]) * up[j] = gate / (1 + e^-gate) * up, for j < n. */
+static void silu_times(float *gate, const float *up, int n) {
+    for (int j = 0; j < n; j += 8) {
+        __m256i lanes = first_lanes(n - j);
+        __m256 g = _mm256_maskload_ps(gate + j, lanes);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_maskstore_ps(gate + j, lanes,
+                            _mm256_mul_ps(silu, _mm256_maskload_ps(up + j, lanes)));
     }
 }
 #else
@@ -186,7 +258,7 @@ ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float 
             put(out + i * ldo + j, _mm512_reduce_add_ps(a[i][j]), accumulate);
 }
 #else
-#define TILE 2  /* a 16-lane vector is two or four registers here */
+#define TILE 2  /* slots per pass: 4 x 2 accumulators + 4 weight vectors + 1 of 16 */
 
 /* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...), the tail scalar. */
 ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
@@ -227,14 +299,21 @@ static void matmul(const float *w, int n, const float *x, long ldx, float *out, 
         int i = 0;
         for (; i + TILE <= m; i += TILE)
             tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, TILE, accumulate);
-        switch (m - i) {  /* a constant m for each inlined copy */
+        switch (m - i) {  /* the rest, with a constant m for each inlined copy */
+#define REST(k) case k: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, k, accumulate); break;
 #if TILE > 5
-        case 5: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, 5, accumulate); break;
-        case 4: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, 4, accumulate); break;
-        case 3: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, 3, accumulate); break;
-        case 2: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, 2, accumulate); break;
+        REST(5)
 #endif
-        case 1: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, 1, accumulate); break;
+#if TILE > 4
+        REST(4)
+#endif
+#if TILE > 3
+        REST(3)
+#endif
+#if TILE > 2
+        REST(2)
+#endif
+        REST(1)
         default: break;
         }
     }
