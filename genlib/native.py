@@ -109,20 +109,21 @@ def _intact(library: Path) -> bool:
         return False
 
 
-def is_built(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> bool:
-    """Whether the library is already in the cache (loading it will not compile)."""
+def _will_compile(flags: tuple[str, ...], source: Path = SOURCE) -> bool:
+    """Whether `build` would compile: there is a compiler that runs and no intact
+    library in the cache."""
     compiler = _compiler()
     try:
-        return compiler is not None and _intact(_library_path(compiler, flags, source))
+        return compiler is not None and not _intact(_library_path(compiler, flags, source))
     except (OSError, subprocess.SubprocessError):
-        return False
+        return False  # no compiler that runs: build gives the reason, compiles nothing
 
 
 def ensure_built(notify: Callable[[str], None] | None = None,
                  flags: tuple[str, ...] = FLAGS) -> Build:
     """`build()`, first calling `notify` with `BUILDING` when it is going to compile
     (the CLI prints it on stderr: the first build takes a second or two)."""
-    if notify is not None and not is_built(flags):
+    if notify is not None and _will_compile(flags):
         notify(BUILDING)
     return build(flags)
 
