@@ -5,6 +5,8 @@ its build, and which backend auto picks where it cannot run."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -238,4 +240,234 @@ def test_a_cache_gets_scratch_for_the_step_that_runs_it(library):
         logits = lean.step(token, eager)
         torch.testing.assert_close(step(int(token), cache), logits, rtol=1e-5, atol=1e-4)
         cache.length += 1
-        assert cache.native[0] is step
+        assert cache.native.step is step
+
+
+# --- Many tokens in one call: extend (one row's k tokens) and step_rows (B rows) -------
+
+PORTABLE = {"native": (), "no AVX-512": ("-mno-avx512f",),
+            "no AVX2 (generic vectors, libm's expf)": ("-mno-avx512f", "-mno-avx2")}
+
+
+@pytest.fixture(scope="module", params=list(PORTABLE), ids=list(PORTABLE))
+def any_library(request, library):
+    """The kernel as this CPU builds it, and its portable paths: the same checks hold for
+    each (they compute the same sums in another order)."""
+    build = kernel.build(kernel.FLAGS + PORTABLE[request.param])
+    if build.library is None:
+        pytest.skip(f"no {request.param} build here: {build.reason}")
+    return build.library
+
+
+IDS = [1, 5, 9, 200, 7, 3, 11, 13, 17, 19, 23, 29, 31, 37, 41, 43, 47, 53, 59, 61, 67, 71]
+
+
+def native_steps(step: kernel.NativeStep, tokens: list[int], cache) -> torch.Tensor:
+    """The one-token path, token by token: the reference for the many-token calls."""
+    rows = []
+    for token in tokens:
+        rows.append(step(token, cache))
+        cache.length += 1
+    return torch.cat(rows)
+
+
+def assert_same_kv(a, b, length: int) -> None:
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert torch.equal(x[:, :, :length], y[:, :, :length])
+
+
+TINY = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
+TINY_IDS = ["tiny-gqa-llama", "tiny-qwen2-biases", "odd-shapes"]
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_extend_gives_the_bits_of_one_token_steps(any_library, make, threads):
+    """k tokens after a cached prefix in one call: every row of logits and every KV slot
+    bit for bit those of k one-token calls (each (weight row, token) sum runs in the same
+    order), and within float32 rounding of the lean forward's extend, same argmax."""
+    lean = LeanLlama.from_model(make())
+    step = kernel.NativeStep(lean, threads, any_library)
+    for prefix, k in ((3, 1), (4, 6), (17, 5)):  # past 16 positions: every remainder
+        steps, extended, eager = (lean.new_cache(32) for _ in range(3))
+        native_steps(step, IDS[:prefix], steps)
+        expected = native_steps(step, IDS[prefix:prefix + k], steps)
+        step.extend(IDS[:prefix], extended)
+        got = step.extend(IDS[prefix:prefix + k], extended)
+        assert got.shape == (k, lean.lm_head.w.shape[1])
+        assert torch.equal(got, expected)
+        assert extended.length == steps.length == prefix + k
+        assert_same_kv(extended, steps, prefix + k)
+        lean.prefill(torch.tensor([IDS[:prefix]]), eager)
+        lean_logits = lean.extend(torch.tensor([IDS[prefix:prefix + k]]), eager)[0]
+        torch.testing.assert_close(got, lean_logits, rtol=1e-5, atol=1e-4)
+        assert torch.equal(got.argmax(-1), lean_logits.argmax(-1))
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+def test_chunked_prefill_through_extend_matches_the_lean_prefill(any_library, make):
+    """A prompt from position 0, whole or in chunks, last logits only: lean.prefill's
+    logits and KV to float32 rounding; the chunks give the whole's bits."""
+    lean = LeanLlama.from_model(make())
+    step = kernel.NativeStep(lean, 2, any_library)
+    eager, whole, chunked = (lean.new_cache(32) for _ in range(3))
+    expected = lean.prefill(torch.tensor([IDS]), eager)
+    got = step.extend(IDS, whole, all_logits=False)
+    assert got.shape == (1, lean.lm_head.w.shape[1])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    assert int(got.argmax()) == int(expected.argmax())
+    for start, end in ((0, 5), (5, 8), (8, len(IDS))):
+        last = step.extend(IDS[start:end], chunked, all_logits=False)
+    assert torch.equal(last, got)
+    assert whole.length == chunked.length == eager.length == len(IDS)
+    assert_same_kv(chunked, whole, len(IDS))
+    for x, y in zip(whole.keys + whole.values, eager.keys + eager.values):
+        torch.testing.assert_close(x[:, :, :len(IDS)], y[:, :, :len(IDS)], rtol=1e-5,
+                                   atol=1e-5)
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_step_rows_gives_each_rows_bits(any_library, make, threads):
+    """B rows of different lengths, one token each per call: row b's logits and KV bit
+    for bit a one-token call on its own cache; a row that finishes drops out of the
+    next call and the others go on unchanged."""
+    lean = LeanLlama.from_model(make())
+    step = kernel.NativeStep(lean, threads, any_library)
+    lengths = [1, 4, 17, 9, 2]
+    batch = [lean.new_cache(32) for _ in lengths]
+    alone = [lean.new_cache(32) for _ in lengths]
+    for length, rows, row in zip(lengths, batch, alone):
+        step.extend(IDS[:length], rows)
+        native_steps(step, IDS[:length], row)
+    live = list(range(len(lengths)))
+    for call in range(4):
+        tokens = [IDS[(3 * b + call) % len(IDS)] for b in live]
+        got = step.step_rows(tokens, [batch[b] for b in live])
+        assert got.shape == (len(live), lean.lm_head.w.shape[1])
+        for row, (b, token) in enumerate(zip(live, tokens)):
+            assert torch.equal(got[row:row + 1], native_steps(step, [token], alone[b]))
+            assert batch[b].length == alone[b].length
+            assert_same_kv(batch[b], alone[b], alone[b].length)
+        live = live[:-1] if call % 2 == 0 else live[1:]  # a row at either end finishes
+
+
+@pytest.mark.slow
+def test_extend_and_step_rows_on_real_models(library, stories, code_target):
+    """Six drafted tokens verified in one call on stories260K and code-target: the bits of
+    six steps, the lean extend's tokens; two rows of different prompts stepped together:
+    each row's bits."""
+    for lm, prompt in ((stories, "Once upon a time"), (code_target, "def fibonacci(n):\n")):
+        lean = lean_model_of(lm)
+        ids = lm.encode(prompt)
+        draft = [(7 * i + 11) % 500 for i in range(6)]
+        for threads in (1, 2):
+            step = kernel.NativeStep(lean, threads, library)
+            steps, extended, eager = (lean.new_cache(64) for _ in range(3))
+            step.extend(ids, extended, all_logits=False)
+            native_steps(step, ids, steps)
+            lean.prefill(torch.tensor([ids]), eager)
+            got = step.extend(draft, extended)
+            assert torch.equal(got, native_steps(step, draft, steps))
+            lean_logits = lean.extend(torch.tensor([draft]), eager)[0]
+            torch.testing.assert_close(got, lean_logits, rtol=1e-5, atol=1e-4)
+            assert torch.equal(got.argmax(-1), lean_logits.argmax(-1))
+            other = lean.new_cache(64)
+            step.extend(ids[:2], other)
+            pair = step.step_rows([5, 6], [extended, other])
+            assert torch.equal(pair[:1], native_steps(step, [5], steps))
+            alone = lean.new_cache(64)
+            native_steps(step, ids[:2], alone)
+            assert torch.equal(pair[1:], native_steps(step, [6], alone))
+
+
+def test_an_extend_past_the_cache_is_refused_before_the_kernel_writes(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 1, library)
+    cache = lean.new_cache(6)
+    step.extend([1, 2, 3], cache)
+    before = [t.clone() for t in cache.keys + cache.values]
+    with pytest.raises(ValueError, match="7 tokens exceed the KV buffers' 6"):
+        step.extend([4, 5, 6, 7], cache)
+    assert cache.length == 3
+    assert all(torch.equal(a, b) for a, b in zip(before, cache.keys + cache.values))
+    with pytest.raises(ValueError, match="outside the model's 512 embeddings"):
+        step.extend([4, 512], cache)
+    with pytest.raises(ValueError, match="at least one token"):
+        step.extend([], cache)
+    assert cache.length == 3
+
+
+def test_step_rows_refuses_a_full_cache_before_any_row_is_written(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 1, library)
+    roomy, full = lean.new_cache(8), lean.new_cache(3)
+    step.extend([1, 2], roomy)
+    step.extend([1, 2, 3], full)
+    before = [t.clone() for t in roomy.keys + roomy.values]
+    with pytest.raises(ValueError, match="4 tokens exceed the KV buffers' 3"):
+        step.step_rows([4, 5], [roomy, full])
+    assert (roomy.length, full.length) == (2, 3)
+    assert all(torch.equal(a, b) for a, b in zip(before, roomy.keys + roomy.values))
+    with pytest.raises(ValueError, match="each cache once"):
+        step.step_rows([4, 5], [roomy, roomy])
+    with pytest.raises(ValueError, match="one token per cache"):
+        step.step_rows([4], [roomy, full])
+
+
+# --- The build: its notice, a missing compiler, a broken cache ------------------------
+
+@pytest.fixture
+def fresh_cache(monkeypatch, tmp_path):
+    """An empty build cache, and build()'s memo cleared before and after."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernel.build.cache_clear()
+    yield tmp_path / "genlab" / "native"
+    kernel.build.cache_clear()
+
+
+def test_the_first_build_says_so_once(library, fresh_cache):
+    said = []
+    assert kernel.ensure_built(said.append).library is not None
+    assert said == [kernel.BUILDING]
+    kernel.build.cache_clear()
+    assert kernel.ensure_built(said.append).library is not None
+    assert said == [kernel.BUILDING]  # found in the cache: nothing to say
+
+
+def test_cc_naming_a_missing_compiler_gives_the_reason(fresh_cache, monkeypatch):
+    missing = fresh_cache / "no-such-cc"
+    monkeypatch.setenv("CC", str(missing))
+    said = []
+    build = kernel.ensure_built(said.append)
+    assert build.library is None
+    assert f"could not build lean_step.c with {missing}" in build.reason
+    assert "No such file" in build.reason
+    assert said == []  # nothing is built, so nothing is announced
+    assert kernel.applies(LeanLlama.from_model(tiny("llama"))) == build.reason
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_broken_library_in_the_cache_is_rebuilt_not_loaded(library, fresh_cache,
+                                                             monkeypatch, damage):
+    """A cached file that is not what the build wrote (garbage; a good build cut short,
+    its digest still there) is rebuilt rather than handed to dlopen, and the rebuilt
+    kernel runs."""
+    path = kernel._library_path(kernel._compiler(), kernel.FLAGS, kernel.SOURCE)
+    path.parent.mkdir(parents=True)
+    if damage == "garbage":
+        path.write_bytes(b"\x7fELF not a library" * 100)
+    else:  # half of the module's good build, with that build's digest
+        whole = Path(library._name)
+        data = whole.read_bytes()
+        path.write_bytes(data[:len(data) // 2])
+        kernel._digest_file(path).write_text(kernel._digest_file(whole).read_text())
+    compiled = []
+    real = kernel._compile
+    monkeypatch.setattr(kernel, "_compile", lambda *args: compiled.append(1) or real(*args))
+    build = kernel.build()
+    assert build.library is not None and compiled == [1]
+    assert kernel._intact(path)
+    lean = LeanLlama.from_model(tiny("llama"))
+    assert_native_follows_lean(lean, kernel.NativeStep(lean, 1, build.library), [1, 5],
+                               steps=3)

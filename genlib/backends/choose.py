@@ -6,10 +6,10 @@ token-identical to transformers' `generate()`):
 
 | request and model | auto picks |
 | --- | --- |
-| one row, a Llama-style float32 model on a CPU, a C compiler | native |
-| one row, a float32 Llama-style model on a CPU otherwise (no compiler, GENLAB_NATIVE=0) | lean |
-| one row, an unquantized model in another dtype or on a GPU | compiled |
-| several rows (batches, beams), a quantized model, or any other model | transformers |
+| a float32 Llama-style model on a CPU with a C compiler (any rows, beams too) | native |
+| one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
+| one row of an unquantized model in another dtype or on a GPU | compiled |
+| several rows otherwise, a quantized model, or any other model | transformers |
 
 On a GPU or in bfloat16 a step's kernel launches and casts, not its arithmetic, set the
 pace, which a compiled step (torch.compile over a fixed-size cache, CUDA graphs where
@@ -78,27 +78,37 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
 
 
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
-    if request.rows > 1 or request.reorder:
-        what = "beam search" if request.reorder else f"{request.rows} rows"
-        return "transformers", f"{what}: the lean backends run one row"
+    one_row = request.rows == 1 and not request.reorder
+    many = "beam search" if request.reorder else f"{request.rows} rows"
     if lm.quantize != "none":
         return "transformers", "a quantized model runs on transformers' forward"
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
-        return "compiled", f"one row in {str(lm.dtype).removeprefix('torch.')} on " \
-                           f"{lm.device.type}: a compiled step"
+        if not one_row:
+            return "transformers", f"{many} in {_dtype(lm)} on {lm.device.type}"
+        return "compiled", f"one row in {_dtype(lm)} on {lm.device.type}: a compiled step"
     if not lean_allowed():
         return "transformers", "GENLAB_LEAN=0"
     lean = _lean(lm)
     if lean is None:
         return "transformers", "not a plain Llama-style model, so no lean forward"
-    if not native_allowed():
-        return "lean", "GENLAB_NATIVE=0"
+    why_not = "GENLAB_NATIVE=0" if not native_allowed() else _kernel_missing(lean)
+    if why_not is None:
+        return "native", "a float32 Llama-style model on the CPU"
+    if one_row:
+        return "lean", why_not if why_not == "GENLAB_NATIVE=0" else \
+            f"no native kernel: {why_not}"
+    return "transformers", f"{many}, and no native kernel ({why_not}): the lean forward " \
+                           f"runs one row"
+
+
+def _dtype(lm: LoadedModel) -> str:
+    return str(lm.dtype).removeprefix("torch.")
+
+
+def _kernel_missing(lean: LeanLlama) -> str | None:
     from genlib.backends import kernel
 
-    why_not = kernel.applies(lean)
-    if why_not is not None:
-        return "lean", f"no native kernel: {why_not}"
-    return "native", "one row of a float32 Llama-style model on the CPU"
+    return kernel.applies(lean)
 
 
 def torch_float32() -> object:
@@ -119,10 +129,10 @@ def _build(name: str, lm: LoadedModel, request: Request) -> Backend:
         from genlib.backends.transformers import TransformersBackend
 
         return TransformersBackend(lm)
-    if request.rows > 1 or request.reorder:
+    if name in ("lean", "compiled") and (request.rows > 1 or request.reorder):
         what = "beam search" if request.reorder else f"{request.rows} rows at once"
         raise ConfigError(f"the {name} backend runs one row, and this generation needs "
-                          f"{what}; use --backend transformers (or auto)")
+                          f"{what}; use --backend native or transformers (or auto)")
     if name == "compiled":
         return _compiled(lm, request)
     lean = _lean(lm) if lm.quantize == "none" else None

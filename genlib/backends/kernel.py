@@ -10,6 +10,12 @@ compiler and CPU, and called through ctypes, which releases the GIL.
 
     step = NativeStep.of(lean, threads)    # None where it does not apply (`applies` says why)
     logits = step(token_id, cache)         # (1, vocab) float32; writes the cache's next slot
+    logits = step.extend(tokens, cache)    # (k, vocab): k tokens of one row, one call
+    logits = step.step_rows(tokens, caches)  # (B, vocab): one token each of B rows
+
+Every weight is read once per call however many tokens it feeds, so verifying k drafted
+tokens, or stepping B rows, costs little more than one step while memory is the bound.
+The first build says so on stderr through `ensure_built` (a second or two here).
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
 """
@@ -23,6 +29,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,6 +38,7 @@ import torch
 
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
+BUILDING = "building genlab's native kernel, once"
 
 _float_p = ctypes.POINTER(ctypes.c_float)
 _float_pp = ctypes.POINTER(_float_p)
@@ -73,34 +81,82 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def build(flags: tuple[str, ...] = FLAGS) -> Build:
-    """Compile (or find in the cache) and load the kernel; once per process and flags."""
+def _version(compiler: str) -> str:
+    return subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                          timeout=30).stdout
+
+
+def _library_path(compiler: str, flags: tuple[str, ...], source: Path) -> Path:
+    """Where the library built from `source` with `compiler` and `flags` for this CPU is
+    cached: named by a hash of all four."""
+    version = _version(compiler)
+    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags,
+                                    _cpu_flags()]).encode()).hexdigest()[:24]
+    return _cache_dir() / f"{source.stem}-{key}.so"
+
+
+def _digest_file(library: Path) -> Path:
+    return library.with_name(library.name + ".sha256")
+
+
+def _intact(library: Path) -> bool:
+    """Whether the cached library is the file its build wrote: a truncated or foreign
+    file must not reach dlopen, which maps it unchecked and could crash the process."""
+    try:
+        digest = _digest_file(library).read_text().strip()
+        return hashlib.sha256(library.read_bytes()).hexdigest() == digest
+    except OSError:
+        return False
+
+
+def _will_compile(flags: tuple[str, ...], source: Path = SOURCE) -> bool:
+    """Whether `build` would compile: there is a compiler that runs and no intact
+    library in the cache."""
+    compiler = _compiler()
+    try:
+        return compiler is not None and not _intact(_library_path(compiler, flags, source))
+    except (OSError, subprocess.SubprocessError):
+        return False  # no compiler that runs: build gives the reason, compiles nothing
+
+
+def ensure_built(notify: Callable[[str], None] | None = None,
+                 flags: tuple[str, ...] = FLAGS) -> Build:
+    """`build()`, first calling `notify` with `BUILDING` when it is going to compile
+    (the CLI prints it on stderr: the first build takes a second or two)."""
+    if notify is not None and _will_compile(flags):
+        notify(BUILDING)
+    return build(flags)
+
+
+@functools.cache
+def build(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Build:
+    """Compile (or find in the cache) and load the kernel; once per process and flags.
+    A cached file that is not what a build wrote (truncated, overwritten) is rebuilt."""
     compiler = _compiler()
     if compiler is None:
         return Build(None, "no C compiler found (set $CC)")
     try:
-        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                                 timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, version, *flags,
-                                        _cpu_flags()]).encode()).hexdigest()[:24]
-        library = _cache_dir() / f"lean_step-{key}.so"
-        if not library.exists():
-            _compile(compiler, flags, library)
+        library = _library_path(compiler, flags, source)
+        if not _intact(library):
+            _compile(compiler, flags, source, library)
         return Build(ctypes.CDLL(str(library)))
     except (OSError, subprocess.SubprocessError) as error:
-        return Build(None, f"could not build {SOURCE.name}: {error}")
+        return Build(None, f"could not build {source.name} with {compiler}: {error}")
 
 
-def _compile(compiler: str, flags: tuple[str, ...], library: Path) -> None:
+def _compile(compiler: str, flags: tuple[str, ...], source: Path, library: Path) -> None:
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         target = Path(scratch) / library.name  # renamed into place: readers never see half
-        done = subprocess.run([compiler, *flags, "-o", str(target), str(SOURCE), "-lm"],
+        done = subprocess.run([compiler, *flags, "-o", str(target), str(source), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
             raise OSError(f"{compiler} failed: {last}")
-        os.replace(target, library)
+        digest = Path(scratch) / _digest_file(library).name
+        digest.write_text(hashlib.sha256(target.read_bytes()).hexdigest())
+        os.replace(target, library)  # a reader between the two renames rebuilds: harmless
+        os.replace(digest, _digest_file(library))
 
 
 def _pointer(tensor: torch.Tensor | None) -> _float_p:
@@ -122,7 +178,8 @@ def applies(lean: Any) -> str | None:
 
 class NativeStep:
     """The kernel over one LeanLlama's weights (held by reference, as the lean forward
-    holds them: they must not be replaced)."""
+    holds them: they must not be replaced). Calls on different caches may run at once
+    from several Python threads; calls on one cache must not."""
 
     def __init__(self, lean: Any, threads: int, library: ctypes.CDLL | None = None) -> None:
         """Over `lean`'s weights, on `threads` threads, with `library` (default: `build()`'s)."""
@@ -134,10 +191,16 @@ class NativeStep:
         self.vocab = lean.lm_head.w.shape[1]
         self.threads = threads
         library = library or build().library
-        self._function = library.genlab_step  # type: ignore[union-attr]
-        self._function.restype = None
+        self._step = library.genlab_step  # type: ignore[union-attr]
+        self._step.restype = None
         self._scratch_floats = library.genlab_scratch_floats  # type: ignore[union-attr]
         self._scratch_floats.restype = ctypes.c_long
+        # A library built before the many-token kernel has the one-token step alone.
+        self._forward = getattr(library, "genlab_forward", None)
+        self._forward_floats = getattr(library, "genlab_forward_scratch_floats", None)
+        if self._forward is not None and self._forward_floats is not None:
+            self._forward.restype = None
+            self._forward_floats.restype = ctypes.c_long
         self.tokens = lean.embed.shape[0]
         self.model = _Model(
             hidden=lean.embed.shape[1], heads=lean.heads, kv_heads=lean.kv_heads,
@@ -169,27 +232,107 @@ class NativeStep:
         self._kept.append(array)  # type: ignore[arg-type]
         return array
 
-    def _buffers(self, cache: Any) -> tuple[Any, Any, torch.Tensor]:
-        """The cache's KV pointers and a scratch buffer sized for this step's threads,
-        made on the cache's first step through it."""
-        if cache.native is None or cache.native[0] is not self:
-            floats = self._scratch_floats(ctypes.byref(self.model), cache.capacity)
-            cache.native = (self, _pointers(cache.keys), _pointers(cache.values),
-                            torch.empty(floats, dtype=torch.float32))
-        return cache.native[1:]
+    def _kv(self, cache: Any) -> _CacheView:
+        """The cache's KV pointers as the kernel takes them, made on the cache's first
+        call through this step (its buffers are never replaced)."""
+        if cache.native is None or cache.native.step is not self:
+            cache.native = _CacheView(self, _pointers(cache.keys), _pointers(cache.values))
+        return cache.native
+
+    def _check_tokens(self, tokens: Sequence[int]) -> None:
+        # The kernel indexes the embeddings unchecked.
+        for token in tokens:
+            if not 0 <= token < self.tokens:
+                raise ValueError(f"token {token} is outside the model's {self.tokens} "
+                                 "embeddings")
+
+    @staticmethod
+    def _check_room(cache: Any, new: int) -> None:
+        # The kernel writes the KV slots unchecked.
+        if cache.length + new > cache.capacity:
+            raise ValueError(f"{cache.length + new} tokens exceed the KV buffers' "
+                             f"{cache.capacity}")
 
     def __call__(self, token: int, cache: Any) -> torch.Tensor:
         """Feed `token` after the cache's `length` tokens; its logits (1, vocab). The
         cache's length is the caller's to advance."""
-        # The kernel indexes the embeddings and writes the KV slot unchecked.
-        if not 0 <= token < self.tokens:
-            raise ValueError(f"token {token} is outside the model's {self.tokens} embeddings")
-        if cache.length >= cache.capacity:
-            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
-                             f"{cache.capacity}")
-        keys, values, scratch = self._buffers(cache)
+        self._check_tokens([token])
+        self._check_room(cache, 1)
+        view = self._kv(cache)
+        if view.scratch is None:  # sized for this step's threads and the cache's capacity
+            view.scratch = torch.empty(self._scratch_floats(ctypes.byref(self.model),
+                                                            cache.capacity))
         logits = torch.empty(1, self.vocab, dtype=torch.float32)
-        self._function(ctypes.byref(self.model), ctypes.c_long(token),
-                       ctypes.c_long(cache.length), keys, values,
-                       ctypes.c_long(cache.capacity), _pointer(scratch), _pointer(logits))
+        self._step(ctypes.byref(self.model), ctypes.c_long(token), ctypes.c_long(cache.length),
+                   view.keys, view.values, ctypes.c_long(cache.capacity),
+                   _pointer(view.scratch), _pointer(logits))
         return logits
+
+    def extend(self, tokens: Sequence[int], cache: Any, all_logits: bool = True
+               ) -> torch.Tensor:
+        """Feed k tokens of one row after the cache's `length` tokens in one call, each
+        attending to the cached ones and to those before it (verifying k drafted tokens;
+        a prompt from position 0, whole or in chunks); advances `cache.length` by k.
+        The logits of all k, (k, vocab) float32, or of the last alone, (1, vocab), when
+        not `all_logits`. Each row's bits are those of k one-token calls."""
+        tokens = list(tokens)
+        if not tokens:
+            raise ValueError("extend takes at least one token")
+        self._check_tokens(tokens)
+        self._check_room(cache, len(tokens))
+        k = len(tokens)
+        logits = self._run(tokens, [cache] * k, range(cache.length, cache.length + k),
+                           first=0 if all_logits else k - 1)
+        cache.length += k
+        return logits
+
+    def step_rows(self, tokens: Sequence[int], caches: Sequence[Any]) -> torch.Tensor:
+        """Feed one token to each of B rows, row b's `tokens[b]` after its own cache's
+        `length` tokens, in one call (rows of any lengths, no padding); advances each
+        cache's length by one. Their logits, (B, vocab) float32, row b's the bits of a
+        one-token call on its cache. The caches must be distinct."""
+        tokens, caches = list(tokens), list(caches)
+        if len(tokens) != len(caches) or not tokens:
+            raise ValueError(f"step_rows takes one token per cache, at least one: "
+                             f"{len(tokens)} tokens for {len(caches)} caches")
+        if len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("step_rows takes each cache once (a row's tokens in one call "
+                             "are an extend)")
+        self._check_tokens(tokens)
+        for cache in caches:
+            self._check_room(cache, 1)
+        logits = self._run(tokens, caches, [cache.length for cache in caches], first=0)
+        for cache in caches:
+            cache.length += 1
+        return logits
+
+    def _run(self, tokens: list[int], caches: list[Any], positions: Sequence[int],
+             first: int) -> torch.Tensor:
+        """genlab_forward over slots (tokens[s] at positions[s] of caches[s]); the logits
+        of slots [first, n)."""
+        if self._forward is None:
+            raise RuntimeError("this build of the native kernel feeds one token at a time")
+        n = len(tokens)
+        views = [self._kv(cache) for cache in caches]
+        longs = ctypes.c_long * n
+        capacities = [cache.capacity for cache in caches]
+        # Per call, not per cache: its size follows n; the allocator reuses the memory.
+        scratch = torch.empty(self._forward_floats(ctypes.byref(self.model), n,
+                                                   max(capacities)))
+        logits = torch.empty(n - first, self.vocab, dtype=torch.float32)
+        self._forward(ctypes.byref(self.model), ctypes.c_int(n), longs(*tokens),
+                      longs(*positions), (_float_pp * n)(*[v.keys_p for v in views]),
+                      (_float_pp * n)(*[v.values_p for v in views]), longs(*capacities),
+                      ctypes.c_int(first), _pointer(scratch), _pointer(logits))
+        return logits
+
+
+class _CacheView:
+    """What a NativeStep keeps on a LeanCache (`cache.native`): the pointers to its KV
+    buffers, and the one-token step's scratch, sized for that step's threads."""
+
+    def __init__(self, step: NativeStep, keys: Any, values: Any) -> None:
+        self.step, self.keys, self.values = step, keys, values
+        self.keys_p = ctypes.cast(keys, _float_pp)
+        self.values_p = ctypes.cast(values, _float_pp)
+        self.scratch: torch.Tensor | None = None

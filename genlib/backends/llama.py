@@ -141,7 +141,7 @@ class LeanCache:
     position: torch.Tensor  # 0-d long
     token: torch.Tensor  # (1, 1) long
     length: int = 0
-    native: Any = None  # (step, its pointers to these buffers, its scratch): genlib.backends.kernel
+    native: Any = None  # a NativeStep's pointers to these buffers: kernel._CacheView
 
     @property
     def capacity(self) -> int:

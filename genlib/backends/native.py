@@ -1,36 +1,106 @@
 """The native backend: the lean forward's decode step as one C kernel
-(`genlib.backends.kernel`), float32 on a CPU. The prompt and multi-token feeds run
-through the lean forward in torch, over the same cache."""
+(`genlib.backends.kernel`), float32 on a CPU, for any number of rows.
+
+Each row has a KV cache of its own (`LeanCache`, no padding): a step feeds one token to
+every row in one kernel call that reads each weight once for all of them
+(`NativeStep.step_rows`), and a row's k new tokens go through in one call too
+(`NativeStep.extend`: speculative verification). Every row's logits are the bits of a
+one-token call on its cache, so a row's tokens do not depend on its batch-mates. Prompts
+run through the lean forward in torch (one matrix product per weight for the whole
+prompt); reordering rows (beam search) moves caches and copies the duplicated ones.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
-from genlib.backends.base import Capabilities
+from genlib.backends.base import Backend, Capabilities
 from genlib.backends.kernel import NativeStep
-from genlib.backends.lean import LeanBackend
-from genlib.backends.llama import LeanLlama
+from genlib.backends.lean import cache_capacity
+from genlib.backends.llama import LeanCache, LeanLlama
 
 if TYPE_CHECKING:
     from genlib.modelinfo import LoadedModel
 
 
-class NativeBackend(LeanBackend):
-    """One row: prefill and multi-token extends in torch, every single token through
-    the kernel."""
+class NativeBackend(Backend):
+    """Rows of one model, each over its own LeanCache, stepped by the native kernel."""
 
     name = "native"
-    capabilities = Capabilities(rows=1, reorder=False, extend=True, crop=True,
+    capabilities = Capabilities(rows=None, reorder=True, extend=True, crop=True,
                                 dtypes=("float32",), devices=("cpu",))
 
     def __init__(self, lm: LoadedModel, lean: LeanLlama, kernel: NativeStep) -> None:
-        super().__init__(lm, lean)
+        super().__init__(lm)
+        self.lean = lean
         self.kernel = kernel
+        self.caches: list[LeanCache] = []
 
-    def _one_token(self, token: torch.Tensor) -> torch.Tensor:
-        cache = self._cache()
-        logits = self.kernel(int(token), cache)
-        cache.length += 1
+    def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
+        slots = cache_capacity(capacity, self.lm.max_positions)
+        self.caches = [self.lean.new_cache(slots) for _ in rows]
+        logits = [self.lean.prefill(torch.tensor([list(row)], dtype=torch.long), cache)
+                  for row, cache in zip(rows, self.caches)]
+        self._update_length()
+        if any(row_logits is None for row_logits in logits):
+            if len(rows) > 1:
+                raise ValueError("every row of a batch needs at least one token")
+            return None
+        return torch.cat(logits)  # type: ignore[arg-type]
+
+    def _step(self, tokens: torch.Tensor) -> torch.Tensor:
+        ids = tokens.tolist()
+        if len(ids) == 1:
+            logits = self.kernel(ids[0], self.caches[0])
+            self.caches[0].length += 1
+        else:
+            logits = self.kernel.step_rows(ids, self.caches)
+        self._update_length()
         return logits
+
+    def _extend(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] == 1:
+            return self._step(tokens[:, 0])[:, None]
+        logits = torch.stack([self.kernel.extend(row, cache)
+                              for row, cache in zip(tokens.tolist(), self.caches)])
+        self._update_length()
+        return logits
+
+    def _crop(self, length: int) -> None:
+        for cache in self.caches:
+            cache.crop(length)
+        self._update_length()
+
+    def _reorder(self, indices: torch.Tensor) -> None:
+        """Row i becomes old row indices[i]: the first row to take a cache takes it, each
+        further one a copy (into a cache no row keeps, where there is one)."""
+        picks = indices.tolist()
+        kept = set(picks)
+        spare = [cache for i, cache in enumerate(self.caches) if i not in kept]
+        taken: set[int] = set()
+        caches = []
+        for i in picks:
+            source = self.caches[i]
+            if i in taken:
+                target = spare.pop() if spare else self.lean.new_cache(source.capacity)
+                copy_cache(source, target)
+                caches.append(target)
+            else:
+                taken.add(i)
+                caches.append(source)
+        self.caches = caches
+        self._update_length()
+
+    def _update_length(self) -> None:
+        self.length = max((cache.length for cache in self.caches), default=0)
+
+
+def copy_cache(source: LeanCache, target: LeanCache) -> None:
+    """Make `target` hold `source`'s cached tokens (same capacity)."""
+    end = source.length
+    for src, dst in zip(source.keys + source.values, target.keys + target.values):
+        dst[:, :, :end].copy_(src[:, :, :end])
+    target.length = end

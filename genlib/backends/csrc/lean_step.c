@@ -1,29 +1,49 @@
-/* One decode step of a Llama-architecture model in float32 on the CPU, batch 1: the
- * arithmetic of genlib.backends.llama.LeanLlama._static_step in one OpenMP parallel region.
+/* The forward of a Llama-architecture model in float32 on the CPU for a few new tokens
+ * ("slots") over KV caches: the arithmetic of genlib.backends.llama.LeanLlama's step in one OpenMP
+ * parallel region. The slots are either
  *
- * A one-token step reads every weight once and does two multiply-adds per weight, so
- * it is bound by memory bandwidth, and what keeps it from that bound is everything
- * between the weight reads: a torch.compile'd step runs each of its ~100 kernels as a
- * parallel region of its own, with a barrier after each. Here the threads stay in one
- * region for the whole step and meet five times a layer, where a result one thread
- * computed is read by another:
+ *   - one row's next k tokens at consecutive positions of one cache (an extend: verifying
+ *     k drafted tokens, or a prompt in chunks from position 0), each attending causally
+ *     to the cached prefix and to the slots before it; or
+ *   - one token each of B rows, each row with its own cache and position (a batch step);
  *
- *   qkv   rows of the q/k/v product split across threads        | barrier
- *   attn  heads split: rotary, KV cache write, softmax(q.k) . v  | barrier
- *   o     rows split, added to the residual                      | barrier
- *   mlp   rows of gate and up split, silu(gate) * up             | barrier
- *   down  rows split, added to the residual                      | barrier
+ * or any mix: consecutive slots that share a cache are one row's tokens in order (a
+ * "run"). The one-token step (`genlab_step`) is the case of one slot.
  *
- * and the norms are computed by every thread for itself (a few hundred numbers). The
- * products read four weight rows at a time into vector accumulators, and softmax and
- * SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512, GCC's
- * vector extensions and libm's expf elsewhere (AVX2, NEON, ...).
+ * A decode step reads every weight once and does two multiply-adds per weight per slot,
+ * so at a few slots it is bound by memory bandwidth: each product reads a block of four
+ * weight rows once and multiplies it by every slot's input while it is in registers and
+ * L1 (`matmul`), so k slots cost little more than one. What else keeps a step from that
+ * bound is everything between the weight reads: a torch.compile'd step runs each of its
+ * ~100 kernels as a parallel region of its own, with a barrier after each. Here the
+ * threads stay in one region for the whole call and meet five times a layer, where a
+ * result one thread computed is read by another:
+ *
+ *   qkv   rows of the q/k/v product split across threads            | barrier
+ *   attn  (run, kv head) pairs split: rotary, KV cache writes,      | barrier
+ *         softmax(q.k) . v, a run's slots in order
+ *   o     rows split, added to the residual                         | barrier
+ *   mlp   rows of gate and up split, silu(gate) * up                | barrier
+ *   down  rows split, added to the residual                         | barrier
+ *
+ * and the norms are computed by every thread for itself (a few hundred numbers a slot).
+ * The products read four weight rows at a time into vector accumulators, and softmax
+ * and SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512;
+ * elsewhere GCC's vector extensions (8 lanes) for the products, and for exp AVX2
+ * intrinsics where there is AVX2, libm's expf on other CPUs (NEON, ...).
+ *
+ * Every slot's numbers are computed exactly as a one-slot call computes them: each
+ * (weight row, slot) sum runs in the same order whatever the number of slots, and a
+ * slot's attention reads the cache (now holding the run's earlier slots) as a one-token
+ * step at its position would. So k slots give the bits of k one-token steps, and B rows
+ * the bits of B one-row steps, at the same thread count (the split of rows across
+ * threads decides which rows take the four-row path).
  *
  * Weights are row-major (out, in), as nn.Linear holds them; the q/k/v and gate/up
  * matrices are stacked ([q; k; v], [gate; up]). KV buffers are (kv_heads, capacity,
  * head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run in another order
- * than PyTorch's, so logits differ in the last bits (the tests bound the difference and
- * check the tokens).
+ * than PyTorch's, so logits differ from the lean forward's in the last bits (the tests
+ * bound the difference and check the tokens).
  */
 #include <math.h>
 #include <string.h>
@@ -31,9 +51,15 @@
 #include <omp.h>
 #endif
 
-typedef float vec __attribute__((vector_size(64)));
-typedef float vec_u __attribute__((vector_size(64), aligned(4)));  /* unaligned loads */
+/* The products' vectors: 16 lanes with AVX-512; 8 elsewhere, one AVX2 register (two SSE
+ * or NEON ones), so four rows' accumulators for two slots fit AVX2's 16 registers. */
+#ifdef __AVX512F__
 #define LANES 16
+#else
+#define LANES 8
+#endif
+typedef float vec __attribute__((vector_size(LANES * 4)));
+typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned */
 
 typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, threads;
@@ -48,10 +74,19 @@ typedef struct {
 #include <immintrin.h>
 static float hsum(vec v) { return _mm512_reduce_add_ps((__m512)v); }
 #else
+#if defined(__clang__) || __GNUC__ >= 12
+#define SHUFFLE(v, ...) __builtin_shufflevector(v, v, __VA_ARGS__)
+#else
+typedef int lanes_i __attribute__((vector_size(32)));
+#define SHUFFLE(v, ...) __builtin_shuffle(v, (lanes_i){__VA_ARGS__})
+#endif
+/* The sum of 8 lanes as a tree (lane i + lane i+4, then i+2, then i+1): three shuffles
+ * and adds, where a lane-by-lane sum would be a chain of seven dependent adds. */
 static float hsum(vec v) {
-    float s = 0.0f;
-    for (int i = 0; i < LANES; i++) s += v[i];
-    return s;
+    v += SHUFFLE(v, 4, 5, 6, 7, 0, 1, 2, 3);
+    v += SHUFFLE(v, 2, 3, 0, 1, 2, 3, 0, 1);
+    v += SHUFFLE(v, 1, 0, 1, 0, 1, 0, 1, 0);
+    return v[0];
 }
 #endif
 
@@ -98,6 +133,62 @@ static void silu_times(float *gate, const float *up, int n) {
                               _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + j)));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+/* e^x, 8 lanes: the same polynomial as exp16; AVX2 has no scalef, so the power of two
+ * is built in the exponent bits, in two halves so that each stays a normal number
+ * (n runs from -150 to 128) and the product underflows to 0 as expf does. */
+static __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-104.0f)), _mm256_set1_ps(88.72f));
+    __m256 n = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504f),
+                                               _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i k = _mm256_cvtps_epi32(n), half = _mm256_srai_epi32(k, 1);
+    __m256i bias = _mm256_set1_epi32(127);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, bias), 23));
+    __m256 p2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(k, half), bias), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(y, p1), p2);
+}
+
+/* Lanes [0, count) of 8 set: the masked loads and stores of a row's last lanes. */
+static __m256i first_lanes(long count) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)(count < 8 ? count : 8)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* s[j] = e^(s[j] - top) for j < n; their sum. */
+static float exp_shifted(float *s, long n, float top) {
+    __m256 sum = _mm256_setzero_ps(), shift = _mm256_set1_ps(top);
+    for (long j = 0; j < n; j += 8) {
+        __m256i lanes = first_lanes(n - j);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_maskload_ps(s + j, lanes), shift));
+        e = _mm256_and_ps(e, _mm256_castsi256_ps(lanes));
+        _mm256_maskstore_ps(s + j, lanes, e);
+        sum = _mm256_add_ps(sum, e);
+    }
+    return hsum((vec)sum);
+}
+
+/* gate[j] = silu(gate[j]) * up[j] = gate / (1 + e^-gate) * up, for j < n. */
+static void silu_times(float *gate, const float *up, int n) {
+    for (int j = 0; j < n; j += 8) {
+        __m256i lanes = first_lanes(n - j);
+        __m256 g = _mm256_maskload_ps(gate + j, lanes);
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+        _mm256_maskstore_ps(gate + j, lanes,
+                            _mm256_mul_ps(silu, _mm256_maskload_ps(up + j, lanes)));
+    }
+}
 #else
 static float exp_shifted(float *s, long n, float top) {
     float total = 0.0f;
@@ -119,73 +210,119 @@ static float dot(const float *w, const float *x, int n) {
     return s;
 }
 
+static void put(float *out, float s, int accumulate) { *out = accumulate ? *out + s : s; }
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
 #ifdef __AVX512F__
-/* out[r] = dot(w[r], x) (+ out[r] when accumulate) for rows [r0, r1) of w (rows, n):
- * four rows at a time, 16 lanes, the last n % 16 columns through a masked load. */
-static void matvec(const float *w, const float *x, float *out, int n, int r0, int r1,
-                   int accumulate) {
+#define TILE 6  /* slots per pass over a row block: 4 x 6 accumulators + 5 of 32 registers */
+
+/* Rows w0..w3 (n columns) times the m slots' inputs x (row stride ldx): out[i * ldo + j]
+ * for row j of the four, set or accumulated. 16 lanes, the last n % 16 columns through
+ * a masked load; every (row, slot) sum in the same order whatever m is. Inlined with m
+ * a constant, so the accumulators stay in registers. */
+ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
+                        long ldo, int m, int accumulate) {
+    const float *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
     int full = n / LANES * LANES;
     __mmask16 tail = (__mmask16)((1u << (n - full)) - 1);
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *w0 = w + (long)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (int k = 0; k < full; k += LANES) {
-            __m512 xv = _mm512_loadu_ps(x + k);
-            a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + k), xv, a0);
-            a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + k), xv, a1);
-            a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + k), xv, a2);
-            a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + k), xv, a3);
+    __m512 a[TILE][4];
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
+    for (int k = 0; k < full; k += LANES) {
+        __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
+        __m512 v2 = _mm512_loadu_ps(w2 + k), v3 = _mm512_loadu_ps(w3 + k);
+        for (int i = 0; i < m; i++) {
+            __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
+            a[i][0] = _mm512_fmadd_ps(v0, xv, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(v1, xv, a[i][1]);
+            a[i][2] = _mm512_fmadd_ps(v2, xv, a[i][2]);
+            a[i][3] = _mm512_fmadd_ps(v3, xv, a[i][3]);
         }
-        if (tail) {
-            __m512 xv = _mm512_maskz_loadu_ps(tail, x + full);
-            a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w0 + full), xv, a0);
-            a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w1 + full), xv, a1);
-            a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w2 + full), xv, a2);
-            a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, w3 + full), xv, a3);
+    }
+    if (tail) {
+        __m512 v0 = _mm512_maskz_loadu_ps(tail, w0 + full);
+        __m512 v1 = _mm512_maskz_loadu_ps(tail, w1 + full);
+        __m512 v2 = _mm512_maskz_loadu_ps(tail, w2 + full);
+        __m512 v3 = _mm512_maskz_loadu_ps(tail, w3 + full);
+        for (int i = 0; i < m; i++) {
+            __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * ldx + full);
+            a[i][0] = _mm512_fmadd_ps(v0, xv, a[i][0]);
+            a[i][1] = _mm512_fmadd_ps(v1, xv, a[i][1]);
+            a[i][2] = _mm512_fmadd_ps(v2, xv, a[i][2]);
+            a[i][3] = _mm512_fmadd_ps(v3, xv, a[i][3]);
         }
-        float s0 = _mm512_reduce_add_ps(a0), s1 = _mm512_reduce_add_ps(a1);
-        float s2 = _mm512_reduce_add_ps(a2), s3 = _mm512_reduce_add_ps(a3);
-        if (accumulate) { out[r] += s0; out[r + 1] += s1; out[r + 2] += s2; out[r + 3] += s3; }
-        else { out[r] = s0; out[r + 1] = s1; out[r + 2] = s2; out[r + 3] = s3; }
     }
-    for (; r < r1; r++) {
-        float s = dot(w + (long)r * n, x, n);
-        out[r] = accumulate ? out[r] + s : s;
-    }
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < 4; j++)
+            put(out + i * ldo + j, _mm512_reduce_add_ps(a[i][j]), accumulate);
 }
 #else
-/* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...). */
-static void matvec(const float *w, const float *x, float *out, int n, int r0, int r1,
-                   int accumulate) {
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *w0 = w + (long)r * n, *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-        vec a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-        int k = 0;
-        for (; k + LANES <= n; k += LANES) {
-            vec xv = *(const vec_u *)(x + k);
-            a0 += *(const vec_u *)(w0 + k) * xv;
-            a1 += *(const vec_u *)(w1 + k) * xv;
-            a2 += *(const vec_u *)(w2 + k) * xv;
-            a3 += *(const vec_u *)(w3 + k) * xv;
+#define TILE 2  /* slots per pass: 4 x 2 accumulators + 4 weight vectors + 1 of 16 */
+
+/* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...), the tail scalar. */
+ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
+                        long ldo, int m, int accumulate) {
+    const float *w[4] = {w0, w0 + n, w0 + 2 * n, w0 + 3 * n};
+    vec a[TILE][4];
+    for (int i = 0; i < m; i++)
+        for (int j = 0; j < 4; j++) a[i][j] = (vec){0};
+    int k = 0;
+    for (; k + LANES <= n; k += LANES) {
+        vec v[4];
+        for (int j = 0; j < 4; j++) v[j] = *(const vec_u *)(w[j] + k);
+        for (int i = 0; i < m; i++) {
+            vec xv = *(const vec_u *)(x + i * ldx + k);
+            for (int j = 0; j < 4; j++) a[i][j] += v[j] * xv;
         }
-        float s0 = hsum(a0), s1 = hsum(a1), s2 = hsum(a2), s3 = hsum(a3);
-        for (; k < n; k++) {
-            s0 += w0[k] * x[k]; s1 += w1[k] * x[k]; s2 += w2[k] * x[k]; s3 += w3[k] * x[k];
-        }
-        if (accumulate) { out[r] += s0; out[r + 1] += s1; out[r + 2] += s2; out[r + 3] += s3; }
-        else { out[r] = s0; out[r + 1] = s1; out[r + 2] = s2; out[r + 3] = s3; }
     }
-    for (; r < r1; r++) {
-        float s = dot(w + (long)r * n, x, n);
-        out[r] = accumulate ? out[r] + s : s;
+    for (int i = 0; i < m; i++) {
+        const float *xi = x + i * ldx;
+        for (int j = 0; j < 4; j++) {
+            float s = hsum(a[i][j]);
+            for (int t = k; t < n; t++) s += w[j][t] * xi[t];
+            put(out + i * ldo + j, s, accumulate);
+        }
     }
 }
-
 #endif
 
-/* This thread's share [*r0, *r1) of `rows`, in runs of four rows. */
+/* out[i * ldo + r] = dot(w[r], x[i]) (+ out[...] when accumulate) for rows [r0, r1) of w
+ * (rows, n) and the m slots' inputs x[i] = x + i * ldx: a block of four weight rows at a
+ * time, read from memory once and multiplied by TILE slots at a time while it stays in
+ * L1; rows past the last block of four one by one. */
+static void matmul(const float *w, int n, const float *x, long ldx, float *out, long ldo,
+                   int r0, int r1, int m, int accumulate) {
+    int r = r0;
+    for (; r + 4 <= r1; r += 4) {
+        const float *block = w + (long)r * n;
+        int i = 0;
+        for (; i + TILE <= m; i += TILE)
+            tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, TILE, accumulate);
+        switch (m - i) {  /* the rest, with a constant m for each inlined copy */
+#define REST(k) case k: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, k, accumulate); break;
+#if TILE > 5
+        REST(5)
+#endif
+#if TILE > 4
+        REST(4)
+#endif
+#if TILE > 3
+        REST(3)
+#endif
+#if TILE > 2
+        REST(2)
+#endif
+        REST(1)
+        default: break;
+        }
+    }
+    for (; r < r1; r++)
+        for (int i = 0; i < m; i++)
+            put(out + i * ldo + r, dot(w + (long)r * n, x + i * ldx, n), accumulate);
+}
+
+/* This thread's share [*r0, *r1) of `rows` weight rows, in runs of four rows. */
 static void share(int rows, int thread, int threads, int *r0, int *r1) {
     int chunk = ((rows + threads - 1) / threads + 3) / 4 * 4;
     *r0 = thread * chunk < rows ? thread * chunk : rows;
@@ -209,13 +346,13 @@ static void add_scaled(float *restrict out, const float *restrict row, float p, 
     for (int i = 0; i < d; i++) out[i] += p * row[i];
 }
 
-/* Query head `head` over the cached positions [0, position) and the new key/value. */
-static void attend(const Model *m, int head, const float *q, const float *keys,
-                   const float *values, const float *key, const float *value, long position,
-                   long capacity, float *scores, float *out) {
+/* One query over a KV head's `position` cached keys and values (rows of head_dim) and
+ * its own new key and value: the scores are a product over the cached keys. */
+static void attend(const Model *m, const float *q, const float *keys, const float *values,
+                   const float *key, const float *value, long position, float *scores,
+                   float *out) {
     int d = m->head_dim;
-    const float *k = keys + (long)head * capacity * d, *v = values + (long)head * capacity * d;
-    matvec(k, q, scores, d, 0, (int)position, 0);  /* the cached keys are a matrix's rows */
+    matmul(keys, d, q, 0, scores, 0, 0, (int)position, 1, 0);
     scores[position] = dot(q, key, d);
     float top = -INFINITY;
     for (long j = 0; j <= position; j++) {
@@ -224,74 +361,125 @@ static void attend(const Model *m, int head, const float *q, const float *keys,
     }
     float total = exp_shifted(scores, position + 1, top);
     memset(out, 0, sizeof(float) * d);
-    for (long j = 0; j < position; j++) add_scaled(out, v + j * d, scores[j] / total, d);
+    for (long j = 0; j < position; j++) add_scaled(out, values + j * d, scores[j] / total, d);
     add_scaled(out, value, scores[position] / total, d);
 }
 
-static void attention(const Model *m, const float *cos, const float *sin, float *qkv,
-                      float *key_cache, float *value_cache, long position, long capacity,
-                      float *scores, float *out, int thread, int threads) {
-    int d = m->head_dim, group = m->heads / m->kv_heads, h0, h1;
-    const float *keys = qkv + m->heads * d, *values = keys + m->kv_heads * d;
+/* One call's slots (see the header): slot s feeds tokens[s] at positions[s] of the cache
+ * whose layer-i buffers are keys[s][i], values[s][i], of capacities[s] positions. Runs
+ * of consecutive slots sharing a cache: run r is slots [run_start[r], run_start[r + 1]). */
+typedef struct {
+    int n, runs;
+    const long *tokens, *positions, *capacities;
+    float *const *const *keys, *const *const *values;
+    const int *run_start;
+} Slots;
+
+/* Per-call buffers: one row per slot (x, qkv, attn, mlp), one set per thread (h, scores). */
+typedef struct {
+    float *x, *h, *qkv, *attn, *mlp, *scores;
+} Buffers;
+
+/* Each (run, KV head) pair is one thread's: it writes the run's keys and values of that
+ * head in slot order, each slot attending right after its own write, so a slot sees the
+ * run's earlier slots, and writes and reads of a head's cache never cross threads. */
+static void attention(const Model *m, int i, const Slots *c, const Buffers *b, int thread,
+                      int threads) {
+    int d = m->head_dim, group = m->heads / m->kv_heads;
+    int rows = (m->heads + 2 * m->kv_heads) * d, pairs = c->runs * m->kv_heads;
     float q[d], key[d];
-    share(m->kv_heads, thread, threads, &h0, &h1);
-    for (int g = h0; g < h1; g++) {  /* writes and reads of a kv head stay in one thread */
-        rotary(keys + g * d, cos, sin, key, d);
-        for (int h = g * group; h < (g + 1) * group; h++) {
-            rotary(qkv + h * d, cos, sin, q, d);
-            attend(m, g, q, key_cache, value_cache, key, values + g * d, position, capacity,
-                   scores + (long)h * capacity, out + h * d);
+    /* pairs split evenly (no runs of four here: they are not weight rows) */
+    for (int p = pairs * thread / threads; p < pairs * (thread + 1) / threads; p++) {
+        int run = p / m->kv_heads, g = p % m->kv_heads;
+        for (int s = c->run_start[run]; s < c->run_start[run + 1]; s++) {
+            long position = c->positions[s], capacity = c->capacities[s];
+            const float *cos = m->cos + position * d, *sin = m->sin + position * d;
+            const float *qkv = b->qkv + (long)s * rows;
+            const float *value = qkv + (m->heads + m->kv_heads + g) * d;
+            float *keys = c->keys[s][i] + (long)g * capacity * d;
+            float *values = c->values[s][i] + (long)g * capacity * d;
+            rotary(qkv + (m->heads + g) * d, cos, sin, key, d);
+            for (int h = g * group; h < (g + 1) * group; h++) {
+                rotary(qkv + h * d, cos, sin, q, d);
+                attend(m, q, keys, values, key, value, position, b->scores,
+                       b->attn + ((long)s * m->heads + h) * d);
+            }
+            memcpy(keys + position * d, key, sizeof(float) * d);
+            memcpy(values + position * d, value, sizeof(float) * d);
         }
-        memcpy(key_cache + ((long)g * capacity + position) * d, key, sizeof(float) * d);
-        memcpy(value_cache + ((long)g * capacity + position) * d, values + g * d,
-               sizeof(float) * d);
     }
 }
 
-static void layer(const Model *m, int i, float *x, float *h, float *qkv, float *attn,
-                  float *mlp, float *scores, float *keys, float *values, long position,
-                  long capacity, int thread, int threads) {
-    int d = m->head_dim, rows = (m->heads + 2 * m->kv_heads) * d, r0, r1;
-    rms_norm(x, m->input_norm[i], h, m->hidden, m->eps);
+static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int thread,
+                  int threads) {
+    int n = c->n, hidden = m->hidden, d = m->head_dim, r0, r1;
+    int rows = (m->heads + 2 * m->kv_heads) * d, inter = m->intermediate;
+    for (int s = 0; s < n; s++)
+        rms_norm(b->x + (long)s * hidden, m->input_norm[i], b->h + (long)s * hidden, hidden,
+                 m->eps);
     share(rows, thread, threads, &r0, &r1);
-    matvec(m->qkv[i], h, qkv, m->hidden, r0, r1, 0);
-    if (m->qkv_bias[i]) for (int r = r0; r < r1; r++) qkv[r] += m->qkv_bias[i][r];
+    matmul(m->qkv[i], hidden, b->h, hidden, b->qkv, rows, r0, r1, n, 0);
+    if (m->qkv_bias[i])
+        for (int s = 0; s < n; s++)
+            for (int r = r0; r < r1; r++) b->qkv[(long)s * rows + r] += m->qkv_bias[i][r];
 #pragma omp barrier
-    attention(m, m->cos + position * d, m->sin + position * d, qkv, keys, values, position,
-              capacity, scores, attn, thread, threads);
+    attention(m, i, c, b, thread, threads);
 #pragma omp barrier
-    share(m->hidden, thread, threads, &r0, &r1);
-    matvec(m->o[i], attn, x, m->heads * d, r0, r1, 1);
+    share(hidden, thread, threads, &r0, &r1);
+    matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->x, hidden, r0, r1, n, 1);
 #pragma omp barrier
-    rms_norm(x, m->post_norm[i], h, m->hidden, m->eps);
-    share(m->intermediate, thread, threads, &r0, &r1);
-    const float *gate_up = m->gate_up[i];
-    matvec(gate_up, h, mlp, m->hidden, r0, r1, 0);
-    matvec(gate_up + (long)m->intermediate * m->hidden, h, mlp + m->intermediate, m->hidden,
-           r0, r1, 0);
-    silu_times(mlp + r0, mlp + m->intermediate + r0, r1 - r0);
+    for (int s = 0; s < n; s++)
+        rms_norm(b->x + (long)s * hidden, m->post_norm[i], b->h + (long)s * hidden, hidden,
+                 m->eps);
+    share(inter, thread, threads, &r0, &r1);
+    const float *gate = m->gate_up[i], *up = gate + (long)inter * hidden;
+    matmul(gate, hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
+    matmul(up, hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
+    for (int s = 0; s < n; s++) {
+        float *mlp = b->mlp + (long)s * 2 * inter;
+        silu_times(mlp + r0, mlp + inter + r0, r1 - r0);
+    }
 #pragma omp barrier
-    share(m->hidden, thread, threads, &r0, &r1);
-    matvec(m->down[i], mlp, x, m->intermediate, r0, r1, 1);
+    share(hidden, thread, threads, &r0, &r1);
+    matmul(m->down[i], inter, b->mlp, 2 * inter, b->x, hidden, r0, r1, n, 1);
 #pragma omp barrier
 }
 
-/* Scratch: hidden (x) + threads * hidden (h) + qkv rows + heads * head_dim (attn)
- * + 2 * intermediate (mlp) + heads * capacity (scores) floats: genlab_scratch_floats. */
+/* Scratch for n slots over caches of at most `capacity` positions: n * (hidden (x) +
+ * threads * hidden (h) + qkv rows + heads * head_dim (attn) + 2 * intermediate (mlp))
+ * + threads * capacity (scores) floats. */
+long genlab_forward_scratch_floats(const Model *m, long n, long capacity) {
+    long rows = (m->heads + 2L * m->kv_heads) * m->head_dim;
+    return n * (m->hidden * (1L + m->threads) + rows + (long)m->heads * m->head_dim
+                + 2L * m->intermediate) + (long)m->threads * capacity;
+}
+
 long genlab_scratch_floats(const Model *m, long capacity) {
-    return m->hidden * (1L + m->threads) + (m->heads + 2L * m->kv_heads) * m->head_dim
-           + (long)m->heads * m->head_dim + 2L * m->intermediate + m->heads * capacity;
+    return genlab_forward_scratch_floats(m, 1, capacity);
 }
 
-/* Feed `token` at `position` (the cached positions before it: 0..position-1), write its
- * key and value into the caches (per layer: keys[i], values[i]) and its logits (vocab). */
-void genlab_step(const Model *m, long token, long position, float *const *keys,
-                 float *const *values, long capacity, float *scratch, float *logits) {
-    float *x = scratch, *hs = x + m->hidden;
-    float *qkv = hs + (long)m->threads * m->hidden;
-    float *attn = qkv + (m->heads + 2 * m->kv_heads) * m->head_dim;
-    float *mlp = attn + m->heads * m->head_dim, *scores = mlp + 2 * m->intermediate;
-    memcpy(x, m->embed + token * m->hidden, sizeof(float) * m->hidden);
+/* Feed n slots (see the header: tokens[s] at positions[s] of the cache keys[s][layer],
+ * values[s][layer] of capacities[s] positions), write their keys and values into the
+ * caches, and the logits of slots [first, n) into logits ((n - first) rows of vocab).
+ * The caller checks that tokens index the embeddings, that positions fit their caches,
+ * and that a run's positions follow each other. */
+void genlab_forward(const Model *m, int n, const long *tokens, const long *positions,
+                    float *const *const *keys, float *const *const *values,
+                    const long *capacities, int first, float *scratch, float *logits) {
+    int run_start[n + 1], runs = 0;
+    for (int s = 0; s < n; s++)
+        if (s == 0 || keys[s] != keys[s - 1]) run_start[runs++] = s;
+    run_start[runs] = n;
+    long capacity = 0;
+    for (int s = 0; s < n; s++) capacity = capacities[s] > capacity ? capacities[s] : capacity;
+    Slots c = {n, runs, tokens, positions, capacities, keys, values, run_start};
+    int hidden = m->hidden, rows = (m->heads + 2 * m->kv_heads) * m->head_dim;
+    float *x = scratch, *hs = x + (long)n * hidden;
+    float *qkv = hs + (long)m->threads * n * hidden, *attn = qkv + (long)n * rows;
+    float *mlp = attn + (long)n * m->heads * m->head_dim;
+    float *scores = mlp + 2L * n * m->intermediate;
+    for (int s = 0; s < n; s++)
+        memcpy(x + (long)s * hidden, m->embed + tokens[s] * hidden, sizeof(float) * hidden);
 #pragma omp parallel num_threads(m->threads)
     {
         int thread = 0, threads = 1, r0, r1;  /* the region may get fewer than asked */
@@ -299,12 +487,22 @@ void genlab_step(const Model *m, long token, long position, float *const *keys,
         thread = omp_get_thread_num();
         threads = omp_get_num_threads();
 #endif
-        float *h = hs + (long)thread * m->hidden;
-        for (int i = 0; i < m->layers; i++)
-            layer(m, i, x, h, qkv, attn, mlp, scores, keys[i], values[i], position,
-                  capacity, thread, threads);
-        rms_norm(x, m->norm, h, m->hidden, m->eps);
+        Buffers b = {x, hs + (long)thread * n * hidden, qkv, attn, mlp,
+                     scores + (long)thread * capacity};
+        for (int i = 0; i < m->layers; i++) layer(m, i, &c, &b, thread, threads);
+        for (int s = first; s < n; s++)
+            rms_norm(x + (long)s * hidden, m->norm, b.h + (long)(s - first) * hidden, hidden,
+                     m->eps);
         share(m->vocab, thread, threads, &r0, &r1);
-        matvec(m->lm_head, h, logits, m->hidden, r0, r1, 0);
+        matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, n - first, 0);
     }
+}
+
+/* One slot: feed `token` at `position` (the cached positions before it: 0..position-1),
+ * write its key and value into the caches (per layer: keys[i], values[i]) and its
+ * logits (vocab). */
+void genlab_step(const Model *m, long token, long position, float *const *keys,
+                 float *const *values, long capacity, float *scratch, float *logits) {
+    float *const *k[1] = {keys}, *const *v[1] = {values};
+    genlab_forward(m, 1, &token, &position, k, v, &capacity, 0, scratch, logits);
 }
