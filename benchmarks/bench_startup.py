@@ -21,7 +21,7 @@ t_torch = time.perf_counter()
 import cli.generate, cli.main
 t_cli = time.perf_counter()
 from genlib.config import resolve_settings
-from genlib.decode import generate
+from genlib.generate import generate
 from genlib.models import ModelSpec, load_model
 lm = load_model(ModelSpec(sys.argv[1]), quick=True)
 t_load = time.perf_counter()

@@ -13,6 +13,8 @@ from cli.errors import INTERRUPTED, fail, user_errors
 from genlib.config import parse_value, resolve_settings, with_seed
 
 if TYPE_CHECKING:
+    from collections.abc import Generator
+
     from genlib.beam import BeamResult, Hypothesis
     from genlib.config import GenerationSettings
     from genlib.events import Finish
@@ -88,12 +90,14 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
 
     from cli import render, render_beam
     from genlib.backends.choose import choose_backend
-    from genlib.beam import backend_request, beam_search
+    from genlib.beam import backend_request, search
     from genlib.generate import generate
 
     backend = choose_backend(lm, backend_request([ids], settings, lm.backend))
     start = time.perf_counter()
-    result = beam_search(lm, [ids], settings, record_tree=tree, backend=backend)[0]
+    run = search(lm, [ids], settings, record_tree=tree, backend=backend)
+    live = tree and not as_json and render.out.is_terminal
+    result = (draw_live(run, prompt, tree_steps, tree_width) if live else finish(run))[0]
     seconds = time.perf_counter() - start
     greedy = generate(lm, [ids], greedy_settings(settings))[0] \
         if with_greedy and not result.interrupted else None
@@ -103,7 +107,9 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree,
                                      backend.name))
         return interrupted
-    if tree:
+    if tree and live:
+        render_beam.tree_notes(result.tree or [], tree_steps, tree_width)
+    elif tree:
         render_beam.search_tree(result, prompt, tree_steps, tree_width)
     render_beam.nbest_table(prompt, result.hypotheses, greedy, settings.length_penalty)
     if not interrupted and any(h.constraints_satisfied is False for h in result.hypotheses):
@@ -113,6 +119,43 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
                 f"backend {backend.name}")
     return interrupted
+
+
+def finish(run: Generator[Any, None, list[BeamResult]]) -> list[BeamResult]:
+    """Run a search to its end; its results (a Ctrl-C ends it with the best so far)."""
+    return draw_live(run, None, 0, 0)
+
+
+def draw_live(run: Generator[Any, None, list[BeamResult]], prompt: str | None,
+              tree_steps: int, tree_width: int) -> list[BeamResult]:
+    """Run a search to its end, drawing its tree as each step comes when `prompt` is
+    given (on stdout, a terminal); a Ctrl-C ends the search with its best beams so far."""
+    from rich.live import Live
+
+    from cli import render, render_beam
+    from genlib.beam import TreeStep
+    from genlib.events import BeamStep
+
+    steps: list[TreeStep] = []
+    view = Live(console=render.out, auto_refresh=False) if prompt is not None else None
+    try:
+        if view is not None:
+            view.start()
+        while True:
+            try:
+                event = run.send(None)
+            except KeyboardInterrupt:
+                event = run.throw(KeyboardInterrupt())
+            if view is not None and isinstance(event, BeamStep) and event.candidates \
+                    and event.step < tree_steps:
+                steps.append(TreeStep(event.step, event.candidates))
+                view.update(render_beam.tree_view(steps, prompt or "", tree_steps,
+                                                  tree_width), refresh=True)
+    except StopIteration as stop:
+        return stop.value
+    finally:
+        if view is not None:
+            view.stop()
 
 
 @user_errors

@@ -42,10 +42,32 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
-    return load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
-                                quantize=flags.quantize,
-                                trust_remote_code=flags.trust_remote_code,
-                                backend=check_name(flags.backend)), quick=quick)
+    lm = load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
+                              quantize=flags.quantize,
+                              trust_remote_code=flags.trust_remote_code,
+                              backend=check_name(flags.backend)), quick=quick)
+    build_native_kernel(lm)
+    return lm
+
+
+def build_native_kernel(lm: LoadedModel) -> None:
+    """Build the native kernel now, where a generation on `lm` may run it, so its one-off
+    build (a few seconds, once per machine) is announced and timed apart: one line on
+    stderr, with a spinner while it compiles on a terminal."""
+    import torch
+
+    from genlib.backends import kernel
+    from genlib.backends.choose import native_allowed
+
+    if lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
+            or lm.dtype != torch.float32 or lm.quantize != "none":
+        return
+    if lm.backend == "auto" and not native_allowed():
+        return
+    from cli.render import building
+
+    with building() as notify:
+        kernel.ensure_built(notify)
 
 
 def read_prompt(prompt: str | None) -> str:

@@ -35,6 +35,29 @@ def warn_unused(settings: Any) -> None:
              f"{settings.strategy}")
 
 
+class building:  # noqa: N801 - used as a context manager, like open()
+    """Yields notify(message): prints the message on stderr, and on a terminal keeps a
+    spinner turning beside it until the block ends."""
+
+    def __init__(self) -> None:
+        self._status: Any = None
+
+    def __enter__(self) -> Any:
+        return self.notify
+
+    def notify(self, message: str) -> None:
+        if err.is_terminal:
+            self._status = err.status(message)
+            self._status.start()
+        else:
+            err.print(f"[dim]{message}[/]")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._status is not None:
+            self._status.stop()
+            err.print(f"[dim]{self._status.status} done[/]")
+
+
 def info(message: str) -> None:
     err.print(_escape(message), style="dim")
 

@@ -64,6 +64,14 @@ def search_tree(result: BeamResult, prompt: str, max_steps: int, max_children: i
     """Each kept beam's node lists the continuations considered from it at the next step
     (kept, finished, pruned, rejected) with p and the cumulative log-probability."""
     steps = result.tree or []
+    out.print(tree_view(steps, prompt, max_steps, max_children))
+    tree_notes(steps, max_steps, max_children)
+
+
+def tree_view(steps: Sequence[TreeStep], prompt: str, max_steps: int, max_children: int
+              ) -> Tree:
+    """The search tree of `steps` so far (drawn live as the search runs, then once more
+    with its notes)."""
     root = Tree(Text(f"prompt {prompt!r}", style="bold"))
     groups = sorted({c.group for s in steps for c in s.candidates})
     shown = [s for s in steps if s.step < max_steps]
@@ -71,7 +79,10 @@ def search_tree(result: BeamResult, prompt: str, max_steps: int, max_children: i
         top = root.add(Text(f"group {group}", style="bold")) if len(groups) > 1 else root
         _grow(top, [s for s in shown if s.candidates and s.candidates[0].group == group],
               max_children)
-    out.print(root)
+    return root
+
+
+def tree_notes(steps: Sequence[TreeStep], max_steps: int, max_children: int) -> None:
     total = max((s.step for s in steps), default=-1) + 1
     if total > max_steps:
         out.print(Text(f"(tree cut after {max_steps} of {total} steps; --tree-steps N shows "

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -187,15 +187,27 @@ def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     prompt holding its `num_return_sequences` best hypotheses. `seeds`: one per prompt
     for beam sampling (default: derived from settings.seed). `backend`: default the one
     `choose_backend` picks under the model's --backend."""
-    check_request(lm, prompts_ids, settings)
-    if backend is None:
-        backend = choose_backend(lm, backend_request(prompts_ids, settings, lm.backend))
-    run = _run(lm, backend, prompts_ids, settings, record_tree, seeds)
+    run = search(lm, prompts_ids, settings, record_tree=record_tree, seeds=seeds,
+                 backend=backend)
     while True:
         try:
             next(run)
         except StopIteration as stop:
             return stop.value
+
+
+def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+           settings: GenerationSettings, *, record_tree: bool = False,
+           seeds: Sequence[int] | None = None, backend: Backend | None = None
+           ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
+    """`beam_search` as it runs: yields the Prefill event and a BeamStep per prompt and
+    step (with the tree's candidates when `record_tree`), returns the results. Ctrl-C
+    thrown into it (`.throw(KeyboardInterrupt)`) ends the search with the best beams so
+    far, marked interrupted."""
+    check_request(lm, prompts_ids, settings)
+    if backend is None:
+        backend = choose_backend(lm, backend_request(prompts_ids, settings, lm.backend))
+    return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
 
 
 def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
@@ -251,7 +263,7 @@ class _Settled(BeamStep):
 
 def _run(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
          settings: GenerationSettings, record_tree: bool, seeds: Sequence[int] | None
-         ) -> Iterator[Prefill | BeamStep]:
+         ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
     """The search, as a generator that yields the Prefill event and a BeamStep per
     prompt and step, and returns the results."""
     plan = _make_plan(lm, settings, record_tree)

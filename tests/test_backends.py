@@ -74,11 +74,13 @@ def test_extend_k_equals_k_steps_and_crop_then_extend_equals_a_fresh_prefill(tin
     torch.testing.assert_close(cropped, fresh, atol=1e-4, rtol=1e-4)
 
 
-def test_reorder_matches_transformers_own_cache_reorder(tiny):
+@pytest.mark.parametrize("name", ["transformers", "native"])
+def test_reorder_matches_transformers_own_cache_reorder(tiny, name):
     """Rows reordered (and duplicated) in our cache give the logits of transformers' own
-    `reorder_cache` on its cache of the same prompts."""
+    `reorder_cache` on its cache of the same prompts: bit for bit on transformers' forward,
+    to float32 rounding on the native kernel (its sums run in another order)."""
     prompts = [[1, 37, 99, 4], [1, 5, 6, 7]]
-    ours = choose_backend(tiny, Request(rows=2, reorder=True))
+    ours = backend_or_skip(tiny, name, rows=2, reorder=True)
     theirs = transformers_backend(tiny.model)
     ours.prefill(prompts, 16)
     theirs.prefill_ids(torch.tensor(prompts), torch.ones(2, 4, dtype=torch.long))
@@ -87,14 +89,33 @@ def test_reorder_matches_transformers_own_cache_reorder(tiny):
     theirs.cache.reorder_cache(order)
     token = torch.tensor([42, 43, 44])
     out = tiny.model(input_ids=token[:, None], past_key_values=theirs.cache, use_cache=True)
-    assert torch.equal(ours.step(token), out.logits[:, -1].float())
+    expected = out.logits[:, -1].float()
+    if name == "transformers":
+        assert torch.equal(ours.step(token), expected)
+    else:
+        torch.testing.assert_close(ours.step(token), expected, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("name", ["lean", "native", "compiled"])
+def test_native_rows_give_each_row_its_own_bits(stories):
+    """A batch on the native backend, rows of different lengths, gives every row the
+    logits of that row alone, bit for bit: a row's tokens do not depend on its
+    batch-mates (so seeds reproduce across batch sizes)."""
+    prompts = [stories.encode("Once upon a time"), stories.encode("The cat"),
+               stories.encode("Lily and Tom went to the park")]
+    batch = backend_or_skip(stories, "native", rows=3)
+    first = batch.prefill(prompts, 64)
+    steps = [batch.step(torch.tensor([42, 7, 300]))]
+    for row, prompt in enumerate(prompts):
+        alone = choose_backend(stories, Request(backend="native"))
+        assert torch.equal(alone.prefill([prompt], 64)[0], first[row])
+        assert torch.equal(alone.step(torch.tensor([[42, 7, 300][row]]))[0], steps[0][row])
+
+
+@pytest.mark.parametrize("name", ["lean", "compiled"])
 def test_one_row_backends_refuse_several_rows_and_reorder_naming_what_works(stories, name):
     with pytest.raises(ConfigError, match=f"the {name} backend runs one row, and this "
                                           f"generation needs beam search; use --backend "
-                                          f"transformers"):
+                                          f"native or transformers"):
         choose_backend(stories, Request(rows=4, reorder=True, backend=name))
     with pytest.raises(ConfigError, match=f"the {name} backend runs one row, and this "
                                           f"generation needs 3 rows at once"):
@@ -129,13 +150,41 @@ def test_auto_picks_native_lean_or_transformers_and_says_why(stories, tiny, monk
     native = kernel.build().library is not None
     backend = choose_backend(stories, Request())
     assert backend.name == ("native" if native else "lean")
-    assert backend.reason == ("one row of a float32 Llama-style model on the CPU" if native
+    assert backend.reason == ("a float32 Llama-style model on the CPU" if native
                               else f"no native kernel: {kernel.build().reason}")
-    assert choose_backend(stories, Request(rows=2)).name == "transformers"
-    assert choose_backend(stories, Request(rows=4, reorder=True)).reason == \
-        "beam search: the lean backends run one row"
+    many = "native" if native else "transformers"
+    assert choose_backend(stories, Request(rows=2)).name == many
+    assert choose_backend(stories, Request(rows=4, reorder=True)).name == many
+    assert choose_backend(tiny, Request(rows=2)).name == \
+        ("transformers" if tiny.ref in ("tiny-gpt2", "tiny-gpt_neox") else many)
     monkeypatch.setenv("GENLAB_NATIVE", "0")
     assert (choose_backend(stories, Request()).name,
             choose_backend(stories, Request()).reason) == ("lean", "GENLAB_NATIVE=0")
+    assert choose_backend(stories, Request(rows=4, reorder=True)).reason == \
+        "beam search, and no native kernel (GENLAB_NATIVE=0): the lean forward runs one row"
     monkeypatch.setenv("GENLAB_LEAN", "0")
     assert choose_backend(stories, Request()).name == "transformers"
+
+
+def test_the_cli_announces_the_kernel_build_once_on_stderr(tmp_path, monkeypatch):
+    """A fresh cache: the first generation says it builds the kernel (stderr, the text on
+    stdout untouched), the second finds it built and says nothing."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from genlib.backends import kernel
+    from tests.conftest import STORIES
+
+    if kernel._compiler() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    kernel.build.cache_clear()
+    try:
+        runs = [CliRunner().invoke(app, ["generate", "Once upon a time", "-m", str(STORIES),
+                                         "-n", "8", "--stats"]) for _ in range(2)]
+    finally:
+        kernel.build.cache_clear()
+    assert [r.exit_code for r in runs] == [0, 0]
+    assert kernel.BUILDING in runs[0].stderr and kernel.BUILDING not in runs[1].stderr
+    assert runs[0].stdout == runs[1].stdout and kernel.BUILDING not in runs[0].stdout
+    assert "backend native" in runs[1].stderr

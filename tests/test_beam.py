@@ -306,6 +306,28 @@ def test_cli_beam_tree_shows_kept_and_pruned():
     assert "greedy" in result.stdout
 
 
+def test_cli_beam_tree_is_drawn_as_the_search_runs_on_a_terminal(monkeypatch):
+    """On a terminal the tree is redrawn after each step it shows (one frame per step,
+    each with the steps so far), and the final frame is the whole tree."""
+    import io
+
+    from rich.console import Console
+
+    import cli.render
+
+    screen = io.StringIO()
+    monkeypatch.setattr(cli.render, "out", Console(file=screen, force_terminal=True,
+                                                   width=140, color_system=None))
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "6",
+                                 "--tree", "--tree-steps", "3", "--no-greedy"])
+    assert result.exit_code == 0, result.output
+    frames = screen.getvalue().split("prompt 'Once upon a time'")[1:]
+    assert len(frames) == 3  # one per step drawn
+    kept = [frame.split("beam search:")[0].count("kept") for frame in frames]
+    assert kept == [2, 4, 6]  # 2 beams kept after each step so far
+    assert "tree cut after 3 of 6 steps" in screen.getvalue()
+
+
 def test_generate_runs_beam_preset():
     result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-p", "beam", "-n",
                                  "10", "--json"])

@@ -118,7 +118,7 @@ def test_metrics_are_those_of_the_samples(default_run):
 
 
 def test_samples_reproduce_generate_with_the_same_seed(stories, default_run):
-    from genlib.decode import generate
+    from genlib.generate import generate
 
     top_k = next(r for r in default_run.results if r.strategy.label == "top-k")
     finishes = generate(stories, [stories.encode(PROMPT)], top_k.strategy.settings)

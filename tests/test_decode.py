@@ -187,9 +187,9 @@ def test_a_one_row_backend_with_beam_search_is_refused_not_ignored(stories):
     from genlib.errors import ConfigError
 
     settings = resolve_settings({"strategy": "beam", "max_new_tokens": 5})
-    with pytest.raises(ConfigError, match="the native backend runs one row.*beam search; "
-                                          "use --backend transformers"):
-        list(generate.stream(stories, [stories.encode("Hi")], settings, backend="native"))
+    with pytest.raises(ConfigError, match="the lean backend runs one row.*beam search; "
+                                          "use --backend native or transformers"):
+        list(generate.stream(stories, [stories.encode("Hi")], settings, backend="lean"))
     result = CliRunner().invoke(app, ["generate", "Hi", "-m", stories.ref, "-s", "beam",
                                       "--backend", "lean", "-n", "5"])
     assert result.exit_code == 2

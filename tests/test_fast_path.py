@@ -70,17 +70,19 @@ def test_static_cache_length_rounds_up_within_positions():
     assert cache_capacity(1, None) == 256
 
 
-def test_compiled_with_a_batch_is_refused_and_auto_takes_transformers(stories):
+def test_compiled_with_a_batch_is_refused_and_auto_takes_another(stories, monkeypatch):
     """Two rows cannot use the static path: --backend compiled is refused, naming what
-    would work, and auto runs the batch on transformers' forward, row for row as each
-    prompt alone."""
+    would work, and auto runs the batch on a backend that holds rows (transformers'
+    forward without the native kernel), row for row as each prompt alone."""
+    monkeypatch.setenv("GENLAB_NATIVE", "0")
     prompts = [stories.encode(PROMPT), stories.encode("The cat")]
     with pytest.raises(ConfigError, match="the compiled backend runs one row.*--backend "
-                                          "transformers"):
+                                          "native or transformers"):
         generate.generate(stories, prompts, greedy(20), backend="compiled")
     events = list(generate.stream(stories, prompts, greedy(20)))
-    assert (events[0].backend, events[0].backend_reason) \
-        == ("transformers", "2 rows: the lean backends run one row")
+    assert (events[0].backend, events[0].backend_reason) == \
+        ("transformers", "2 rows, and no native kernel (GENLAB_NATIVE=0): the lean forward "
+                         "runs one row")
     batch = sorted((e for e in events if type(e).__name__ == "Finish"), key=lambda f: f.row)
     assert [f.token_ids for f in batch] \
         == [generate.generate(stories, [p], greedy(20))[0].token_ids for p in prompts]

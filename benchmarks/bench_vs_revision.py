@@ -1,0 +1,72 @@
+"""This checkout's backends against an earlier revision's paths, interleaved: genlab
+bench on --backend native and lean here, and on --compile and the default loop in the
+other checkout (the revision before the backend interface), round by round, so a busy
+machine slows both alike. Prints each figure's median over the rounds and the ratios.
+
+    git worktree add /tmp/before c515d27
+    python benchmarks/bench_vs_revision.py /tmp/before --model ../shared/models/code-target
+
+Both run with this Python; the earlier checkout's code is put first on its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parents[1]
+FIGURES = ("decode_tps", "e2e_s")
+
+
+def bench(checkout: Path, model: str, flags: list[str], threads: int) -> list[dict]:
+    """One `genlab bench --json` run in `checkout`; its records."""
+    command = [sys.executable, "-m", "cli", "bench", "-m", model, "--runs", "3",
+               "--no-bandwidth", "--threads", str(threads), "--json", *flags]
+    env = {**os.environ, "PYTHONPATH": str(checkout)}
+    done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout)["results"]
+
+
+def label(record: dict) -> str:
+    """now:native, now:lean, before:compile, before:default."""
+    if "backend" in record:
+        return f"now:{record['backend']}"
+    return "before:compile" if record.get("compile") else "before:default"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("before", type=Path, help="a checkout of the earlier revision")
+    parser.add_argument("--model", default="../shared/models/stories260K")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    args = parser.parse_args()
+    model = str(Path(args.model).resolve())
+    seen: dict[str, dict[str, list[float]]] = {}
+    for _ in range(args.rounds):
+        for checkout, flags in ((HERE, ["--backend", "native,lean"]),
+                                (args.before.resolve(), ["--compile"])):
+            for record in bench(checkout, model, flags, args.threads):
+                figures = seen.setdefault(label(record), {f: [] for f in FIGURES})
+                for figure in FIGURES:
+                    figures[figure].append(record[figure])
+    medians = {name: {f: statistics.median(v) for f, v in figs.items()}
+               for name, figs in seen.items()}
+    print(f"model {args.model}, {args.rounds} interleaved rounds of 3 runs, "
+          f"{args.threads} threads; medians")
+    for name, figs in sorted(medians.items()):
+        print(f"  {name:16} decode {figs['decode_tps']:9.1f} tok/s   e2e {figs['e2e_s']:.3f} s")
+    for now, before in (("now:native", "before:compile"), ("now:lean", "before:default")):
+        if now in medians and before in medians:
+            ratio = medians[now]["decode_tps"] / medians[before]["decode_tps"]
+            print(f"  {now} / {before}: decode tok/s x{ratio:.3f}")
+
+
+if __name__ == "__main__":
+    main()
