@@ -11,13 +11,14 @@ the rounds reported (the machine is shared: a configuration never gets a quiet s
 others missed). Positions start after a `--position`-token prefix.
 
     python benchmarks/bench_native_extend.py [--threads 2] [--rounds 7] [--position 128]
-        [--baseline-source old_lean_step.c]
+        [--clock wall|cpu] [--baseline-source old_lean_step.c]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import shlex
 import statistics
 import subprocess
@@ -52,11 +53,15 @@ def prefix(lean: LeanLlama, step: native.NativeStep, length: int, capacity: int)
     return cache
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+clock = CLOCKS["wall"]
+
+
 def seconds(call: Callable[[], None], reps: int) -> float:
-    start = time.perf_counter()
+    start = clock()
     for _ in range(reps):
         call()
-    return (time.perf_counter() - start) / reps
+    return (clock() - start) / reps
 
 
 def step_at(step: native.NativeStep, cache: Any, position: int) -> Callable[[], None]:
@@ -155,13 +160,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--reps", type=int, default=20, help="calls timed per round")
     parser.add_argument("--position", type=int, default=128)
+    parser.add_argument("--clock", choices=CLOCKS, default="wall",
+                        help="cpu: the process's CPU time, which a busy machine's other "
+                        "tenants do not inflate (on one thread; with more it adds up "
+                        "every thread's, spinning at barriers included)")
     parser.add_argument("--baseline-source", type=Path,
                         help="another lean_step.c to time the one-token step against")
     args = parser.parse_args()
+    global clock
+    clock = CLOCKS[args.clock]
     torch.set_num_threads(args.threads)
+    wait = os.environ.get("OMP_WAIT_POLICY")
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, "
           f"{cpu_model()}, {args.threads} threads, "
-          f"python benchmarks/bench_native_extend.py {shlex.join(sys.argv[1:])}")
+          + (f"OMP_WAIT_POLICY={wait} " if wait else "")
+          + f"python benchmarks/bench_native_extend.py {shlex.join(sys.argv[1:])}")
     build = native.ensure_built(lambda line: print(line, file=sys.stderr))
     if build.library is None:
         raise SystemExit(f"no native kernel here: {build.reason}")

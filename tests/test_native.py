@@ -471,3 +471,23 @@ def test_a_broken_library_in_the_cache_is_rebuilt_not_loaded(library, fresh_cach
     lean = LeanLlama.from_model(tiny("llama"))
     assert_native_follows_lean(lean, kernel.NativeStep(lean, 1, build.library), [1, 5],
                                steps=3)
+
+
+def test_a_cloned_or_copied_cache_goes_on_as_the_original(library):
+    """A beam's reorder: a clone, or another cache made to hold the same tokens, gives
+    the original's next logits bit for bit, and writing one leaves the other alone."""
+    lean = LeanLlama.from_model(odd_llama())
+    step = native.NativeStep(lean, 2, library)
+    original, other = lean.new_cache(32), lean.new_cache(32)
+    step.extend(IDS[:9], original)
+    step.extend(IDS[5:8], other)
+    clone = original.clone()
+    other.copy_from(original)
+    assert clone.length == other.length == 9 and clone.native is None
+    expected = step.step_rows([3, 4], [clone, other])
+    assert torch.equal(step.extend([3], original), expected[:1])
+    original.crop(9)
+    assert torch.equal(step.extend([4], original), expected[1:])
+    small = lean.new_cache(4)
+    with pytest.raises(ValueError, match="10 tokens exceed the KV buffers' 4"):
+        small.copy_from(original)

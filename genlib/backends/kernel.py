@@ -14,8 +14,9 @@ compiler and CPU, and called through ctypes, which releases the GIL.
     logits = step.step_rows(tokens, caches)  # (B, vocab): one token each of B rows
 
 Every weight is read once per call however many tokens it feeds, so verifying k drafted
-tokens, or stepping B rows, costs little more than one step while memory is the bound.
-The first build says so on stderr through `ensure_built` (a second or two here).
+tokens, or stepping B rows, costs one pass over the weights plus the tokens' arithmetic
+(each token's sums run as a one-token call runs them: the same bits). `ensure_built(notify)`
+tells its caller before the first build compiles (one to a few seconds).
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
 """

@@ -151,6 +151,28 @@ class LeanCache:
         """Forget everything after the first `length` cached tokens."""
         self.length = min(self.length, length)
 
+    def copy_from(self, other: LeanCache) -> None:
+        """Hold `other`'s tokens: its first `length` positions copied into these buffers
+        (a beam taking over another's history, without new buffers). Only the filled
+        positions are copied; this cache's capacity must hold them."""
+        if other.length > self.capacity:
+            raise ValueError(f"{other.length} tokens exceed the KV buffers' {self.capacity}")
+        with torch.no_grad():
+            for mine, theirs in zip(self.keys + self.values, other.keys + other.values):
+                mine[:, :, :other.length].copy_(theirs[:, :, :other.length])
+        self.length = other.length
+
+    def clone(self) -> LeanCache:
+        """A new cache of the same capacity holding this one's tokens."""
+        def empty(buffers: list[torch.Tensor]) -> list[torch.Tensor]:
+            return [torch.empty_like(b) for b in buffers]
+
+        copy = LeanCache(empty(self.keys), empty(self.values),
+                         position=torch.zeros_like(self.position),
+                         token=torch.zeros_like(self.token))
+        copy.copy_from(self)
+        return copy
+
 
 def eligible_config(config: Any) -> bool:
     """True when a model config (transformers' or config.json's fields as attributes)
