@@ -85,9 +85,11 @@ class NativeBackend(Backend):
         for i in picks:
             source = self.caches[i]
             if i in taken:
-                target = spare.pop() if spare else self.lean.new_cache(source.capacity)
-                copy_cache(source, target)
-                caches.append(target)
+                if spare:
+                    spare[-1].copy_from(source)
+                    caches.append(spare.pop())
+                else:
+                    caches.append(source.clone())
             else:
                 taken.add(i)
                 caches.append(source)
@@ -97,10 +99,3 @@ class NativeBackend(Backend):
     def _update_length(self) -> None:
         self.length = max((cache.length for cache in self.caches), default=0)
 
-
-def copy_cache(source: LeanCache, target: LeanCache) -> None:
-    """Make `target` hold `source`'s cached tokens (same capacity)."""
-    end = source.length
-    for src, dst in zip(source.keys + source.values, target.keys + target.values):
-        dst[:, :, :end].copy_(src[:, :, :end])
-    target.length = end
