@@ -21,7 +21,13 @@ class ConfigError(UserInputError):
 
 
 class PresetError(UserInputError):
-    """A preset cannot be found, parsed or validated."""
+    """A preset cannot be found, parsed or validated. `quotes_file`: the message shows
+    what a preset file holds (a key, a value, a YAML excerpt), which callers passing on
+    messages to others (batch results) must not repeat."""
+
+    def __init__(self, message: str, quotes_file: bool = False):
+        super().__init__(message)
+        self.quotes_file = quotes_file
 
 
 class ModelLoadError(UserInputError):
