@@ -182,8 +182,8 @@ def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
     """Tokenize each job; a line that cannot be (too long, no chat template, a fault
     of the tokenizer) gets its error record and the others go on."""
     from cli import render
-    from genlib.batch import encode, error_record, unexpected
-    from genlib.errors import GenlabError
+    from genlib.batch import encode, error_record
+    from genlib.errors import GenlabError, unexpected
 
     ready = []
     for job in jobs:

@@ -29,7 +29,13 @@ from typing import TYPE_CHECKING, Any
 
 from genlib import jsonl
 from genlib.config import GenerationSettings, resolve_settings, shown, validate_settings
-from genlib.errors import ChatTemplateError, ConfigError, GenlabError, PresetError
+from genlib.errors import (
+    ChatTemplateError,
+    ConfigError,
+    GenlabError,
+    PresetError,
+    unexpected,
+)
 from genlib.presets import load_named_preset
 from genlib.results import (  # noqa: F401  (the batch-file API, importable from here)
     FINGERPRINT_KEY,
@@ -154,12 +160,6 @@ def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
     if isinstance(item, Job):
         return dataclasses.replace(item, fingerprint=job_fingerprint(item, run))
     return dataclasses.replace(item, fingerprint=line_error_fingerprint(text, run))
-
-
-def unexpected(exc: BaseException) -> str:
-    """The one-line wording of a fault that is a bug, not bad input."""
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    return f"unexpected {type(exc).__name__}" + (f": {text}" if text else "")
 
 
 def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:

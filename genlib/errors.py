@@ -40,3 +40,10 @@ class ContextLengthError(UserInputError):
 
 class ChatTemplateError(UserInputError):
     """Chat mode was asked for but the tokenizer has no chat template."""
+
+
+def unexpected(exc: BaseException) -> str:
+    """The one-line wording of a fault that is a bug, not bad input: kept apart from
+    every message a user's input can cause, so a report of one is a bug report."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"unexpected {type(exc).__name__}" + (f": {text}" if text else "")

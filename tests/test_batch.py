@@ -227,6 +227,7 @@ def test_cli_writes_one_line_per_input_line_and_resumes(tmp_path: Path):
     assert first.exit_code == 1  # two lines failed
     records = {r["id"]: r for r in read_results(out)}
     assert set(records) == {"p0", "p1", "p2", "bad", 5}
+    assert records["bad"].pop("fingerprint").startswith("sha256:")
     assert records["bad"] == {"id": "bad", "error": "line 4: top_k must be >= 0, got -1"}
     assert records[5]["error"].startswith("line 5: not valid JSON")
     assert records["p0"]["text"] == ", there was a little girl"
