@@ -58,6 +58,9 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
     `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
     only: given with -i or --input they are refused rather than silently ignored;
     `batch_flags` (--retry-errors, ...) likewise need --input."""
+    batch_only = [name for name, on in (batch_flags or {}).items() if on]
+    if input_path is None and batch_only:
+        raise fail(f"{', '.join(batch_only)} only apply with --input FILE --output FILE")
     mode = "--interactive" if interactive else "--input"
     given = [name for name, on in (single_prompt_flags or {}).items() if on]
     if (interactive or input_path is not None) and given:
@@ -70,9 +73,6 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                    + ("--interactive" if interactive else "--input") + "; drop one")
     if input_path is None and (output is not None or batch_size is not None):
         raise fail("--output and --batch-size only apply with --input FILE")
-    batch_only = [name for name, on in (batch_flags or {}).items() if on]
-    if input_path is None and batch_only:
-        raise fail(f"{', '.join(batch_only)} only apply with --input FILE --output FILE")
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,

@@ -165,7 +165,7 @@ def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
 def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:
     where = f"line {number}"
     try:
-        data = jsonl.loads(text)
+        data = jsonl.loads(text, text_only=False)
     except jsonl.JsonLineError as exc:
         return LineError(number, number, f"{where}: {exc}")
     if not isinstance(data, dict):
@@ -173,8 +173,15 @@ def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:
                                          f'{{"prompt": "..."}}, got {type(data).__name__}')
     try:
         job_id = _line_id(data, number)
-    except ConfigError as exc:
-        return LineError(number, number, str(exc))
+        jsonl.check_text(job_id)
+    except (ConfigError, jsonl.JsonLineError) as exc:
+        message = str(exc)
+        return LineError(number, number, message if message.startswith(f"{where}:")
+                         else f"{where}: id {message}")
+    try:
+        jsonl.check_text(data)
+    except jsonl.JsonLineError as exc:
+        return LineError(job_id, number, f"{where}: {exc}")
     try:
         return _job(data, job_id, number, run)
     except GenlabError as exc:  # every message names the line (settings rules do not)

@@ -36,9 +36,10 @@ def decode_line(raw: bytes) -> str:
     return raw.decode("utf-8", errors="surrogateescape")
 
 
-def loads(text: str) -> Any:
+def loads(text: str, text_only: bool = True) -> Any:
     """Parse one line; JsonLineError with a one-line reason for anything that is not a
-    JSON value made of valid Unicode text."""
+    JSON value (made of valid Unicode text unless `text_only` is False: the caller then
+    checks with `check_text`, say to name the line's id in the message)."""
     bad = first_surrogate(text)
     if bad is not None:
         index, char = bad
@@ -55,11 +56,17 @@ def loads(text: str) -> Any:
         raise JsonLineError("not usable JSON: nested too deeply for the parser") from None
     except ValueError as exc:  # e.g. an integer with more digits than Python converts
         raise JsonLineError(f"not usable JSON ({exc})") from None
+    if text_only:
+        check_text(value)
+    return value
+
+
+def check_text(value: Any) -> None:
+    """JsonLineError if any string in a parsed value holds a lone surrogate escape."""
     bad = lone_surrogate(value)
     if bad is not None:
         raise JsonLineError(f"holds a lone surrogate escape ({bad}), which is not valid "
                             f"Unicode text; remove it or escape a complete pair")
-    return value
 
 
 def first_surrogate(text: str) -> tuple[int, str] | None:
