@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -16,6 +17,18 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT)
 BROKEN_PIPE = 141  # the exit status when the reader of stdout went away (128 + SIGPIPE)
+
+
+STDOUT_CLOSED = ("standard output is closed; redirect it to a file (> out.txt) or to "
+                 "/dev/null to discard it")
+
+
+def _stdout_open() -> bool:
+    try:
+        os.fstat(1)
+    except OSError:
+        return False
+    return True
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:
@@ -33,8 +46,7 @@ def user_errors(command: F) -> F:
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         if sys.stdout is None:  # started with stdout closed (`>&-`): output would vanish
-            raise fail("standard output is closed; redirect it to a file (> out.txt) or "
-                       "to /dev/null to discard it", 2)
+            raise fail(STDOUT_CLOSED, 2)
         try:
             return command(*args, **kwargs)
         except GenlabError as exc:
@@ -53,6 +65,10 @@ def user_errors(command: F) -> F:
             # to stdout (the exit's flush) go nowhere instead of raising again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(BROKEN_PIPE) from None
+        except OSError as exc:
+            if exc.errno == errno.EBADF and not _stdout_open():
+                raise fail(STDOUT_CLOSED, 2) from None
+            raise _unexpected(exc) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):
                 raise  # Typer's own exits and usage errors
