@@ -101,7 +101,8 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         preset_settings=preset.settings if preset else {},
         flags={k: v for k, v in flags.items() if k != "seed"},
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
-        chat=chat, system=system, model=gb.model_identity(model_ref))
+        chat=chat, system=system,
+        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize))
     items = gb.parse_lines(gb.read_input(input_path), run_defaults)
     tally = Tally(lines=len(items))
     results = gb.ResultsFile.open(out_path) if out_path else gb.ResultsFile.stdout()

@@ -94,11 +94,15 @@ class RunDefaults:
     model: str = ""
 
 
-def model_identity(ref: str) -> str:
+def model_identity(ref: str, dtype: str = "auto", quantize: str = "none") -> str:
     """The model as fingerprints name it: a local folder by its absolute real path (so
-    `./m` and `/abs/m` agree), a hub id as given."""
+    `./m` and `/abs/m` agree), a hub id as given; with the dtype and quantization asked
+    for when they are not the defaults (they change the logits, so the texts)."""
     path = Path(ref).expanduser()
-    return str(path.resolve()) if path.exists() else ref
+    name = str(path.resolve()) if path.exists() else ref
+    if (dtype, quantize) != ("auto", "none"):
+        name += f" (dtype {dtype}, quantize {quantize})"
+    return name
 
 
 # ---------------------------------------------------------------- fingerprints
@@ -141,7 +145,7 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
         item = parse_line(text, number, run)
         key = id_key(item.id)
         if key in seen:
-            raise BatchFileError(f"line {number}: id {item.id!r} is also the id of line "
+            raise BatchFileError(f"line {number}: id {shown(item.id)} is also the id of line "
                                  f"{seen[key]} (a line without an id has its line number "
                                  f"as id); ids must be unique")
         seen[key] = number
