@@ -273,7 +273,11 @@ class ResultsFile:
         gone = set(keys)
         real = Path(os.path.realpath(self.path))
         temp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
-        fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+        except OSError as exc:
+            raise BatchFileError(f"cannot rewrite {self.path} to redo lines: its folder "
+                                 f"must be writable ({exc.strerror})") from None
         try:
             moved = ResultsFile(self.path, fd=fd)
             if self.locked:
