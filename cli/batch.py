@@ -7,7 +7,6 @@ wires it to the terminal: progress, summary, exit code.
 
 from __future__ import annotations
 
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,7 @@ from cli.errors import INTERRUPTED, fail
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from genlib.batch import Job, ResultWriter
+    from genlib.batch import Job, ResultsFile, ResumePlan
 
 
 DEFAULT_BATCH_SIZE = 16
@@ -36,18 +35,32 @@ class Tally:
     failed: int = 0
     skipped: int = 0
     failed_before: int = 0
+    redone: int = 0
     tokens: int = 0
     interrupted: bool = False
     generating_s: float = 0.0  # model loading excluded, for tokens/s
 
 
+@dataclass(frozen=True)
+class ResumeFlags:
+    """What to do with earlier results that are not plainly done."""
+
+    redo_changed: bool = False
+    retry_errors: bool = False
+
+
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                 output: str | None, batch_size: int | None,
-                single_prompt_flags: dict[str, bool] | None = None) -> None:
+                single_prompt_flags: dict[str, bool] | None = None,
+                batch_flags: dict[str, bool] | None = None) -> None:
     """The ways to run `genlab generate` exclude each other; say which flag to drop.
 
     `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
-    only: given with -i or --input they are refused rather than silently ignored."""
+    only: given with -i or --input they are refused rather than silently ignored;
+    `batch_flags` (--retry-errors, ...) likewise need --input."""
+    batch_only = [name for name, on in (batch_flags or {}).items() if on]
+    if input_path is None and batch_only:
+        raise fail(f"{', '.join(batch_only)} only apply with --input FILE --output FILE")
     mode = "--interactive" if interactive else "--input"
     given = [name for name, on in (single_prompt_flags or {}).items() if on]
     if (interactive or input_path is not None) and given:
@@ -64,10 +77,11 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         input_path: Path, output: str | None, batch_size: int | None, chat: bool,
-        system: str | None) -> None:
+        system: str | None, resume: ResumeFlags = ResumeFlags()) -> None:
     """Entry point from `genlab generate --input`."""
     from genlib import batch as gb
     from genlib.config import resolve_settings
+    from genlib.models import resolve_model_ref
     from genlib.presets import load_preset
 
     batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
@@ -82,25 +96,26 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise fail("--output is the --input file; give another file for the results")
     preset = load_preset(preset_ref) if preset_ref else None
     resolve_settings(flags, preset.settings if preset else None)  # bad flags: fail once
+    model_ref = resolve_model_ref(model_flags.model, preset.model if preset else None)
     run_defaults = gb.RunDefaults(
         preset_settings=preset.settings if preset else {},
         flags={k: v for k, v in flags.items() if k != "seed"},
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
-        chat=chat, system=system)
+        chat=chat, system=system,
+        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize))
     items = gb.parse_lines(gb.read_input(input_path), run_defaults)
-    done = _resume(out_path) if out_path is not None else {}
     tally = Tally(lines=len(items))
-    writer = gb.ResultWriter.open(out_path) if out_path else gb.ResultWriter(sys.stdout)
+    results = gb.ResultsFile.open(out_path) if out_path else gb.ResultsFile.stdout()
     start = time.perf_counter()
-    try:
-        todo = _write_line_errors(items, done, writer, tally)
-        if todo:
-            lm = load(model_flags, preset, quick=batch_size == 1)
-            _generate(lm, todo, run_defaults, batch_size, writer, tally)
-    except KeyboardInterrupt:
-        tally.interrupted = True
-    finally:
-        writer.close()
+    with results:
+        plan = _resume(results, items, resume, tally)
+        try:
+            todo = _write_line_errors(items, plan, results, tally)
+            if todo:
+                lm = load(model_flags, preset, quick=batch_size == 1)
+                _generate(lm, todo, run_defaults, batch_size, results, tally)
+        except KeyboardInterrupt:
+            tally.interrupted = True
     _summary(tally, time.perf_counter() - start)
     if tally.interrupted:
         raise typer.Exit(INTERRUPTED)
@@ -108,55 +123,78 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise typer.Exit(1)
 
 
-def _resume(path: Path) -> dict[str, dict[str, Any]]:
+def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: Tally
+            ) -> ResumePlan:
+    """Lock the results file, read what it holds and decide what to run; before any
+    work, so a busy or stale file stops the run with nothing generated."""
     from cli import render
-    from genlib.batch import scan_output
+    from genlib.batch import id_key, plan_resume
 
-    done, cut = scan_output(path)
-    if cut:
-        render.warn(f"{path}: removed a half-written last line ({cut} bytes) left by an "
-                    f"interrupted run; that line will be generated again")
-    if done:
-        render.info(f"resuming: {len(done)} results already in {path} are kept")
-    return done
+    if results.resumable and not results.lock():
+        render.warn("this platform has no file locks: make sure no other run writes "
+                    f"{results.name}")
+    elif not results.resumable and results.path is not None:
+        render.info(f"{results.name} is not a regular file: results are streamed to it, "
+                    f"and a rerun starts over")
+    prior = results.read()
+    if results.repaired_bytes:
+        render.warn(f"{results.name}: removed a half-written last line "
+                    f"({results.repaired_bytes} bytes) left by an interrupted run; that "
+                    f"line will be generated again")
+    wanted = {id_key(item.id): item.fingerprint for item in items}
+    plan = plan_resume(wanted, prior, redo_changed=resume.redo_changed,
+                       retry_errors=resume.retry_errors)
+    results.drop(plan.drop)
+    tally.skipped, tally.failed_before = len(plan.kept), plan.failed_before
+    tally.redone = len(plan.drop)
+    if plan.kept:
+        render.info(f"resuming: {len(plan.kept)} results already in {results.name} are kept")
+    if plan.drop:
+        render.info(f"generating again: {len(plan.changed)} changed line(s), "
+                    f"{len(plan.drop) - len(plan.changed)} earlier error(s)")
+    if plan.orphans:
+        render.warn(f"{results.name} holds {plan.orphans} result(s) for ids no input line "
+                    f"has; they are left as they are")
+    return plan
 
 
-def _write_line_errors(items: list[Any], done: dict[str, dict[str, Any]],
-                       writer: ResultWriter, tally: Tally) -> list[Job]:
-    """Skip ids already done, write an error for each bad line; return the jobs to run."""
+def _write_line_errors(items: list[Any], plan: ResumePlan, results: ResultsFile,
+                       tally: Tally) -> list[Job]:
+    """Write an error for each bad line to run; return the jobs to generate."""
     from cli import render
     from genlib.batch import LineError, error_record, id_key
 
+    run = set(plan.run)
     todo = []
     for item in items:
-        previous = done.get(id_key(item.id))
-        if previous is not None:
-            tally.skipped += 1
-            tally.failed_before += "error" in previous
+        if id_key(item.id) not in run:
             continue
         if isinstance(item, LineError):
             render.error(item.message)
-            writer.write(error_record(item.id, item.message))
+            results.append(error_record(item, item.message))
             tally.failed += 1
         else:
             todo.append(item)
     return todo
 
 
-def _encode_all(lm: Any, jobs: list[Job], writer: ResultWriter, tally: Tally,
+def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
                 run_defaults: Any) -> list[Job]:
+    """Tokenize each job; a line that cannot be (too long, no chat template, a fault
+    of the tokenizer) gets its error record and the others go on."""
     from cli import render
     from genlib.batch import encode, error_record
-    from genlib.errors import GenlabError
+    from genlib.errors import GenlabError, unexpected
 
     ready = []
     for job in jobs:
         try:
             encode(lm, job, run_defaults)
-        except GenlabError as exc:
-            message = f"line {job.line}: {exc}"
+        except Exception as exc:  # noqa: BLE001  (isolation: one line's fault is its own)
+            reason = str(exc) if isinstance(exc, GenlabError) else unexpected(exc)
+            message = f"line {job.line}: {reason}"
             render.error(message)
-            writer.write(error_record(job.id, message))
+            results.append(error_record(job, message))
             tally.failed += 1
             continue
         ready.append(job)
@@ -164,11 +202,11 @@ def _encode_all(lm: Any, jobs: list[Job], writer: ResultWriter, tally: Tally,
 
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
-              writer: ResultWriter, tally: Tally) -> None:
+              results: ResultsFile, tally: Tally) -> None:
     from cli import render
     from genlib.batch import error_record, generate_jobs, result_record
 
-    ready = _encode_all(lm, jobs, writer, tally, run_defaults)
+    ready = _encode_all(lm, jobs, results, tally, run_defaults)
     progress = _progress(len(jobs))
     task = progress.add_task("generating", total=len(jobs), tps="")
     progress.update(task, advance=len(jobs) - len(ready))
@@ -178,13 +216,13 @@ def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
             if isinstance(outcome, str):
                 message = f"line {job.line}: {outcome}"
                 render.error(message)
-                writer.write(error_record(job.id, message))
+                results.append(error_record(job, message))
                 tally.failed += 1
             elif outcome.reason == "interrupted":
                 tally.interrupted = True  # not written: a resumed run generates it again
                 continue
             else:
-                writer.write(result_record(job, outcome))
+                results.append(result_record(job, outcome))
                 tally.done += 1
                 tally.tokens += outcome.new_tokens
             tally.generating_s = time.perf_counter() - start
@@ -216,6 +254,10 @@ def _summary(tally: Tally, seconds: float) -> None:
         parts.append(f"{tally.skipped} already done"
                      + (f" ({tally.failed_before} of them failed)" if tally.failed_before
                         else ""))
+        if tally.failed_before:
+            parts.append("--retry-errors runs the failed ones again")
+    if tally.redone:
+        parts.append(f"{tally.redone} redone")
     rate = tally.tokens / tally.generating_s if tally.generating_s > 0 else 0.0
     parts += [f"{tally.tokens:,} tokens", f"{seconds:.1f} s", f"{rate:,.0f} tok/s"]
     if tally.interrupted:

@@ -5,8 +5,10 @@ optionally against transformers' `model.generate()` measured in the same run."""
 from __future__ import annotations
 
 import csv
+import os
 import sys
 from itertools import product
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -189,6 +191,9 @@ def bench(
     check_plot_available(plot)
     if as_json and csv_path == "-":
         raise fail("--json and --csv - both write to stdout; send the CSV to a file")
+    if csv_path is not None and csv_path != "-":
+        check_writable(Path(csv_path), "--csv")
+    check_threads(threads)
     groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, backends,
                          no_cache)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
@@ -322,6 +327,32 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
                          f"{bound:,.0f} tok/s at batch 1 at that median (each row's % uses "
                          f"its own configuration's samples)")
     out.print("[dim]" + " · ".join(notes) + "[/]")
+
+
+# More torch threads than this many per logical CPU only contend, and each one costs
+# memory and start-up time: a typo (--threads 2000) is refused before the sweep.
+THREADS_PER_CPU = 4
+
+
+def check_threads(threads: int | None) -> None:
+    cpus = os.cpu_count() or 1
+    if threads is not None and threads > THREADS_PER_CPU * cpus:
+        raise fail(f"--threads {threads} is more than {THREADS_PER_CPU} per logical CPU of "
+                   f"this machine ({cpus} CPUs: at most {THREADS_PER_CPU * cpus}); pass a "
+                   f"count up to {cpus} to use every CPU")
+
+
+def check_writable(path: Path, flag: str) -> None:
+    """Fail before the benchmark runs, not after, when its output file cannot be
+    written: a directory, a missing folder, no permission."""
+    if path.is_dir():
+        raise fail(f"{flag} {path} is a directory; give a file name")
+    folder = path.parent
+    if not folder.is_dir():
+        raise fail(f"{flag} {path}: folder {folder} does not exist")
+    target = path if path.exists() else folder
+    if not os.access(target, os.W_OK):
+        raise fail(f"{flag} {path} cannot be written (no permission)")
 
 
 def write_csv(records: list[dict[str, Any]], path: str) -> None:

@@ -497,6 +497,9 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     from genlib.compare import Comparison
 
     lm = load(model_flags)
+    # Refused before tokenizing when no strategy could fit it (each still checks its own).
+    least = min((s.settings.max_new_tokens for s in strategies), default=1)
+    lm.check_prompt_chars(text, least)
     ids = lm.encode(text)
     console = console_for("-" in (json_path, markdown_path))
     results, interrupted = run_live(lm, text, ids, strategies, console)

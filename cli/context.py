@@ -70,17 +70,41 @@ def build_native_kernel(lm: LoadedModel) -> None:
         kernel.ensure_built(notify)
 
 
+MAX_STDIN_BYTES = 64 << 20  # far beyond any model's context; more is a mistaken pipe
+
+
 def read_prompt(prompt: str | None) -> str:
-    """The prompt argument, or stdin for `-` / no argument with piped input."""
+    """The prompt argument, or stdin for `-` / no argument with piped input; either must
+    be UTF-8 text."""
     if prompt is not None and prompt != "-":
-        return prompt
+        return text_of(prompt, "the prompt argument")
     if prompt is None and sys.stdin.isatty():
         raise fail("no prompt: pass one as an argument, pipe it on stdin, or use -i")
-    text = sys.stdin.read()
+    data = sys.stdin.buffer.read(MAX_STDIN_BYTES + 1)
+    if len(data) > MAX_STDIN_BYTES:
+        raise fail(f"the prompt on stdin is larger than {MAX_STDIN_BYTES >> 20} MiB, far "
+                   f"more than a model's context holds; send a shorter one")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise fail(f"stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
+                   f"{exc.start}); genlab reads prompts as UTF-8") from None
     if text.endswith("\n"):
         text = text[:-1]
     if not text:
         raise fail("the prompt read from stdin is empty")
+    return text
+
+
+def text_of(text: str, what: str) -> str:
+    """`text`, if it is valid Unicode: arguments that were not UTF-8 bytes reach Python
+    as lone surrogates, which no tokenizer takes."""
+    from genlib.jsonl import first_surrogate
+
+    bad = first_surrogate(text)
+    if bad is not None:
+        raise fail(f"{what} is not valid UTF-8 text (character {bad[0] + 1}); genlab "
+                   f"reads prompts as UTF-8")
     return text
 
 
@@ -93,6 +117,8 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
     else:
         if system:
             raise fail("--system needs --chat")
+        if not truncate:  # a prompt that cannot fit is refused before tokenizing it
+            lm.check_prompt_chars(prompt, max_new_tokens)
         ids = lm.encode(prompt)
     if truncate and lm.max_positions is not None:
         room = lm.max_positions - max_new_tokens

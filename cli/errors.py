@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import sys
@@ -18,6 +19,18 @@ INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT)
 BROKEN_PIPE = 141  # the exit status when the reader of stdout went away (128 + SIGPIPE)
 
 
+STDOUT_CLOSED = ("standard output is closed; redirect it to a file (> out.txt) or to "
+                 "/dev/null to discard it")
+
+
+def _stdout_open() -> bool:
+    try:
+        os.fstat(1)
+    except OSError:
+        return False
+    return True
+
+
 def fail(message: str, code: int = 2) -> typer.Exit:
     from cli.render import error
 
@@ -32,10 +45,18 @@ def user_errors(command: F) -> F:
 
     @functools.wraps(command)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if sys.stdout is None:  # started with stdout closed (`>&-`): output would vanish
+            raise fail(STDOUT_CLOSED, 2)
         try:
             return command(*args, **kwargs)
         except GenlabError as exc:
             raise fail(str(exc), exc.exit_code) from None
+        except UnicodeEncodeError as exc:
+            if exc.encoding.lower().replace("-", "") in ("utf8", "utf16", "utf32"):
+                raise _unexpected(exc) from None  # no character it lacks: a bug
+            raise fail(f"the output holds a character ({exc.object[exc.start:exc.end]!r}) "
+                       f"that the output encoding {exc.encoding} cannot write; set "
+                       f"PYTHONIOENCODING=utf-8 or use a UTF-8 locale", 1) from None
         except KeyboardInterrupt:  # outside the loops that keep what they produced
             raise fail("interrupted", INTERRUPTED) from None
         except BrokenPipeError:
@@ -44,14 +65,22 @@ def user_errors(command: F) -> F:
             # to stdout (the exit's flush) go nowhere instead of raising again.
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
             raise typer.Exit(BROKEN_PIPE) from None
+        except OSError as exc:
+            if exc.errno == errno.EBADF and not _stdout_open():
+                raise fail(STDOUT_CLOSED, 2) from None
+            raise _unexpected(exc) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):
                 raise  # Typer's own exits and usage errors
-            # Anything else is a bug or an environment failure: still one line for the
-            # user, and the traceback on request for a bug report.
-            if os.environ.get("GENLAB_DEBUG"):
-                raise
-            raise fail(f"unexpected {type(exc).__name__}: {exc} (run with GENLAB_DEBUG=1 "
-                       f"for the traceback)", 1) from None
+            raise _unexpected(exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def _unexpected(exc: Exception) -> typer.Exit:
+    """A bug or an environment failure: still one line for the user, and the traceback
+    on request (GENLAB_DEBUG=1) for a bug report."""
+    if os.environ.get("GENLAB_DEBUG"):
+        raise exc
+    return fail(f"unexpected {type(exc).__name__}: {exc} (run with GENLAB_DEBUG=1 "
+                f"for the traceback)", 1)

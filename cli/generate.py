@@ -134,6 +134,13 @@ def generate(
         "resumes it.")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Rows per forward pass with --input (default 16).")] = None,
+    retry_errors: Annotated[bool, typer.Option(
+        "--retry-errors", help="With --input: generate again the lines whose earlier "
+        "result in --output is an error.")] = False,
+    redo_changed: Annotated[bool, typer.Option(
+        "--redo-changed", help="With --input: generate again the lines whose prompt or "
+        "settings changed since their result in --output was written (otherwise "
+        "refused).")] = False,
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -145,18 +152,20 @@ def generate(
     flags = opt.decoding_flags(locals())
     opt.refuse_compile(compile)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
-    if interactive or input_file is not None or output is not None or batch_size is not None:
+    if (interactive or input_file is not None or output is not None or batch_size is not None
+            or retry_errors or redo_changed):
         from cli import batch as batch_cmd
 
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--stats": show_stats,
-                               "--truncate-prompt": truncate_prompt})
+                               "--truncate-prompt": truncate_prompt},
+                              {"--retry-errors": retry_errors, "--redo-changed": redo_changed})
         if interactive:
             from cli import repl
 
             return repl.run(flags, preset, model_flags, chat, system)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
-                             chat, system)
+                             chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors))
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)

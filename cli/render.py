@@ -85,7 +85,10 @@ def end_line() -> None:
 
 
 def json_line(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
+    # Readable UTF-8 where stdout takes it; \u escapes (the same JSON) where its
+    # encoding could not hold every character (PYTHONIOENCODING=ascii, a latin-1 locale).
+    utf8 = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "") == "utf8"
+    sys.stdout.write(json.dumps(obj, ensure_ascii=not utf8) + "\n")
     sys.stdout.flush()
 
 

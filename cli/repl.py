@@ -17,7 +17,7 @@ from cli import render
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail
 from genlib.config import GenerationSettings, parse_assignments, resolve_settings
-from genlib.errors import GenlabError
+from genlib.errors import GenlabError, unexpected
 
 if TYPE_CHECKING:
     from genlib.events import Finish
@@ -76,11 +76,46 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     if chat:
         set_chat(session, "on")
     history = History.open()
+    _lenient_stdin()
     render.info(f"genlab interactive · {lm.ref} · /help for commands, Ctrl-D to quit")
     try:
         loop(session)
+    except Exception:
+        rescue(session)  # whatever ended the session, the answers so far are kept
+        raise
     finally:
         history.save()
+
+
+def _lenient_stdin() -> None:
+    """Read bytes that are not UTF-8 as lone surrogates instead of raising mid-line, so
+    the loop can refuse that one line and the input stream stays usable."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="surrogateescape")
+        except (ValueError, OSError):
+            pass  # a stream that cannot change: a bad line ends the session as EOF would
+
+
+def rescue(session: Session) -> Path | None:
+    """Write the session's turns to a file in the user data folder and say where;
+    for a session ended by a fault no handler foresaw."""
+    if not session.turns:
+        return None
+    import time
+
+    from platformdirs import user_data_dir
+
+    path = Path(user_data_dir("genlab")) / f"session-{time.strftime('%Y%m%d-%H%M%S')}.jsonl"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_turns(path, session.turns)
+    except OSError as exc:
+        render.warn(f"cannot keep this session's {len(session.turns)} turns in {path} ({exc})")
+        return None
+    render.warn(f"the session ended early; its {len(session.turns)} turns are in {path}")
+    return path
 
 
 def loop(session: Session) -> None:
@@ -99,6 +134,8 @@ def loop(session: Session) -> None:
             continue  # Ctrl-C on a typed line drops it, as shells do
         if not text.strip():
             continue
+        if not valid_text(text):
+            continue
         if text.startswith("/"):
             if not command(session, text.strip()):
                 return
@@ -109,6 +146,26 @@ def loop(session: Session) -> None:
             render.error(str(exc))
         except KeyboardInterrupt:
             render.info("[interrupted]")
+        except Exception as exc:  # noqa: BLE001  (a fault in one turn never ends the session)
+            render.error(f"{unexpected(exc)} (the session goes on; GENLAB_DEBUG=1 shows "
+                         f"tracebacks)")
+            if os.environ.get("GENLAB_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+
+
+def valid_text(text: str) -> bool:
+    """Whether a typed line is Unicode text; says so when it is not (bytes that were not
+    UTF-8 reach here as lone surrogates)."""
+    from genlib.jsonl import first_surrogate
+
+    bad = first_surrogate(text)
+    if bad is None:
+        return True
+    render.error(f"that line is not valid UTF-8 (character {bad[0] + 1}); nothing was run, "
+                 f"type it again")
+    return False
 
 
 # ---------------------------------------------------------------- reading input
@@ -255,6 +312,8 @@ def command(session: Session, text: str) -> bool:
         handler()
     except GenlabError as exc:
         render.error(str(exc))  # nothing changed: each handler validates before it assigns
+    except Exception as exc:  # noqa: BLE001  (a fault in one command never ends the session)
+        render.error(f"{name}: {unexpected(exc)} (the session goes on)")
     return True
 
 
@@ -335,12 +394,19 @@ def save(session: Session, args: str) -> None:
         raise CommandError("/save needs a file name, e.g. /save session.jsonl")
     path = Path(args).expanduser()
     try:
-        with path.open("w", encoding="utf-8") as fh:
-            for record in session.turns:
-                fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        write_turns(path, session.turns)
     except OSError as exc:
         raise CommandError(f"cannot write {path} ({exc})") from None
     render.info(f"saved {len(session.turns)} turns to {path}")
+
+
+def write_turns(path: Path, turns: list[dict[str, Any]]) -> None:
+    """The turns as JSON Lines (genlib.jsonl: one line each, whatever the text holds)."""
+    from genlib import jsonl
+
+    with path.open("wb") as fh:
+        for record in turns:
+            fh.write(jsonl.dumps(record))
 
 
 # ---------------------------------------------------------------- one turn
@@ -360,6 +426,7 @@ def turn(session: Session, text: str) -> None:
         system = [{"role": "system", "content": session.system}] if session.system else []
         ids = lm.encode_chat([*system, *messages])
     else:
+        lm.check_prompt_chars(text, settings.max_new_tokens)
         ids = lm.encode(text)
     lm.check_fits(len(ids), settings.max_new_tokens)
     finish = stream_answer(lm, ids, settings)

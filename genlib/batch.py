@@ -4,27 +4,51 @@ and write one result line per input line as soon as it is done.
 
 Input lines are JSON objects: `prompt` (or `messages` for chat models), an optional `id`
 (`custom_id` is accepted too, as in the OpenAI batch format) and any generation setting
-as a per-line override, `preset` included. Without an id, the 1-based line number is it.
+as a per-line override, `preset` (a preset name) included. Without an id, the 1-based
+line number is it.
 
 Results do not depend on how lines are batched: each sampled line draws from its own
 generator seeded with `derive_seed(run_seed, id)`, and the decode loop keeps one
 generator per row. So a line's output is the same at any batch size and on a resumed
-run, which is what makes resuming (skip ids already in the output) safe.
+run, which is what makes resuming safe. Each line carries a fingerprint of its prompt and
+effective settings (`item_fingerprint`), stored with its result: the results file
+(genlib.results, re-exported here) keeps a result only while its line is unchanged.
+
+One line's fault is that line's error record: a line that cannot be parsed, encoded or
+generated never stops its batch-mates or the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any
 
-from genlib.config import GenerationSettings, resolve_settings, validate_settings
-from genlib.errors import ChatTemplateError, ConfigError, GenlabError, UserInputError
-from genlib.presets import load_preset
+from genlib import jsonl
+from genlib.config import GenerationSettings, resolve_settings, shown, validate_settings
+from genlib.errors import (
+    ChatTemplateError,
+    ConfigError,
+    GenlabError,
+    PresetError,
+    unexpected,
+)
+from genlib.presets import load_named_preset
+from genlib.results import (  # noqa: F401  (the batch-file API, importable from here)
+    FINGERPRINT_KEY,
+    BatchFileError,
+    OutputBusyError,
+    Prior,
+    ResultsFile,
+    ResumePlan,
+    StaleResultsError,
+    fingerprint,
+    id_key,
+    plan_resume,
+)
 
 if TYPE_CHECKING:
     from genlib.models import LoadedModel
@@ -32,10 +56,6 @@ if TYPE_CHECKING:
 ID_KEYS = ("id", "custom_id")
 INPUT_KEYS = ("prompt", "messages", "preset", *ID_KEYS)
 DEFAULT_SEED = 0  # without --seed, a batch is still reproducible and resumable
-
-
-class BatchFileError(UserInputError):
-    """The input or output file of a batch run cannot be used as given."""
 
 
 @dataclass
@@ -48,6 +68,7 @@ class Job:
     prompt: str | None = None
     messages: list[dict[str, str]] | None = None
     ids: list[int] = field(default_factory=list)  # token ids, once encoded
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
@@ -57,22 +78,54 @@ class LineError:
     id: str | int
     line: int
     message: str
+    fingerprint: str = ""
 
 
 @dataclass(frozen=True)
 class RunDefaults:
-    """The run's own settings, under every line: its --preset's and its explicit flags."""
+    """The run's own settings, under every line: its --preset's and its explicit flags,
+    and the model (by `model_identity`), which every line's fingerprint includes."""
 
     preset_settings: Mapping[str, Any]
     flags: Mapping[str, Any]
     seed: int = DEFAULT_SEED
     chat: bool = False
     system: str | None = None
+    model: str = ""
 
 
-def id_key(value: str | int) -> str:
-    """A hashable, type-exact key for an id (1 and "1" are different ids)."""
-    return json.dumps(value)
+def model_identity(ref: str, dtype: str = "auto", quantize: str = "none") -> str:
+    """The model as fingerprints name it: a local folder by its absolute real path (so
+    `./m` and `/abs/m` agree), a hub id as given; with the dtype and quantization asked
+    for when they are not the defaults (they change the logits, so the texts)."""
+    path = Path(ref).expanduser()
+    name = str(path.resolve()) if path.exists() else ref
+    if (dtype, quantize) != ("auto", "none"):
+        name += f" (dtype {dtype}, quantize {quantize})"
+    return name
+
+
+# ---------------------------------------------------------------- fingerprints
+
+
+def job_fingerprint(job: Job, run: RunDefaults) -> str:
+    """What a line's output depends on: model, prompt or messages, chat framing and the
+    effective settings (the seed only where it is used: sampling)."""
+    settings = job.settings.to_dict()
+    if not job.settings.do_sample:
+        settings["seed"] = None
+    chat = run.chat or job.messages is not None
+    return fingerprint({"model": run.model, "prompt": job.prompt, "messages": job.messages,
+                        "chat": run.chat, "system": run.system if chat else None,
+                        "settings": settings})
+
+
+def line_error_fingerprint(text: str, run: RunDefaults) -> str:
+    """A line that is not a job: its text and the run's settings (a changed flag may
+    make it valid)."""
+    return fingerprint({"model": run.model, "line": text.strip(),
+                        "run": {"preset": dict(run.preset_settings), "flags": dict(run.flags),
+                                "seed": run.seed, "chat": run.chat, "system": run.system}})
 
 
 # ---------------------------------------------------------------- parsing
@@ -92,7 +145,7 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
         item = parse_line(text, number, run)
         key = id_key(item.id)
         if key in seen:
-            raise BatchFileError(f"line {number}: id {item.id!r} is also the id of line "
+            raise BatchFileError(f"line {number}: id {shown(item.id)} is also the id of line "
                                  f"{seen[key]} (a line without an id has its line number "
                                  f"as id); ids must be unique")
         seen[key] = number
@@ -101,20 +154,38 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
 
 
 def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
-    """One JSONL line -> Job, or LineError naming the line number and how to fix it."""
+    """One JSONL line -> Job (with its fingerprint), or LineError naming the line number
+    and how to fix it. Never raises for what a line holds: a fault no rule foresaw (a
+    bug) is that line's error too, in the "unexpected" wording of bugs."""
+    try:
+        item = _parse(text, number, run)
+    except Exception as exc:  # noqa: BLE001  (isolation: one line never stops the file)
+        item = LineError(number, number, f"line {number}: {unexpected(exc)}")
+    if isinstance(item, Job):
+        return dataclasses.replace(item, fingerprint=job_fingerprint(item, run))
+    return dataclasses.replace(item, fingerprint=line_error_fingerprint(text, run))
+
+
+def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:
     where = f"line {number}"
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        return LineError(number, number, f"{where}: not valid JSON ({exc.msg} at column "
-                                         f"{exc.colno})")
+        data = jsonl.loads(text, text_only=False)
+    except jsonl.JsonLineError as exc:
+        return LineError(number, number, f"{where}: {exc}")
     if not isinstance(data, dict):
         return LineError(number, number, f"{where}: expected a JSON object like "
                                          f'{{"prompt": "..."}}, got {type(data).__name__}')
     try:
         job_id = _line_id(data, number)
-    except ConfigError as exc:
-        return LineError(number, number, str(exc))
+        jsonl.check_text(job_id)
+    except (ConfigError, jsonl.JsonLineError) as exc:
+        message = str(exc)
+        return LineError(number, number, message if message.startswith(f"{where}:")
+                         else f"{where}: id {message}")
+    try:
+        jsonl.check_text(data)
+    except jsonl.JsonLineError as exc:
+        return LineError(job_id, number, f"{where}: {exc}")
     try:
         return _job(data, job_id, number, run)
     except GenlabError as exc:  # every message names the line (settings rules do not)
@@ -132,7 +203,7 @@ def _line_id(data: Mapping[str, Any], number: int) -> str | int:
     value = data[given[0]]
     if isinstance(value, bool) or not isinstance(value, (str, int)):
         raise ConfigError(f"line {number}: {given[0]} must be a string or an integer, "
-                          f"got {value!r}")
+                          f"got {shown(value)}")
     return value
 
 
@@ -143,12 +214,24 @@ def _job(data: Mapping[str, Any], job_id: str | int, number: int, run: RunDefaul
     validate_settings(overrides, where)
     line_preset: Mapping[str, Any] = {}
     if "preset" in data:
-        if not isinstance(data["preset"], str):
-            raise ConfigError(f"{where}: preset must be a preset name or path, "
-                              f"got {data['preset']!r}")
-        line_preset = load_preset(data["preset"]).settings
+        line_preset = _line_preset(data["preset"], where)
     settings = line_settings(run, line_preset, overrides, job_id, where)
     return Job(id=job_id, line=number, settings=settings, prompt=prompt, messages=messages)
+
+
+def _line_preset(name: Any, where: str) -> Mapping[str, Any]:
+    """A line's preset, by name only: input lines may come from anyone, so they open no
+    file of their choosing, and a message never quotes a preset file's contents."""
+    if not isinstance(name, str):
+        raise ConfigError(f"{where}: preset must be a preset name (`genlab presets list`), "
+                          f"got a {type(name).__name__}")
+    try:
+        return load_named_preset(name).settings
+    except PresetError as exc:
+        if exc.quotes_file:  # found, but broken: say which, not what it holds
+            raise PresetError(f"preset {name!r} cannot be loaded; `genlab presets show "
+                              f"{name}` says why") from None
+        raise
 
 
 def _prompt_of(data: Mapping[str, Any], where: str
@@ -159,7 +242,7 @@ def _prompt_of(data: Mapping[str, Any], where: str
     if "prompt" in data:
         prompt = data["prompt"]
         if not isinstance(prompt, str) or not prompt:
-            raise ConfigError(f"{where}: prompt must be a non-empty string, got {prompt!r}")
+            raise ConfigError(f"{where}: prompt must be a non-empty string, got {shown(prompt)}")
         return prompt, None
     messages = data["messages"]
     ok = isinstance(messages, list) and messages and all(
@@ -195,7 +278,10 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
 
 
 def encode(lm: LoadedModel, job: Job, run: RunDefaults) -> None:
-    """Fill `job.ids`; GenlabError (no chat template, too long) fails only this line."""
+    """Fill `job.ids`; GenlabError (no chat template, too long) fails only this line.
+    A prompt that cannot fit however it tokenizes is refused before tokenizing."""
+    text = job.prompt if job.messages is None else "".join(m["content"] for m in job.messages)
+    lm.check_prompt_chars(text or "", job.settings.max_new_tokens)
     if job.messages is not None:
         try:
             job.ids = lm.encode_chat(job.messages)
@@ -243,11 +329,13 @@ def result_record(job: Job, finish: Any) -> dict[str, Any]:
         "prompt_tokens": finish.prompt_tokens,
         "new_tokens": finish.new_tokens,
         "settings": job.settings.to_dict(),
+        FINGERPRINT_KEY: job.fingerprint,
     }
 
 
-def error_record(item_id: str | int, message: str) -> dict[str, Any]:
-    return {"id": item_id, "error": message}
+def error_record(item: Job | LineError, message: str) -> dict[str, Any]:
+    """The output line for a line that failed (resumed runs retry it on request)."""
+    return {"id": item.id, "error": message, FINGERPRINT_KEY: item.fingerprint}
 
 
 def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]]:
@@ -268,106 +356,68 @@ def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]
 
 def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int
                   ) -> Iterator[tuple[Job, Any]]:
-    """Every job's outcome as it ends: (job, Finish), or (job, error message) when its
-    batch failed. Stops early after rows ended by Ctrl-C (reason "interrupted")."""
+    """Every job's outcome as it ends: (job, Finish), or (job, error message) when it
+    cannot be generated. Stops early after rows ended by Ctrl-C (reason "interrupted")."""
     for batch in plan_batches(jobs, batch_size):
-        pending = {id(job): job for job in batch}
-        interrupted = False
-        try:
-            for job, finish in run_batch(lm, batch):
-                pending.pop(id(job), None)
-                interrupted = interrupted or finish.reason == "interrupted"
-                yield job, finish
-        except (GenlabError, RuntimeError, ValueError) as exc:
-            # A failing batch (out of memory, a model error) fails only its own lines.
-            message = str(exc).strip().splitlines()[0] if str(exc).strip() else \
-                type(exc).__name__
-            for job in pending.values():
-                yield job, message
-            continue
+        interrupted = yield from _isolated(lm, batch)
         if interrupted:
             return
 
 
-# ---------------------------------------------------------------- output file
-
-
-def scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
-    """Results already in `path`: {id_key: record}, and how many bytes of a half-written
-    last line (left by a crash) were cut off the end of the file to repair it."""
-    if not path.exists():
-        return {}, 0
+def _isolated(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]]:
+    """One batch's outcomes. When the batch fails (a row's bad value, out of memory, a
+    model error), its unfinished rows run again one by one, so only a row that fails on
+    its own gets an error; its batch-mates' texts are the same as batched (seeds are per
+    row). Returns whether Ctrl-C ended rows."""
+    pending = {id(job): job for job in batch}
+    interrupted = False
     try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise BatchFileError(f"cannot read {path} to resume ({exc})") from None
-    cut = 0
-    if data and not data.endswith(b"\n"):
-        keep = data.rfind(b"\n") + 1
-        cut = len(data) - keep
-        with path.open("r+b") as fh:
-            fh.truncate(keep)
-        data = data[:keep]
-    done: dict[str, dict[str, Any]] = {}
-    for number, raw in enumerate(data.decode("utf-8", errors="replace").splitlines(), 1):
-        if not raw.strip():
-            continue
-        try:
-            record = json.loads(raw)
-        except json.JSONDecodeError:
-            raise BatchFileError(f"{path} line {number} is not valid JSON, so the run "
-                                 f"cannot resume from it; fix or move the file") from None
-        if not isinstance(record, dict) or "id" not in record:
-            raise BatchFileError(f"{path} line {number} is not a genlab result (no id); "
-                                 f"give another --output file")
-        done[id_key(record["id"])] = record
-    return done, cut
+        for job, finish in run_batch(lm, batch):
+            pending.pop(id(job), None)
+            interrupted = interrupted or finish.reason == "interrupted"
+            yield job, finish
+    except Exception as exc:  # noqa: BLE001  (isolation: a fault is its rows' error)
+        if len(batch) > 1 and pending:
+            for job in list(pending.values()):
+                if (yield from _isolated(lm, [job])):
+                    return True
+            return False
+        for job in pending.values():
+            yield job, _failure(exc)
+    return interrupted
 
 
-class ResultWriter:
-    """Appends one JSON line per result and flushes it at once, so a killed run loses
-    at most the rows in flight. `on_write` sees every record written."""
+def _failure(exc: Exception) -> str:
+    """A row's error message: a domain error's own, else the wording of a bug."""
+    if isinstance(exc, GenlabError):
+        return str(exc)
+    if isinstance(exc, MemoryError):
+        return "out of memory; lower --batch-size, max_new_tokens or num_beams"
+    return unexpected(exc)
 
-    def __init__(self, stream: IO[str], on_write: Callable[[dict[str, Any]], None]
-                 | None = None, owns: bool = False):
-        self._stream = stream
-        self._on_write = on_write
-        self._owns = owns  # close the stream at the end (a file, not stdout)
 
-    @classmethod
-    def open(cls, path: Path, on_write: Callable[[dict[str, Any]], None] | None = None
-             ) -> ResultWriter:
-        try:
-            handle = path.open("a", encoding="utf-8")
-        except OSError as exc:
-            raise BatchFileError(f"cannot write results to {path} ({exc})") from None
-        return cls(handle, on_write, owns=True)
-
-    def write(self, record: Mapping[str, Any]) -> None:
-        # One write call per line: a crash can only leave the last line half-written,
-        # and scan_output repairs that.
-        self._stream.write(json.dumps(record, ensure_ascii=False) + "\n")
-        self._stream.flush()
-        if self._on_write is not None:
-            self._on_write(dict(record))
-
-    def close(self) -> None:
-        if self._owns:
-            self._stream.close()
+# ---------------------------------------------------------------- files
 
 
 def read_input(path: Path) -> list[str]:
-    """The input file's lines (`-` reads stdin)."""
+    """The input file's lines (`-` reads stdin), split as JSON Lines are: on "\n" only.
+    A line that is not UTF-8 comes back marked (jsonl.decode_line) and fails alone."""
     import sys
 
-    if str(path) == "-":
-        return sys.stdin.read().splitlines()
     try:
-        return path.read_text(encoding="utf-8").splitlines()
+        if str(path) == "-":
+            data = sys.stdin.buffer.read()
+        elif path.is_dir():
+            raise BatchFileError(f"--input {path} is a directory; give a JSONL file")
+        else:
+            data = path.read_bytes()
     except FileNotFoundError:
         raise BatchFileError(f"input file {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise BatchFileError(f"cannot read {path} ({exc})") from None
+    except OSError as exc:
+        raise BatchFileError(f"cannot read {path} ({exc.strerror or exc})") from None
+    if data.startswith(b"\xef\xbb\xbf"):  # a UTF-8 byte order mark some editors write
+        data = data[3:]
+    return [jsonl.decode_line(raw) for raw in jsonl.split_lines(data)]
 
 
 def same_file(a: Path, b: Path) -> bool:

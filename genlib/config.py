@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import math
 import os
+import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,6 +25,18 @@ from genlib.errors import ConfigError
 STRATEGIES = ("greedy", "sample", "beam")
 SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
 PRESET_META_KEYS = ("name", "description", "model", "extends")
+MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most this
+# Rows per prompt (beams, or returned sequences): each is a full copy of the KV cache, so
+# a request for hundreds of thousands would take minutes and gigabytes before failing.
+MAX_ROWS = 1024
+
+_SHOW = reprlib.Repr()
+_SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 80, 80, 6, 6
+
+
+def shown(value: Any) -> str:
+    """`repr(value)`, cut short: a message quotes a bad value without echoing megabytes."""
+    return _SHOW.repr(value)
 
 
 @dataclass(frozen=True)
@@ -65,11 +78,15 @@ SPECS: dict[str, Spec] = {
                                  ">= 0", lambda v: v >= 0),
     "stop_strings": Spec("strings", (), "stop when the text contains one of these (not printed)"),
     "seed": Spec("int", None, "random seed (default: a fresh one, reported in --json)",
-                 ">= 0", lambda v: v >= 0, optional=True),
-    "num_return_sequences": Spec("int", 1, "outputs per prompt", ">= 1", lambda v: v >= 1),
+                 f"0 <= seed <= 2**64-1 ({MAX_SEED})", lambda v: 0 <= v <= MAX_SEED,
+                 optional=True),
+    "num_return_sequences": Spec("int", 1, "outputs per prompt",
+                                 f"1 <= num_return_sequences <= {MAX_ROWS}",
+                                 lambda v: 1 <= v <= MAX_ROWS),
     "max_time": Spec("float", None, "stop after this many seconds", "> 0", lambda v: v > 0,
                      optional=True),
-    "num_beams": Spec("int", 1, "beams kept per prompt", ">= 1", lambda v: v >= 1),
+    "num_beams": Spec("int", 1, "beams kept per prompt", f"1 <= num_beams <= {MAX_ROWS}",
+                      lambda v: 1 <= v <= MAX_ROWS),
     "length_penalty": Spec("float", 1.0, "beam score = logprob / length**length_penalty"),
     "early_stopping": Spec("early_stopping", False,
                            "beam: true, false or never (as in transformers)",
@@ -128,6 +145,8 @@ class GenerationSettings:
 
 
 def closest_key(key: str, valid: Iterable[str]) -> str | None:
+    if len(key) > 64:  # no setting name is this long, and difflib would be slow on it
+        return None
     match = difflib.get_close_matches(key, list(valid), n=1, cutoff=0.5)
     return match[0] if match else None
 
@@ -137,7 +156,7 @@ def _type_error(source: str, key: str, spec: Spec, value: Any) -> ConfigError:
               "str": "a string", "strings": "a string or a list of strings",
               "choice": f"one of {', '.join(spec.choices)}",
               "early_stopping": "true, false or \"never\""}[spec.kind]
-    return ConfigError(f"{source}: {key} must be {wanted}, got {value!r}")
+    return ConfigError(f"{source}: {key} must be {wanted}, got {shown(value)}")
 
 
 def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
@@ -175,12 +194,12 @@ def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
             hint = closest_key(str(value), spec.choices)
             extra = f" (did you mean {hint!r}?)" if hint else ""
             raise ConfigError(f"{source}: {key} must be one of {', '.join(spec.choices)}, "
-                              f"got {value!r}{extra}")
+                              f"got {shown(value)}{extra}")
     elif kind == "early_stopping":
         if not (isinstance(value, bool) or value == "never"):
             raise _type_error(source, key, spec, value)
     if spec.check is not None and not spec.check(value):
-        raise ConfigError(f"{source}: {key} must be {spec.allowed}, got {value!r}")
+        raise ConfigError(f"{source}: {key} must be {spec.allowed}, got {shown(value)}")
     return value
 
 
@@ -195,7 +214,7 @@ def validate_settings(data: Mapping[str, Any], source: str,
     out: dict[str, Any] = {}
     for key, value in data.items():
         if not isinstance(key, str):
-            raise ConfigError(f"{source}: setting names must be strings, got {key!r}")
+            raise ConfigError(f"{source}: setting names must be strings, got {shown(key)}")
         if key in extra:
             out[key] = value
             continue
@@ -203,7 +222,7 @@ def validate_settings(data: Mapping[str, Any], source: str,
         if spec is None:
             hint = closest_key(key, [*SPECS, *extra])
             extra_msg = f" (did you mean {hint!r}?)" if hint else ""
-            raise ConfigError(f"{source}: unknown setting {key!r}{extra_msg}; "
+            raise ConfigError(f"{source}: unknown setting {shown(key)}{extra_msg}; "
                               f"`genlab presets keys` lists them all")
         out[key] = _coerce(source, key, spec, value)
     return out
@@ -230,7 +249,7 @@ def parse_assignments(text: str, source: str) -> dict[str, Any]:
     for part in parts:
         key, sep, value = part.partition("=")
         if not sep or not key:
-            raise ConfigError(f"{source}: expected KEY=VALUE, got {part!r}")
+            raise ConfigError(f"{source}: expected KEY=VALUE, got {shown(part)}")
         raw[key.strip()] = parse_value(key.strip(), value, source)
     return validate_settings(raw, source)
 

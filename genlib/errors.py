@@ -21,7 +21,13 @@ class ConfigError(UserInputError):
 
 
 class PresetError(UserInputError):
-    """A preset cannot be found, parsed or validated."""
+    """A preset cannot be found, parsed or validated. `quotes_file`: the message shows
+    what a preset file holds (a key, a value, a YAML excerpt), which callers passing on
+    messages to others (batch results) must not repeat."""
+
+    def __init__(self, message: str, quotes_file: bool = False):
+        super().__init__(message)
+        self.quotes_file = quotes_file
 
 
 class ModelLoadError(UserInputError):
@@ -34,3 +40,10 @@ class ContextLengthError(UserInputError):
 
 class ChatTemplateError(UserInputError):
     """Chat mode was asked for but the tokenizer has no chat template."""
+
+
+def unexpected(exc: BaseException) -> str:
+    """The one-line wording of a fault that is a bug, not bad input: kept apart from
+    every message a user's input can cause, so a report of one is a bug report."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"unexpected {type(exc).__name__}" + (f": {text}" if text else "")

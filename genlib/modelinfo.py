@@ -6,6 +6,7 @@ genlib.quickload both build `LoadedModel`s from here.
 
 from __future__ import annotations
 
+import functools
 import logging as std_logging
 import warnings
 from collections.abc import Callable
@@ -97,6 +98,30 @@ class LoadedModel:
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
+
+    def check_prompt_chars(self, text: str, max_new_tokens: int) -> None:
+        """ContextLengthError, before tokenizing, for a prompt too long to fit however it
+        tokenizes: no token stands for more than the vocabulary's longest token string
+        (x4, for normalizers that merge characters), so a prompt needs at least
+        len(text) / that many tokens. Tokenizing megabytes would take minutes first."""
+        if self.max_positions is None:
+            return
+        room = max(self.max_positions - max_new_tokens, 1)
+        most = room * self.longest_token * 4
+        if len(text) > most:
+            raise ContextLengthError(
+                f"the prompt ({len(text):,} characters) cannot fit in the model's "
+                f"{self.max_positions} positions with max_new_tokens {max_new_tokens} "
+                f"(at most {most:,} characters could); shorten it")
+
+    @functools.cached_property
+    def longest_token(self) -> int:
+        """Characters in the vocabulary's longest token string (at least 1)."""
+        try:
+            vocab = self.tokenizer.get_vocab()
+        except (AttributeError, NotImplementedError):
+            return 64  # no vocabulary to read: a bound longer than real tokens
+        return max((len(t) for t in vocab), default=1) or 1
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, whose: str = "the model's",
                    remedy: str = "shorten the prompt (generate --truncate-prompt keeps its "

@@ -34,6 +34,9 @@ DEFAULT_DRAFT = ASSETS / "code-tiny"
 
 def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:
     """Which model to use: --model > the preset's model > $GENLAB_MODEL > built-in default."""
+    if flag is not None and not flag.strip():
+        raise ModelLoadError("--model is empty; give a model folder or hub id, or leave "
+                             "--model out for the default model")
     for ref in (flag, preset_model, os.environ.get("GENLAB_MODEL")):
         if ref:
             return ref
@@ -108,14 +111,54 @@ def _load_config(ref: str, spec: ModelSpec) -> Any:
     try:
         return AutoConfig.from_pretrained(ref if not local else str(Path(ref).expanduser()),
                                           trust_remote_code=spec.trust_remote_code)
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(_hub_message(ref, exc)) from None
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(_load_message(ref, exc)) from None
 
 
-def _hub_message(ref: str, exc: Exception) -> str:
+def _load_message(ref: str, exc: BaseException) -> str:
+    """Why `ref` did not load, in words that fit where it is: a local folder is never
+    "not in the cache", and a model type transformers does not know is said as such."""
+    text = _first_line(exc)
+    model_type = _unknown_model_type(ref)
+    if model_type is not None:
+        import transformers
+
+        return (f"{ref}: model type {model_type!r} is not an architecture transformers "
+                f"{transformers.__version__} knows; use a supported model, or upgrade "
+                f"transformers (or pass --trust-remote-code if the folder ships its code)")
+    if "trust_remote_code" in str(exc):
+        return (f"{ref} needs custom code from the hub; pass --trust-remote-code if you "
+                f"trust it")
+    if _is_local_ref(ref):
+        return f"cannot load the model in {ref}: {text}"
+    return _hub_message(ref, exc)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _unknown_model_type(ref: str) -> str | None:
+    """The `model_type` of a local folder's config.json when transformers lacks it."""
+    import json
+
+    config = Path(ref).expanduser() / "config.json"
+    try:
+        model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError, RecursionError):
+        return None
+    if not isinstance(model_type, str):
+        return None
+    from transformers import CONFIG_MAPPING
+
+    return None if model_type in CONFIG_MAPPING else model_type
+
+
+def _hub_message(ref: str, exc: BaseException) -> str:
     from huggingface_hub import constants
 
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    text = _first_line(exc)
     if "trust_remote_code" in str(exc):
         return (f"{ref} needs custom code from the hub; pass --trust-remote-code if you "
                 f"trust it")
@@ -157,14 +200,20 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     try:
         tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code)
         model = AutoModelForCausalLM.from_pretrained(ref, **kwargs)
-    except (OSError, ValueError, ImportError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except (OSError, ValueError, ImportError, RuntimeError, KeyError) as exc:
+        first = _first_line(exc)
         if spec.quantize != "none":
             raise ModelLoadError(f"--quantize {spec.quantize} failed for {spec.ref}: {first}; "
                                  f"try --quantize none") from None
         if isinstance(exc, OSError):
-            raise ModelLoadError(_hub_message(spec.ref, exc)) from None
+            raise ModelLoadError(_load_message(spec.ref, exc)) from None
         raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "safetensors":
+            raise
+        raise ModelLoadError(f"the weights of {spec.ref} cannot be read ({_first_line(exc)}); "
+                             f"the file is damaged or incomplete: copy or download it "
+                             f"again") from None
     if quant is None:
         model.to(device)
     model.eval()

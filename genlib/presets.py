@@ -3,7 +3,13 @@
 A preset is a YAML mapping of generation settings (names as in `genlib.config.SPECS`)
 plus `name`, `description`, an optional `model` and an optional `extends: OTHER`.
 Lookup order for a name: the user presets folder, then the built-ins. Anything with a
-path separator or a `.yaml`/`.yml` suffix is read as a file path.
+path separator or a `.yaml`/`.yml` suffix is read as a file path, except by
+`load_named_preset`, for names from untrusted input (JSONL lines), which opens only the
+presets of those two folders.
+
+Limits checked before the work: a preset file of at most MAX_PRESET_BYTES, no YAML
+aliases (an alias bomb expands to gigabytes from a few lines) and `extends` chains of at
+most MAX_EXTENDS presets.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ from typing import Any
 
 import yaml
 
-from genlib.config import PRESET_META_KEYS, ConfigError, validate_settings
+from genlib.config import PRESET_META_KEYS, ConfigError, shown, validate_settings
 from genlib.errors import PresetError
 
 SUFFIXES = (".yaml", ".yml")
+MAX_PRESET_BYTES = 1 << 20  # a preset is a screenful of settings; 1 MiB is generous
+MAX_EXTENDS = 32  # presets in one `extends` chain
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_-.")
 
 
 @dataclass(frozen=True)
@@ -99,16 +108,38 @@ def find_preset(ref: str, relative_to: Path | None = None, skip: tuple[Path, ...
                       f"or pass a path to a .yaml file")
 
 
+class _NoAliasLoader(yaml.SafeLoader):
+    """safe_load without aliases: `*name` may repeat a node exponentially often (the
+    "billion laughs" bomb), and settings never need one."""
+
+    def compose_node(self, parent: Any, index: Any) -> Any:
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(
+                None, None, "aliases (*name) are not allowed in presets; write the value "
+                "out", event.start_mark)
+        return super().compose_node(parent, index)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        if size > MAX_PRESET_BYTES:
+            raise PresetError(f"{path}: {size:,} bytes is larger than a preset may be "
+                              f"({MAX_PRESET_BYTES:,} bytes)")
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not UTF-8 text"
+        raise PresetError(f"{path}: cannot read preset ({reason})") from None
+    try:
+        data = yaml.load(text, Loader=_NoAliasLoader)  # noqa: S506  (a SafeLoader)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise PresetError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") \
-            from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PresetError(f"{path}: cannot read preset ({exc})") from None
+        raise PresetError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})",
+                          quotes_file=True) from None
+    except RecursionError:
+        raise PresetError(f"{path}: nested too deeply to be a preset") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -127,14 +158,18 @@ def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None
     if path in _seen:
         chain = " -> ".join(p.stem for p in (*_seen, path))
         raise PresetError(f"{path}: preset extends itself ({chain})")
+    if len(_seen) >= MAX_EXTENDS:
+        raise PresetError(f"{_seen[0]}: its extends chain is longer than {MAX_EXTENDS} "
+                          f"presets; shorten it")
     data = _read_yaml(path)
     try:
         own = validate_settings(data, str(path), extra_keys=PRESET_META_KEYS)
     except ConfigError as exc:
-        raise PresetError(str(exc)) from None
+        raise PresetError(str(exc), quotes_file=True) from None
     for key in ("name", "description", "model", "extends"):
         if key in own and own[key] is not None and not isinstance(own[key], str):
-            raise PresetError(f"{path}: {key} must be a string, got {own[key]!r}")
+            raise PresetError(f"{path}: {key} must be a string, got {shown(own[key])}",
+                              quotes_file=True)
     settings: dict[str, Any] = {}
     model = description = None
     if own.get("extends"):
@@ -149,6 +184,19 @@ def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None
         model=own.get("model") or model,
         settings=settings,
     )
+
+
+def load_named_preset(name: str) -> Preset:
+    """A preset by name only, found in the user's presets folder or the built-ins: for
+    names from input that may not be the user's own (JSONL lines), which must not open
+    any file they choose. A path, or a name that could step out of those folders, is a
+    PresetError."""
+    if not name or not set(name) <= NAME_CHARS or name.startswith(".") or \
+            name.endswith(SUFFIXES):
+        raise PresetError("preset must be the name of one of your presets or a built-in "
+                          "(letters, digits, '-', '_', '.'; `genlab presets list` shows "
+                          "them), not a path: input lines may not name files")
+    return load_preset(name)
 
 
 def list_presets() -> list[tuple[str, Preset | PresetError]]:

@@ -244,8 +244,9 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
                           f"size 1); got num_return_sequences={settings.num_return_sequences}")
     if not prompt_ids:
         raise ConfigError("the prompt needs at least one token")
-    if num_draft_tokens < 1:
-        raise ConfigError(f"--num-draft-tokens must be >= 1, got {num_draft_tokens}")
+    if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
+        raise ConfigError(f"--num-draft-tokens must be 1 to {MAX_DRAFT_TOKENS}, got "
+                          f"{num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
     if draft_lm is not None:
         draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens,
@@ -266,8 +267,10 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     and 10 for prompt lookup; `adaptive` grows/shrinks it per step. `backend` is the
     user's choice for both models (default: each model's own, `LoadedModel.backend`).
     """
-    gamma = num_draft_tokens or (DEFAULT_LOOKUP_TOKENS if prompt_lookup is not None
-                                 else DEFAULT_DRAFT_TOKENS)
+    if num_draft_tokens is None:  # 0 is refused by check_request, not taken for "unset"
+        num_draft_tokens = DEFAULT_LOOKUP_TOKENS if prompt_lookup is not None \
+            else DEFAULT_DRAFT_TOKENS
+    gamma = num_draft_tokens
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
                            backend=backend)

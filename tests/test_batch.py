@@ -185,20 +185,25 @@ def test_another_run_seed_changes_sampled_lines_only(stories):
 # ---------------------------------------------------------------- output file
 
 
+def scan_output(path: Path) -> tuple[dict, int]:
+    with gb.ResultsFile.open(path) as results:
+        return results.read(), results.repaired_bytes
+
+
 def test_scan_output_repairs_a_half_written_last_line(tmp_path: Path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a", "text": "x"}\n{"id": 2, "error": "bad"}\n{"id": "c", "te')
-    done, cut = gb.scan_output(out)
+    done, cut = scan_output(out)
     assert set(done) == {gb.id_key("a"), gb.id_key(2)} and cut == len('{"id": "c", "te')
     assert out.read_text().endswith('"bad"}\n')
-    assert gb.scan_output(out) == (done, 0)
+    assert scan_output(out) == (done, 0)
 
 
 def test_scan_output_refuses_a_file_that_is_not_results(tmp_path: Path):
     out = tmp_path / "out.jsonl"
     out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
     with pytest.raises(gb.BatchFileError, match="line 2 is not valid JSON"):
-        gb.scan_output(out)
+        scan_output(out)
 
 
 # ---------------------------------------------------------------- CLI
@@ -222,6 +227,7 @@ def test_cli_writes_one_line_per_input_line_and_resumes(tmp_path: Path):
     assert first.exit_code == 1  # two lines failed
     records = {r["id"]: r for r in read_results(out)}
     assert set(records) == {"p0", "p1", "p2", "bad", 5}
+    assert records["bad"].pop("fingerprint").startswith("sha256:")
     assert records["bad"] == {"id": "bad", "error": "line 4: top_k must be >= 0, got -1"}
     assert records[5]["error"].startswith("line 5: not valid JSON")
     assert records["p0"]["text"] == ", there was a little girl"

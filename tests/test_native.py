@@ -477,7 +477,7 @@ def test_a_cloned_or_copied_cache_goes_on_as_the_original(library):
     """A beam's reorder: a clone, or another cache made to hold the same tokens, gives
     the original's next logits bit for bit, and writing one leaves the other alone."""
     lean = LeanLlama.from_model(odd_llama())
-    step = native.NativeStep(lean, 2, library)
+    step = kernel.NativeStep(lean, 2, library)
     original, other = lean.new_cache(32), lean.new_cache(32)
     step.extend(IDS[:9], original)
     step.extend(IDS[5:8], other)

@@ -1,0 +1,111 @@
+"""JSON Lines as the format defines it (jsonlines.org): UTF-8 text, one JSON value per
+line, lines ended by "\\n" alone.
+
+Python's `str.splitlines()` also splits on U+2028, U+2029, U+0085 and other separators
+that may stand unescaped inside a JSON string, which would cut valid lines in two; every
+JSONL read in genlib goes through `split_lines` instead. Writing escapes those
+characters anyway (`dumps`), so tools that split the same wrong way read genlab's output.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# Line separators other than "\n" that JSON allows raw inside strings, escaped on output.
+_ESCAPED_ON_OUTPUT = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"}
+
+
+class JsonLineError(ValueError):
+    """One line is not a JSON value genlab can use; the message says why."""
+
+
+def split_lines(data: bytes) -> list[bytes]:
+    """The lines of `data`, split on b"\\n" only (a final "\\n" ends a line, it does not
+    start an empty one). A trailing "\\r" is left in place: JSON ignores it as space."""
+    lines = data.split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    return lines
+
+
+def decode_line(raw: bytes) -> str:
+    """UTF-8 text of one line. Bytes that are not UTF-8 become lone surrogates
+    (surrogateescape), which `loads` reports for that line alone, so one bad line does
+    not stop a file from being read."""
+    return raw.decode("utf-8", errors="surrogateescape")
+
+
+def loads(text: str, text_only: bool = True) -> Any:
+    """Parse one line; JsonLineError with a one-line reason for anything that is not a
+    JSON value (made of valid Unicode text unless `text_only` is False: the caller then
+    checks with `check_text`, say to name the line's id in the message)."""
+    bad = first_surrogate(text)
+    if bad is not None:
+        index, char = bad
+        if 0xDC80 <= ord(char) <= 0xDCFF:  # how decode_line marks a byte that is not UTF-8
+            raise JsonLineError(f"not valid UTF-8 (byte 0x{ord(char) - 0xDC00:02x} at "
+                                f"character {index + 1})")
+        raise JsonLineError(f"holds a lone surrogate (U+{ord(char):04X}) at character "
+                            f"{index + 1}, which is not valid Unicode text")
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except RecursionError:
+        raise JsonLineError("not usable JSON: nested too deeply for the parser") from None
+    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+        raise JsonLineError(f"not usable JSON ({exc})") from None
+    if text_only:
+        check_text(value)
+    return value
+
+
+def check_text(value: Any) -> None:
+    """JsonLineError if any string in a parsed value holds a lone surrogate escape."""
+    bad = lone_surrogate(value)
+    if bad is not None:
+        raise JsonLineError(f"holds a lone surrogate escape ({bad}), which is not valid "
+                            f"Unicode text; remove it or escape a complete pair")
+
+
+def first_surrogate(text: str) -> tuple[int, str] | None:
+    """(index, character) of the first surrogate code point in `text`, if any."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        return exc.start, text[exc.start]
+    return None
+
+
+def lone_surrogate(value: Any) -> str | None:
+    """The first lone surrogate in any string of a parsed value, as a `\\uXXXX` escape.
+    Walked with an explicit stack: a value nested as deep as the parser allows does not
+    overflow Python's own stack here."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            found = first_surrogate(item)
+            if found is not None:
+                return f"\\u{ord(found[1]):04x}"
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return None
+
+
+def dumps(record: Any) -> bytes:
+    """One record as a JSONL line (UTF-8, ending in "\\n"). Text stays readable (no
+    \\u escapes) except the separators above; a record that still holds a lone surrogate
+    is written with every non-ASCII character escaped, which is valid JSON and UTF-8."""
+    text = json.dumps(record, ensure_ascii=False)
+    for char, escape in _ESCAPED_ON_OUTPUT.items():
+        if char in text:  # only inside strings: JSON has no other place for them
+            text = text.replace(char, escape)
+    try:
+        return (text + "\n").encode("utf-8")
+    except UnicodeEncodeError:
+        return (json.dumps(record, ensure_ascii=True) + "\n").encode("ascii")

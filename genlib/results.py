@@ -1,0 +1,375 @@
+"""The results file of a batch run, written exactly once per input line.
+
+What makes a batch run safe to repeat, interrupt, kill and resume, for any engine that
+writes batch results (the local loop in genlib.batch, or a distributed one):
+
+- `ResultsFile.lock()`: one writer per file. An exclusive `flock` on the file itself,
+  taken before the file is read; a second run gets OutputBusyError at once. The kernel
+  drops the lock when its process ends, however it ends (SIGKILL included), so there is
+  never a stale lock to clean up.
+- Every record carries the `fingerprint` of its input line: a hash of the prompt and
+  the effective settings (`fingerprint()`). `plan_resume()` keeps a result only if the
+  line with its id still has that fingerprint; a changed line is refused
+  (StaleResultsError) unless the caller asks to redo it.
+- `ResultsFile.drop()` removes records before they are generated again, by writing the
+  kept lines to a new file and renaming it over the old one, already locked: at every
+  instant the path holds a complete file, and no second writer can slip in between.
+- `ResultsFile.append()` writes each record with one write call and no buffering, so a
+  killed run leaves at most one half-written last line, which `read()` cuts off.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import sys
+from collections.abc import Collection, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from genlib import jsonl
+from genlib.errors import GenlabError, UserInputError
+
+FINGERPRINT_KEY = "fingerprint"
+FINGERPRINT_VERSION = 1  # part of every hash: a change of what is hashed redoes old files
+
+
+class BatchFileError(UserInputError):
+    """The input or output file of a batch run cannot be used as given."""
+
+
+class OutputBusyError(GenlabError):
+    """Another process holds the results file's lock (a runtime condition: exit 1)."""
+
+
+class StaleResultsError(UserInputError):
+    """The results file holds results for input lines that have changed since."""
+
+
+def id_key(value: str | int) -> str:
+    """A hashable, type-exact key for an id (1 and "1" are different ids)."""
+    return json.dumps(value)
+
+
+def fingerprint(payload: Mapping[str, Any]) -> str:
+    """`sha256:<hex>` of `payload` as canonical JSON (sorted keys, ASCII escapes)."""
+    text = json.dumps({"v": FINGERPRINT_VERSION, **payload}, sort_keys=True,
+                      ensure_ascii=True, separators=(",", ":"))
+    return "sha256:" + hashlib.sha256(text.encode("ascii")).hexdigest()
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What the results file holds for one id: its fingerprint (None in files written
+    before fingerprints existed) and whether it is an error record."""
+
+    fingerprint: str | None
+    failed: bool
+    line: int
+
+
+@dataclass
+class ResumePlan:
+    """What a run does with each input line, given the results file (keys: `id_key`)."""
+
+    run: list[str] = field(default_factory=list)  # to generate, in input order
+    kept: dict[str, Prior] = field(default_factory=dict)  # done: left as they are
+    drop: list[str] = field(default_factory=list)  # old records to remove before running
+    changed: list[str] = field(default_factory=list)  # results whose line changed (redone)
+    orphans: int = 0  # records whose id no input line has (kept, untouched)
+
+    @property
+    def failed_before(self) -> int:
+        return sum(prior.failed for prior in self.kept.values())
+
+
+def plan_resume(wanted: Mapping[str, str], prior: Mapping[str, Prior], *,
+                redo_changed: bool = False, retry_errors: bool = False) -> ResumePlan:
+    """Decide for each input line (`wanted`: id_key -> fingerprint, in input order):
+
+    - no record yet: run it;
+    - a result with the same fingerprint: keep it (done);
+    - a result with another fingerprint (or none): StaleResultsError naming the first
+      ids, unless `redo_changed`, which drops and runs them;
+    - an error record: kept as a failure, unless `retry_errors` or its line changed
+      (a fixed line is what a user reruns for), which drop and run it again.
+    """
+    plan = ResumePlan()
+    stale: list[str] = []
+    for key, print_ in wanted.items():
+        old = prior.get(key)
+        if old is None:
+            plan.run.append(key)
+        elif old.fingerprint == print_ and not (old.failed and retry_errors):
+            plan.kept[key] = old
+        elif old.failed or redo_changed:
+            plan.drop.append(key)
+            plan.run.append(key)
+            if not old.failed:
+                plan.changed.append(key)
+        else:
+            stale.append(key)
+    if stale:
+        raise StaleResultsError(_stale_message(stale, prior))
+    plan.orphans = sum(key not in wanted for key in prior)
+    return plan
+
+
+def _stale_message(stale: list[str], prior: Mapping[str, Prior]) -> str:
+    shown = ", ".join(stale[:3]) + (f" and {len(stale) - 3} more" if len(stale) > 3 else "")
+    unprinted = sum(prior[key].fingerprint is None for key in stale)
+    why = ("their prompt or settings differ from the input now" if not unprinted else
+           "they were written without input fingerprints, so they cannot be matched to it")
+    return (f"the results file holds {len(stale)} result(s) for ids {shown}, but {why}; "
+            f"rerun with --redo-changed to generate them again, or give another --output")
+
+
+class ResultsFile:
+    """The results of one batch run: a regular file (locked, resumable) or a stream
+    (stdout, a pipe, a device: written only; nothing to resume from).
+
+    Use: `open()` -> `lock()` -> `read()` -> `plan_resume(...)` -> `drop(plan.drop)` ->
+    `append(record)` per finished line -> `close()` (or use it as a context manager).
+    """
+
+    def __init__(self, path: Path | None, fd: int | None = None,
+                 stream: IO[bytes] | None = None):
+        self.path = path
+        self._fd = fd  # regular files: read/write, O_APPEND
+        self._stream = stream  # everything else
+        self.locked = False
+        self.repaired_bytes = 0  # a half-written last line cut off by read()
+        self.duplicates = 0  # records whose id a later record repeats (dropped by drop())
+        self._last: dict[str, int] = {}  # id_key -> line number of its last record
+
+    # ------------------------------------------------------------ opening
+
+    @classmethod
+    def open(cls, path: Path) -> ResultsFile:
+        """Open `path` for results: a regular file (created if missing) is read-write
+        and resumable; a FIFO or a character device (/dev/null, /dev/stdout) is only
+        written to, never read (reading one would block or never end)."""
+        try:
+            mode = os.stat(path).st_mode
+        except FileNotFoundError:
+            mode = None
+        except OSError as exc:
+            raise BatchFileError(f"cannot use {path} for results ({exc.strerror})") from None
+        if mode is not None and stat.S_ISDIR(mode):
+            raise BatchFileError(f"--output {path} is a directory; give a file name")
+        try:
+            if mode is not None and not stat.S_ISREG(mode):
+                return cls(path, stream=open(path, "ab", buffering=0))  # noqa: SIM115
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o666)
+        except OSError as exc:
+            raise BatchFileError(f"cannot write results to {path} ({exc.strerror})") from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced between stat and open
+            os.close(fd)
+            raise BatchFileError(f"{path} changed while it was being opened; try again")
+        return cls(path, fd=fd)
+
+    @classmethod
+    def stdout(cls) -> ResultsFile:
+        """Results on standard output, as UTF-8 whatever the locale says (JSONL is UTF-8)."""
+        sys.stdout.flush()
+        stream = getattr(sys.stdout, "buffer", None)
+        return cls(None, stream=stream if stream is not None else _TextBytes(sys.stdout))
+
+    @property
+    def resumable(self) -> bool:
+        """Whether earlier results can be read back (a regular file)."""
+        return self._fd is not None
+
+    @property
+    def name(self) -> str:
+        return "stdout" if self.path is None else str(self.path)
+
+    # ------------------------------------------------------------ locking
+
+    def lock(self) -> bool:
+        """Take the exclusive lock; OutputBusyError if another process holds it. Returns
+        False (and locks nothing) for a stream, or where the platform has no `flock`
+        (not POSIX): there, two runs on one file are not detected."""
+        if self._fd is None:
+            return False
+        try:
+            import fcntl
+        except ImportError:
+            return False
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise OutputBusyError(f"{self.path} is being written by another genlab run (it "
+                                  f"holds the file's lock); wait for that run to end, or "
+                                  f"give another --output") from None
+        except OSError as exc:
+            raise BatchFileError(f"cannot lock {self.path} ({exc.strerror}); give an "
+                                 f"--output on a local file system") from None
+        self.locked = True
+        return True
+
+    # ------------------------------------------------------------ reading
+
+    def read(self) -> dict[str, Prior]:
+        """Every id the file holds a record for (the last record wins); cuts off a
+        half-written last line (counted in `repaired_bytes`). BatchFileError if a line
+        is not a genlab record: the file is then not one to resume or append to."""
+        if self._fd is None:
+            return {}
+        found: dict[str, Prior] = {}
+        self._last = {}
+        self.duplicates = 0
+        for number, offset, raw in self._lines():
+            if not raw.endswith(b"\n"):  # only the last line can lack one
+                self.repaired_bytes = len(raw)
+                os.ftruncate(self._fd, offset)
+                break
+            record = self._record(raw, number)
+            if record is None:
+                continue
+            key = id_key(record["id"])
+            self.duplicates += key in found
+            found[key] = Prior(record.get(FINGERPRINT_KEY), "error" in record, number)
+            self._last[key] = number
+        return found
+
+    def _lines(self) -> Iterator[tuple[int, int, bytes]]:
+        """(line number, byte offset, raw line with its "\\n") of the file, streamed."""
+        if self._fd is None:
+            return
+        with open(os.dup(self._fd), "rb") as fh:  # own offset; the lock stays on ours
+            fh.seek(0)
+            offset = 0
+            for number, raw in enumerate(fh, start=1):  # binary lines end at b"\n" only
+                yield number, offset, raw
+                offset += len(raw)
+
+    def _record(self, raw: bytes, number: int) -> dict[str, Any] | None:
+        if not raw.strip():
+            return None
+        try:
+            record = jsonl.loads(jsonl.decode_line(raw.rstrip(b"\r\n")))
+        except jsonl.JsonLineError as exc:
+            raise BatchFileError(f"{self.path} line {number} is {exc}, so the run cannot "
+                                 f"resume from it; fix or move the file") from None
+        if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)) \
+                or isinstance(record.get("id"), bool):
+            raise BatchFileError(f"{self.path} line {number} is not a genlab result (no "
+                                 f"id); give another --output file")
+        return record
+
+    # ------------------------------------------------------------ rewriting
+
+    def drop(self, keys: Collection[str]) -> int:
+        """Remove the records of `keys` (and records a later one repeats) from the file;
+        return how many lines went. The kept lines go to a new file, locked before it
+        is renamed over the old one, so the path always holds a complete file and stays
+        locked throughout. Call after `read()`."""
+        if self._fd is None or self.path is None or (not keys and not self.duplicates):
+            return 0
+        gone = set(keys)
+        real = Path(os.path.realpath(self.path))
+        temp = real.with_name(f".{real.name}.{os.getpid()}.tmp")
+        try:
+            fd = os.open(temp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o666)
+        except OSError as exc:
+            raise BatchFileError(f"cannot rewrite {self.path} to redo lines: its folder "
+                                 f"must be writable ({exc.strerror})") from None
+        try:
+            moved = ResultsFile(self.path, fd=fd)
+            if self.locked:
+                moved.lock()
+            dropped = self._copy_kept(fd, gone)
+            os.fsync(fd)
+            os.chmod(temp, stat.S_IMODE(os.fstat(self._fd).st_mode))
+            os.replace(temp, real)
+        except BaseException:
+            os.close(fd)
+            temp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(real.parent)
+        os.close(self._fd)
+        self._fd = fd
+        self.duplicates = 0
+        return dropped
+
+    def _copy_kept(self, fd: int, gone: set[str]) -> int:
+        dropped = 0
+        for number, _, raw in self._lines():
+            record = self._record(raw, number)
+            if record is None:
+                continue
+            key = id_key(record["id"])
+            if key in gone or self._last.get(key) != number:
+                dropped += 1
+                continue
+            _write_all(fd, raw)
+        return dropped
+
+    # ------------------------------------------------------------ writing
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        """Write one record as one JSON line, at once (no buffering)."""
+        data = jsonl.dumps(dict(record))
+        if self._fd is not None:
+            _write_all(self._fd, data)
+        elif self._stream is not None:
+            self._stream.write(data)
+            self._stream.flush()
+
+    def close(self) -> None:
+        """Flush to disk and release the lock (closing the file releases it)."""
+        if self._fd is not None:
+            try:
+                os.fsync(self._fd)
+            except OSError:
+                pass  # a file system without fsync still has every line written
+            os.close(self._fd)
+            self._fd = None
+        elif self._stream is not None and self.path is not None:
+            self._stream.close()
+
+    def __enter__(self) -> ResultsFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Make a rename durable (POSIX); a platform that cannot open folders skips it."""
+    try:
+        dir_fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(dir_fd)
+    except OSError:
+        pass
+    finally:
+        os.close(dir_fd)
+
+
+class _TextBytes:
+    """A text stream seen as a bytes stream (stdout replaced by one without `.buffer`)."""
+
+    def __init__(self, text: IO[str]):
+        self._text = text
+
+    def write(self, data: bytes) -> None:
+        self._text.write(data.decode("utf-8"))
+
+    def flush(self) -> None:
+        self._text.flush()
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,205 @@
+"""Bad input a user can give: one clear line and the right exit code (2 input, 1 runtime),
+checked before the work starts, never the "unexpected" wording of a bug; and the REPL,
+which survives any line and keeps every answer."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import typer
+from typer.testing import CliRunner
+
+from cli.errors import user_errors
+from cli.main import app
+from genlib.config import MAX_ROWS, resolve_settings
+from genlib.errors import ConfigError
+from tests.conftest import ROOT, STORIES
+
+runner = CliRunner()
+MODEL = ["-m", str(STORIES)]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "NO_COLOR": "1"}
+
+
+def invoke(*args: str, input: str | bytes | None = None):
+    return runner.invoke(app, list(args), input=input)
+
+
+def assert_clear(result, code: int, fragment: str) -> None:
+    assert result.exit_code == code, result.output
+    assert fragment in result.stderr
+    assert result.stderr.strip().startswith("error:") and "unexpected" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def broken_models(tmp_path_factory) -> dict[str, Path]:
+    """A copy of stories260K with its weights cut short, and one of an unknown type."""
+    root = tmp_path_factory.mktemp("models")
+    folders = {"truncated": root / "truncated", "unknown": root / "unknown"}
+    for folder in folders.values():
+        folder.mkdir()
+        for item in STORIES.iterdir():
+            (folder / item.name).symlink_to(item)
+    weights = folders["truncated"] / "model.safetensors"
+    weights.unlink()
+    weights.write_bytes((STORIES / "model.safetensors").read_bytes()[:5000])
+    config = folders["unknown"] / "config.json"
+    data = json.loads(config.read_text())
+    config.unlink()
+    config.write_text(json.dumps({**data, "model_type": "frobnicator",
+                                  "architectures": ["FrobForCausalLM"]}))
+    return folders
+
+
+@pytest.mark.parametrize(("args", "code", "fragment"), [
+    (["generate", "x", "-m", ""], 2, "--model is empty"),
+    (["generate", "x", *MODEL, "--seed", str(2**64)], 2,
+     "seed must be 0 <= seed <= 2**64-1 (18446744073709551615), got 18446744073709551616"),
+    (["beam", "x", *MODEL, "--num-beams", "300000"], 2,
+     f"num_beams must be 1 <= num_beams <= {MAX_ROWS}, got 300000"),
+    (["generate", "x", *MODEL, "-t", "0.5", "--num-return-sequences", "300000"], 2,
+     f"num_return_sequences must be 1 <= num_return_sequences <= {MAX_ROWS}"),
+    (["generate", "Once " * 2_000_000, *MODEL], 2,
+     "characters) cannot fit in the model's 512 positions with max_new_tokens 128"),
+    (["speculate", "x", *MODEL, "--prompt-lookup", "2", "--num-draft-tokens", "0"], 2,
+     "--num-draft-tokens must be 1 to 64, got 0"),
+    (["bench", *MODEL, "--csv", "/", "--runs", "1"], 2, "--csv / is a directory"),
+    (["bench", *MODEL, "--csv", "/nonexistent-dir/x.csv"], 2, "does not exist"),
+    (["bench", *MODEL, "--threads", "100000"], 2, "--threads 100000 is more than 4 per "
+                                                  "logical CPU"),
+])
+def test_bad_input_is_one_clear_line(args: list[str], code: int, fragment: str):
+    assert_clear(invoke(*args), code, fragment)
+
+
+def test_model_folders_that_cannot_load_say_why(broken_models):
+    truncated = invoke("generate", "x", "-m", str(broken_models["truncated"]))
+    assert_clear(truncated, 2, "cannot be read (Error while deserializing header")
+    assert "damaged or incomplete" in truncated.stderr
+    unknown = invoke("generate", "x", "-m", str(broken_models["unknown"]))
+    assert_clear(unknown, 2, "model type 'frobnicator' is not an architecture transformers")
+    assert "cache" not in unknown.stderr
+
+
+def test_the_largest_seed_runs(tmp_path: Path):
+    result = invoke("generate", "Once", *MODEL, "-n", "3", "-t", "0.8", "--seed", str(2**64 - 1),
+                    "--json")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["settings"]["seed"] == 2**64 - 1
+
+
+def test_huge_values_are_quoted_short():
+    with pytest.raises(ConfigError) as caught:
+        resolve_settings({"stop_strings": ["x"] * 1_000_000 + [1]})
+    assert len(str(caught.value)) < 300
+
+
+def test_binary_stdin_and_non_utf8_arguments_are_refused():
+    assert_clear(invoke("generate", *MODEL, input=b"\x00\xff\xfe binary"), 2,
+                 "stdin is not UTF-8 text (byte 0xff at offset 1)")
+    assert_clear(invoke("generate", "caf\udce9", *MODEL), 2,
+                 "the prompt argument is not valid UTF-8 text (character 4)")
+
+
+def test_closed_stdout_and_an_encoding_that_lacks_characters():
+    for how in ("exec {python} -m cli presets show creative >&-",  # closed from the start
+                "exec {python} -c 'import os; os.close(1); from cli.main import run; run()' "
+                "presets show creative"):  # closed while running
+        closed = subprocess.run(["sh", "-c", how.format(python=sys.executable)], cwd=ROOT,
+                                env=ENV, capture_output=True, text=True, timeout=120)
+        assert closed.returncode == 2, closed.stderr
+        assert closed.stderr.startswith("error: standard output is closed")
+    ascii_json = subprocess.run([sys.executable, "-m", "cli", "generate", "café", *MODEL,
+                                 "-n", "2", "--json"], cwd=ROOT, capture_output=True,
+                                env={**ENV, "PYTHONIOENCODING": "ascii"}, timeout=120)
+    assert ascii_json.returncode == 0, ascii_json.stderr
+    assert json.loads(ascii_json.stdout)["prompt"] == "café"  # escaped, not refused
+
+    @user_errors
+    def prints_a_snowman() -> None:
+        raise UnicodeEncodeError("ascii", "☃", 0, 1, "ordinal not in range(128)")
+
+    with pytest.raises(typer.Exit) as caught:
+        prints_a_snowman()
+    assert caught.value.exit_code == 1
+
+
+# ---------------------------------------------------------------- the REPL
+
+
+@pytest.fixture
+def session(stories):
+    from cli.repl import Session
+
+    settings = resolve_settings({"max_new_tokens": 6})
+    return Session(lm=stories, flags={"max_new_tokens": 6}, preset=None, settings=settings)
+
+
+def drive(monkeypatch, session, lines: list[str]) -> None:
+    """Run the REPL loop on `lines` as typed input, then Ctrl-D."""
+    from cli import repl
+
+    typed = iter(lines)
+
+    def read(self) -> str:
+        try:
+            return next(typed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr(repl.PromptReader, "read", read)
+    repl.loop(session)
+
+
+def test_repl_survives_bad_lines_and_faults_and_keeps_every_answer(
+        monkeypatch, session, capsys, tmp_path: Path):
+    from cli import repl
+
+    real = repl.stream_answer
+    calls = {"n": 0}
+
+    def fails_once(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("the forward pass broke")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(repl, "stream_answer", fails_once)
+    saved = tmp_path / "s.jsonl"
+    drive(monkeypatch, session, ["Once upon a time", f"/seed {2**64}", "caf\udce9",
+                                 "Tom and Lily", "/set temperature=0.5", f"/seed {2**64 - 1}",
+                                 "The cat", f"/save {saved}"])
+    err = capsys.readouterr().err
+    assert "/seed: seed must be 0 <= seed <= 2**64-1" in err
+    assert "that line is not valid UTF-8 (character 4); nothing was run" in err
+    assert "unexpected RuntimeError: the forward pass broke (the session goes on" in err
+    turns = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [t["prompt"] for t in turns] == ["Once upon a time", "The cat"]
+    assert turns[0]["output"] == ", there was a little g"  # 6 tokens
+    assert turns[1]["settings"]["seed"] == 2**64 - 1
+
+
+def test_repl_reads_non_utf8_bytes_as_a_refusable_line(monkeypatch):
+    from cli import repl
+
+    stdin = io.TextIOWrapper(io.BytesIO(b"caf\xe9\nok\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    repl._lenient_stdin()
+    assert not repl.valid_text(sys.stdin.readline().rstrip("\n"))
+    assert sys.stdin.readline() == "ok\n"  # the stream goes on after the bad line
+
+
+def test_a_session_ended_by_a_fault_keeps_its_turns(monkeypatch, session, tmp_path: Path):
+    from cli import repl
+
+    monkeypatch.setenv("XDG_DATA_HOME", str(tmp_path))
+    monkeypatch.setattr("platformdirs.user_data_dir", lambda name: str(tmp_path / name))
+    session.turns.append({"turn": 1, "prompt": "p", "output": "o"})
+    path = repl.rescue(session)
+    assert path is not None and json.loads(path.read_text()) == session.turns[0]
