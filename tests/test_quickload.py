@@ -92,17 +92,26 @@ def test_quick_logits_are_bit_identical_to_transformers(stories):
 
 
 def test_what_the_lean_path_cannot_do_loads_transformers_on_first_use(stories):
+    """Batches and beams run on the native kernel over the quick-loaded weights, without
+    transformers' model (where the kernel builds); transformers' forward, asked for,
+    loads it on first use; the tokens are the same either way."""
+    from genlib.backends import kernel
+
     quick = load_model(ModelSpec(str(STORIES)), quick=True)
     prompts = [stories.encode("Once upon a time"), stories.encode("The dog")]
     settings = greedy(20, ignore_eos=True)
+    expected = [r.token_ids for r in generate.generate(stories, prompts, settings,
+                                                       backend="transformers")]
     assert not quick.model_loaded
-    batch = generate.generate(quick, prompts, settings)  # two rows: transformers' forward
+    batch = generate.generate(quick, prompts, settings)  # two rows
+    assert quick.model_loaded == (kernel.build().library is None)
+    assert [r.token_ids for r in batch] == expected
+    again = generate.generate(quick, prompts, settings, backend="transformers")
     assert quick.model_loaded
-    assert [r.token_ids for r in batch] == [r.token_ids for r in
-                                            generate.generate(stories, prompts, settings)]
+    assert [r.token_ids for r in again] == expected
     beam = greedy(20, num_beams=3)
     assert generate.generate(quick, prompts[:1], beam)[0].token_ids \
-        == generate.generate(stories, prompts[:1], beam)[0].token_ids
+        == generate.generate(stories, prompts[:1], beam, backend="transformers")[0].token_ids
     assert quick.tokenizer.get_vocab() == stories.tokenizer.get_vocab()
 
 
@@ -118,7 +127,7 @@ def test_loading_the_deferred_model_is_not_timed_as_prefill(stories):
 
     quick.deferred = slow_load
     events = list(generate.stream(quick, [stories.encode("Once upon a time")] * 2,
-                                greedy(5, ignore_eos=True)))
+                                  greedy(5, ignore_eos=True), backend="transformers"))
     prefill = next(e for e in events if type(e).__name__ == "Prefill")
     assert quick.model_loaded and prefill.seconds < 0.4
 
