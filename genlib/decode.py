@@ -46,7 +46,7 @@ class Plan:
     """Everything the loop needs that can be decided before the first step."""
 
     settings: GenerationSettings
-    chain: list[processors.Processor]
+    chain: list[processors.Stage]
     sampler: sampling.Sampler
     generators: list[torch.Generator] | None
     suppress_eos: processors.Processor | None
@@ -117,6 +117,7 @@ def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor
     processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
                                step)
     tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    processors.observe(plan.chain, processed, tokens)
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs
 
@@ -252,6 +253,7 @@ def _drop_rows(state: forward.KVState, plan: Plan, active: list[int], done: list
     keep = [pos for pos in range(len(active)) if pos not in finished]
     index = torch.tensor(keep, dtype=torch.long, device=device)
     state.reorder(index)
+    processors.reorder(plan.chain, index)
     if plan.generators is not None:
         plan.generators = [plan.generators[p] for p in keep]
     active[:] = [active[p] for p in keep]
