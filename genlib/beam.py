@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from genlib import constraints as cons
-from genlib import decode, forward, processors, sampling
+from genlib import decode, forward, grammar, processors, sampling
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
@@ -201,7 +201,7 @@ def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Genera
         raise ConfigError("every prompt needs at least one token")
     for prompt in prompts_ids:
         lm.check_fits(len(prompt), settings.max_new_tokens)
-    plan = _make_plan(lm, settings, record_tree)
+    plan = _make_plan(lm, settings, record_tree, max(len(p) for p in prompts_ids))
     searches = _make_searches(lm, prompts_ids, plan, seeds)
     start = time.perf_counter()
     logits, state, context = _prefill_beams(lm, prompts_ids, plan)
@@ -228,7 +228,8 @@ def _run(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Genera
     return [_result(plan, searches, p, steps, interrupted) for p in range(len(prompts_ids))]
 
 
-def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool) -> _Plan:
+def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
+               prompt_width: int) -> _Plan:
     if settings.num_beams % settings.num_beam_groups:
         raise ConfigError(f"num_beams ({settings.num_beams}) must be divisible by "
                           f"num_beam_groups ({settings.num_beam_groups})")
@@ -244,9 +245,11 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool)
     # even if the best ones all end.
     n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
     deadline = time.perf_counter() + settings.max_time if settings.max_time else None
-    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos,
-                 processors.build_processors(settings), suppress, constraints, lm.tokenizer,
-                 deadline, record_tree)
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, prompt_width=prompt_width,
+                                        tokenizer=lm.tokenizer, constraint=constraint)
+    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
+                 constraints, lm.tokenizer, deadline, record_tree)
 
 
 def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan,
@@ -528,6 +531,8 @@ def _hypothesis(plan: _Plan, prompt: tuple[int, ...], done: _Done) -> Hypothesis
         stops = StopStrings(plan.settings.stop_strings)
         stops.feed(text)
         text = stops.final_text
+    reason = grammar.finish_reason(processors.grammar_of(plan.chain), done.beam.tokens,
+                                   done.reason)
     return Hypothesis(tuple(done.beam.tokens), tuple(done.beam.logprobs),
-                      float(sum(done.beam.logprobs)), done.score, text, done.reason,
+                      float(sum(done.beam.logprobs)), done.score, text, reason,
                       cons.satisfied(done.beam.state) if plan.constraints else None)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlib import forward, processors, sampling
+from genlib import forward, grammar, processors, sampling
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
@@ -80,8 +80,11 @@ def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | No
 
 
 def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
-              seeds: Sequence[int] | None = None) -> Plan:
-    chain = processors.build_processors(settings)
+              seeds: Sequence[int] | None = None, prompt_width: int = 0) -> Plan:
+    """`prompt_width`: the context columns that hold the (left-padded) prompts."""
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, prompt_width=prompt_width,
+                                        tokenizer=lm.tokenizer, constraint=constraint)
     suppress = suppress_eos_for(lm, settings)
     all_seeds = row_seeds(settings, rows, seeds)
     generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
@@ -151,7 +154,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     for prompt in prompts:
         lm.check_fits(len(prompt), settings.max_new_tokens)
     expanded = expand_prompts(prompts, settings.num_return_sequences)
-    plan = make_plan(lm, settings, len(expanded), seeds)
+    plan = make_plan(lm, settings, len(expanded), seeds, max(len(p) for p in prompts))
     single_token_texts: dict[int, str] = {}
     rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
     yield from _decode_loop(lm, plan, rows, compile)
@@ -199,6 +202,8 @@ def _decode_loop(lm: LoadedModel, plan: Plan, rows: list[Row], compile: bool = F
                 if reason is None and step + 1 == settings.max_new_tokens:
                     reason = "length"
                 if reason is not None:
+                    reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
+                                                   reason)
                     yield from finish_row(row, active[pos], reason, start)
                     done.append(pos)
             if len(done) == len(active):
