@@ -442,6 +442,9 @@ def compare(
     seed: opt.Seed = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",
@@ -468,7 +471,8 @@ def compare(
     if json_path == "-" and markdown_path == "-":
         raise fail("--json - and --markdown - both want stdout; write one of them to a file")
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos)
+                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
+                              **opt.grammar_flags(json_schema, regex, grammar))
     base_seed = seed if seed is not None else fresh_seed()
     strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
                            base_seed)

@@ -19,6 +19,7 @@ settings fail with a ConfigError saying how to install it.
 from __future__ import annotations
 
 import json
+import re
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,8 +81,14 @@ def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], setting
             return compiler.compile_regex(text)
         return compiler.compile_grammar(text)
     except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ConfigError(f"{kind} cannot be compiled: {first}") from None
+        raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    """xgrammar's message without its '[time] file.cc:line:' prefix."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
 
 
 @dataclass
