@@ -253,3 +253,24 @@ def test_logit_bias_text_is_encoded_with_the_tokenizer(stories_tokenizer):
     dog = stories_tokenizer.encode(" dog", add_special_tokens=False)
     out = stage(torch.tensor([[dog[0]] if len(dog) > 1 else [1]]), torch.zeros(1, 512))
     assert out[0, dog[-1]] == 3.0 and out[0, 7] == -1.0
+
+
+def test_new_keys_load_from_a_yaml_preset(tmp_path, stories_tokenizer):
+    from genlib.presets import load_preset
+
+    path = tmp_path / "mine.yaml"
+    path.write_text(
+        "extends: llamacpp\n"
+        "dry_multiplier: 0.8\n"
+        "dry_sequence_breakers: [\"\\n\", ':']\n"
+        "logit_bias: {' the': -2, 13: 1.5}\n"
+        "xtc_probability: 0.5\n"
+        "json_schema: {type: object, properties: {a: {type: integer}}}\n")
+    settings = resolve_settings(None, load_preset(str(path)).settings)
+    assert settings.samplers[-1] == "temperature" and settings.dry_multiplier == 0.8
+    assert settings.logit_bias == ((" the", -2.0), (13, 1.5))
+    assert settings.dry_sequence_breakers == ("\n", ":")
+    assert '"a":{"type":"integer"}' in settings.json_schema
+    chain = processors.build_processors(settings, tokenizer=stories_tokenizer)
+    names = [s.name for s in chain]
+    assert names == ["logit_bias", "dry", "top_k", "top_p", "min_p", "xtc", "temperature"]
