@@ -25,11 +25,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from genlib.errors import ConfigError
 
 INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar would not end
+NEG_INF = float("-inf")
 CACHE_SIZE = 512  # matchers kept; a step needs one per row (per position when speculating)
 
 
@@ -151,22 +153,33 @@ def _row_tokens(row: list[int], prompt_width: int) -> tuple[int, ...]:
 def mask_fn(matchers: Matchers, prompt_width: int) -> Any:
     """The grammar stage's processor over `matchers`."""
     xgr = _xgrammar()
+    scratch: dict[tuple[int, int], torch.Tensor] = {}  # bitmask buffers, reused per shape
 
     def constrain(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """grammar: l[x] = -inf for every x the grammar cannot take next."""
         rows = token_ids.tolist()
-        bitmask = xgr.allocate_token_bitmask(len(rows), logits.shape[-1])
+        shape = (len(rows), logits.shape[-1])
+        if shape not in scratch:
+            scratch[shape] = xgr.allocate_token_bitmask(*shape)
+        bitmask = scratch[shape]
         for i, row in enumerate(rows):
             matcher = matchers.get(_row_tokens(row, prompt_width))
             if matcher is None or matcher.is_terminated():
                 bitmask[i].zero_()  # a context the grammar rejects: nothing can follow
             else:
                 matcher.fill_next_token_bitmask(bitmask, i)
-        out = logits.to(torch.float32, copy=True)  # xgrammar masks float32 in place
-        xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device))
-        return out.to(logits.dtype)
+        allowed = _allowed(bitmask, shape[1]).to(logits.device)
+        return torch.where(allowed, logits, torch.tensor(NEG_INF, dtype=logits.dtype,
+                                                         device=logits.device))
 
     return constrain
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """xgrammar's packed bitmask (bit j of int32 word i = token 32 i + j) as booleans;
+    numpy's unpackbits is several times faster here than xgrammar's CPU kernel."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab].astype(bool))
 
 
 def finish_reason(matchers: Matchers | None, generated: Sequence[int], reason: str) -> str:
