@@ -62,6 +62,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--compile", action="store_true",
+                        help="decode with the compiled step (genlab generate --compile)")
     args = parser.parse_args()
 
     import torch
@@ -69,6 +71,7 @@ def main() -> None:
     sys.path.insert(0, str(ROOT))
     from genlib import decode, grammar
     from genlib.config import resolve_settings
+    from genlib.events import Finish
     from genlib.models import ModelSpec, load_model
 
     torch.set_num_threads(args.threads)
@@ -78,15 +81,21 @@ def main() -> None:
     constrained = resolve_settings({"max_new_tokens": args.steps, "json_schema": SCHEMA})
     masks: list[float] = []
     grammar.mask_fn = timed_mask_fn(masks)  # the stage, timed; decode builds it per run
-    decode.generate(lm, [ids], plain)  # warm-up: first-run costs stay out of the figures
-    decode.generate(lm, [ids], constrained)
+
+    def run(settings):
+        events = decode.stream(lm, [ids], settings, compile=args.compile)
+        return next(e for e in events if isinstance(e, Finish))
+
+    run(plain)  # warm-up: first-run costs (compilation) stay out of the figures
+    run(constrained)
     masks.clear()
     step_medians, mask_medians, mask_all, produced = [], [], [], []
     for _ in range(args.reps):
-        [run] = decode.generate(lm, [ids], plain)
-        step_medians.append((run.end - run.first_token) / (run.new_tokens - 1))
+        plain_run = run(plain)
+        step_medians.append((plain_run.end - plain_run.first_token)
+                            / (plain_run.new_tokens - 1))
         masks.clear()
-        [out] = decode.generate(lm, [ids], constrained)
+        out = run(constrained)
         mask_medians.append(statistics.median(masks))
         mask_all.extend(masks)
         produced.append(out.new_tokens)
@@ -96,10 +105,12 @@ def main() -> None:
     print(f"# bench_grammar  {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  "
           f"{platform.processor() or platform.machine()}  torch threads {args.threads}")
     print(f"# command: python benchmarks/bench_grammar.py --model {Path(args.model).name} "
-          f"--steps {args.steps} --reps {args.reps} --threads {args.threads}")
+          f"--steps {args.steps} --reps {args.reps} --threads {args.threads}"
+          + (" --compile" if args.compile else ""))
     print(f"model {Path(args.model).name}, vocab {lm.vocab_size}, {args.reps} interleaved "
           f"reps, constrained runs of {min(produced)}-{max(produced)} tokens")
-    print(f"plain decode step (median of rep medians): {step * 1e3:.3f} ms")
+    label = " (--compile)" if args.compile else ""
+    print(f"plain decode step{label} (median of rep medians): {step * 1e3:.3f} ms")
     print(f"grammar mask per step (median of rep medians): {mask * 1e3:.3f} ms "
           f"(p90 over all steps {p90 * 1e3:.3f} ms)")
     print(f"mask / step: {mask / step:.1%} (per-rep: "

@@ -132,8 +132,8 @@ SPECS: dict[str, Spec] = {
     "mirostat_eta": Spec("float", 0.1, "Mirostat: learning rate (llama.cpp)", "> 0",
                          lambda v: v > 0),
     "samplers": Spec("samplers", (), "the processor chain's order, names separated by ';' "
-                     "(llama.cpp); stages left out do not run (default: "
-                     + ";".join(DEFAULT_SAMPLERS) + ")"),
+                     "(llama.cpp); stages left out do not run (default: the documented "
+                     "order, docs/samplers.md)"),
     "json_schema": Spec("schema", None, "constrain the output to JSON valid against this "
                         "schema (xgrammar)", optional=True),
     "regex": Spec("str", None, "constrain the output to match this regular expression "

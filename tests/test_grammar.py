@@ -192,3 +192,29 @@ def test_compare_columns_all_follow_the_grammar(tmp_path):
     assert len(samples) == 2
     for sample in samples:
         assert sample["finish_reason"] == "eos" and re.fullmatch("[0-9]{2}", sample["text"])
+
+
+@pytest.mark.slow
+def test_interactive_session_keeps_the_grammar_for_every_turn(tmp_path):
+    pexpect = pytest.importorskip("pexpect")
+    import os
+
+    from tests.conftest import ROOT, STORIES
+
+    env = {**os.environ, "GENLAB_HISTORY": str(tmp_path / "history"), "NO_COLOR": "1",
+           "TERM": "xterm"}
+    child = pexpect.spawn(sys.executable, ["-m", "cli", "generate", "-i", "-m", str(STORIES),
+                                           "--regex", "(yes|no)", "-n", "8"], cwd=str(ROOT),
+                          env=env, encoding="utf-8", timeout=60, dimensions=(40, 200))
+    for prompt in ("Once upon a time", "Was the dog happy?"):
+        child.expect_exact("genlab> ")
+        child.sendline(prompt)
+        child.expect(r"\r\n(yes|no)\r\n")
+        child.expect_exact("finish: eos")
+    child.sendline("/set regex=[0-9]{3}")
+    child.expect_exact("genlab> ")
+    child.sendline("Count to three")
+    child.expect(r"\r\n[0-9]{3}\r\n")
+    child.expect_exact("genlab> ")
+    child.sendeof()
+    child.expect(pexpect.EOF)
