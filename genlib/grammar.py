@@ -12,8 +12,8 @@ sampled, batched, beam and speculative decoding all use it unchanged: beams that
 a prefix share its matcher, and a speculative verification that looks at several draft
 positions at once finds each position's matcher from the one before.
 
-xgrammar is an optional dependency (the `grammar` extra); without it the grammar
-settings fail with a ConfigError saying how to install it.
+xgrammar is a dependency of genlab; where it cannot be installed or imported, the grammar
+settings fail with a ConfigError saying so, and everything else works.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError:
         raise ConfigError("json_schema, regex and grammar need xgrammar: "
-                          "pip install 'genlab[grammar]' (or pip install xgrammar)") from None
+                          "pip install xgrammar (a genlab dependency: reinstall genlab)") from None
     return xgrammar
 
 
@@ -95,15 +95,21 @@ def _first_line(exc: Exception) -> str:
 
 @dataclass
 class Matchers:
-    """xgrammar matchers keyed by the generated tokens they have accepted."""
+    """xgrammar matchers keyed by the generated tokens they have accepted.
+
+    The common case, a row one token further than at the last step, advances its
+    matcher in place (one `accept_token`), and `moved` remembers where that matcher went;
+    a key needed again later (a second beam from one parent, a speculative rollback) is
+    rebuilt by forking the matcher it moved to and rolling that fork back."""
 
     compiled: Any
-    cache: OrderedDict[tuple[int, ...], Any]
+    cache: OrderedDict[tuple[int, ...], Any]  # key -> its matcher (None: not allowed)
+    moved: OrderedDict[tuple[int, ...], tuple[int, ...]]  # key -> the longer key it became
 
     @classmethod
     def start(cls, compiled: Any) -> Matchers:
         root = _xgrammar().GrammarMatcher(compiled)
-        return cls(compiled, OrderedDict({(): root}))
+        return cls(compiled, OrderedDict({(): root}), OrderedDict())
 
     def observe(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Nothing to do: matchers are found from the context itself."""
@@ -116,25 +122,49 @@ class Matchers:
         if generated in self.cache:
             self.cache.move_to_end(generated)
             return self.cache[generated]
-        cut = len(generated) - 1
-        while cut > 0 and generated[:cut] not in self.cache:
-            cut -= 1
-        base = self.cache[generated[:cut]]
-        if base is None:
+        parent = generated[:-1]
+        if parent and self.cache.get(parent) is not None:  # the root is never moved
+            matcher = self.cache.pop(parent)
+            if _accept(matcher, generated[-1:]):
+                self._store(generated, matcher)
+                self.moved[parent] = generated
+                while len(self.moved) > CACHE_SIZE:
+                    self.moved.popitem(last=False)
+                return matcher
+            self._store(parent, matcher)  # a refused token leaves the matcher as it was
+            self._store(generated, None)
             return None
-        matcher = base.fork()
-        for token in generated[cut:]:
-            if matcher.is_terminated() or not matcher.accept_token(token):
-                matcher = None
+        for cut in range(len(generated) - 1, -1, -1):
+            found, matcher = self._copy_of(generated[:cut])
+            if found:
                 break
-        self.cache[generated] = matcher
+        if matcher is not None and not _accept(matcher, generated[cut:]):
+            matcher = None
+        self._store(generated, matcher)
+        return matcher
+
+    def _copy_of(self, key: tuple[int, ...]) -> tuple[bool, Any | None]:
+        """(found, a fresh matcher after `key`, or None if the grammar forbids key)."""
+        if key in self.cache:
+            matcher = self.cache[key]
+            return True, None if matcher is None else matcher.fork()
+        owner = key
+        while owner in self.moved:
+            owner = self.moved[owner]
+        if owner != key and self.cache.get(owner) is not None:
+            matcher = self.cache[owner].fork()
+            matcher.rollback(len(owner) - len(key))
+            return True, matcher
+        return False, None
+
+    def _store(self, key: tuple[int, ...], matcher: Any | None) -> None:
+        self.cache[key] = matcher
         while len(self.cache) > CACHE_SIZE:
             oldest = next(iter(self.cache))
             if oldest == ():
                 self.cache.move_to_end(oldest)  # the root stays: everything forks from it
                 continue
             self.cache.pop(oldest)
-        return matcher
 
     def allows(self, generated: tuple[int, ...], token: int) -> bool:
         """Whether the grammar can take `token` after `generated`."""
@@ -146,8 +176,17 @@ class Matchers:
         return matcher is not None and (matcher.is_terminated() or matcher.is_completed())
 
 
+def _accept(matcher: Any, tokens: Sequence[int]) -> bool:
+    """Feed `tokens` to `matcher`; False at the first one the grammar refuses."""
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            return False
+    return True
+
+
 def _row_tokens(row: list[int], prompt_width: int) -> tuple[int, ...]:
-    return tuple(t for t in row[prompt_width:] if t >= 0)
+    """The generated tokens of one context row (no padding follows the prompt)."""
+    return tuple(row[prompt_width:])
 
 
 def mask_fn(matchers: Matchers, prompt_width: int) -> Any:

@@ -138,7 +138,7 @@ def test_grammar_stage_is_pure_and_masks_per_row(builtin):
 def test_without_xgrammar_the_grammar_settings_fail_with_one_line(monkeypatch, builtin):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     grammar._TOKENIZER_INFOS.clear()
-    with pytest.raises(ConfigError, match=r"need xgrammar: pip install 'genlab\[grammar\]'"):
+    with pytest.raises(ConfigError, match=r"need xgrammar: pip install xgrammar"):
         decode.generate(builtin, [builtin.encode("x")], resolve_settings({"regex": "a+"}))
 
 
@@ -218,3 +218,35 @@ def test_interactive_session_keeps_the_grammar_for_every_turn(tmp_path):
     child.expect_exact("genlab> ")
     child.sendeof()
     child.expect(pexpect.EOF)
+
+
+def test_matchers_moved_in_place_are_rebuilt_exactly_for_beams_and_rollbacks(builtin):
+    """A matcher advanced in place (the common step) must still give its old key's state
+    when a second beam or a speculative rollback asks for it: same mask as a replay."""
+    import xgrammar as xgr
+
+    constraint = grammar.compile_for(builtin.tokenizer, builtin.vocab_size, builtin.eos_ids,
+                                     resolve_settings({"json_schema": SCHEMA}))
+    text = builtin.tokenizer.encode('{"name": "ab", "ok": true', add_special_tokens=False)
+    matchers = grammar.Matchers.start(constraint)
+    for n in range(1, len(text) + 1):  # step by step, as decoding asks
+        assert matchers.get(tuple(text[:n])) is not None
+    alt = builtin.tokenizer.encode('{"name": "ab", "ok": false', add_special_tokens=False)
+    common = next(i for i, (x, y) in enumerate(zip(text, alt)) if x != y)
+
+    def mask(m) -> torch.Tensor:
+        bitmask = xgr.allocate_token_bitmask(1, builtin.vocab_size)
+        m.fill_next_token_bitmask(bitmask, 0)
+        return bitmask
+
+    def replay(key) -> torch.Tensor:
+        fresh = xgr.GrammarMatcher(constraint)
+        assert all(fresh.accept_token(t) for t in key)
+        return mask(fresh)
+
+    for key in (tuple(text[:3]), tuple(text[:common]), tuple(alt), tuple(text)):
+        matcher = matchers.get(key)
+        assert matcher is not None and torch.equal(mask(matcher), replay(key)), key
+    bad = builtin.tokenizer.encode("}", add_special_tokens=False)[0]
+    assert matchers.get((*text[:2], bad)) is None  # '{"' then '}' is not JSON
+    assert torch.equal(mask(matchers.get(tuple(text[:2]))), replay(text[:2]))
