@@ -31,7 +31,8 @@ MIN_COLUMN = 30  # characters a text column needs to stay readable; narrower: st
 REFRESH_S = 0.1  # live view redraws at most this often (Rich is slow on a busy CPU)
 LABEL_WIDTH = 20
 SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_tokens",
-                "ignore_eos", "stop_strings", "max_time", "num_return_sequences")
+                "ignore_eos", "stop_strings", "max_time", "num_return_sequences",
+                "json_schema", "regex", "grammar")
 
 
 # --- shared formatting --------------------------------------------------------------

@@ -187,7 +187,7 @@ def no_cache_stream(lm: LoadedModel, prompts: list[list[int]], settings: Generat
     positions, so the whole generation is quadratic where the cached loop is linear.
     Kept only to measure that difference; it yields the same events as `decode.stream`
     for equal-length prompts."""
-    plan = decode.make_plan(lm, settings, len(prompts))
+    plan = decode.make_plan(lm, settings, len(prompts), prompt_width=len(prompts[0]))
     start = time.perf_counter()
     ids = torch.tensor(prompts, dtype=torch.long, device=lm.device)
     mask = torch.ones_like(ids)
