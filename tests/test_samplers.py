@@ -274,3 +274,60 @@ def test_new_keys_load_from_a_yaml_preset(tmp_path, stories_tokenizer):
     chain = processors.build_processors(settings, tokenizer=stories_tokenizer)
     names = [s.name for s in chain]
     assert names == ["logit_bias", "dry", "top_k", "top_p", "min_p", "xtc", "temperature"]
+
+
+# --- the CLI ------------------------------------------------------------------------
+
+NEW_FLAGS = ["--logit-bias", "--presence-penalty", "--frequency-penalty", "--dry-multiplier",
+             "--dry-base", "--dry-allowed-length", "--dry-penalty-last-n",
+             "--dry-sequence-breaker", "--xtc-probability", "--xtc-threshold",
+             "--top-n-sigma", "--epsilon-cutoff", "--eta-cutoff", "--mirostat",
+             "--mirostat-tau", "--mirostat-eta", "--samplers", "--json-schema", "--regex",
+             "--grammar"]
+
+
+@pytest.mark.parametrize("command", ["generate", "beam", "speculate"])
+def test_every_new_flag_is_offered_with_its_tool_named(command):
+    import re
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "250"})
+    assert result.exit_code == 0
+    text = re.sub(r"\x1b\[[0-9;]*m", "", result.stdout)
+    for flag in NEW_FLAGS:
+        assert flag in text, flag
+    for tool in ("(llama.cpp)", "(OpenAI, vLLM)", "(transformers)", "xgrammar"):
+        assert tool in text, tool
+
+
+def test_cli_flags_reach_the_settings_and_the_output(stories_tokenizer):
+    import json
+
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import STORIES
+
+    runner = CliRunner()
+    comma = stories_tokenizer.encode(",", add_special_tokens=False)[-1]  # what comes next
+    args = ["generate", "Once upon a time", "-m", str(STORIES), "-n", "12", "--seed", "5",
+            "--json", "--logit-bias", f"{comma}=-100", "--logit-bias", " girl=2",
+            "--presence-penalty", "0.5", "--dry-multiplier", "0.8", "--dry-sequence-breaker",
+            "\\n", "--xtc-probability", "0.5", "--top-n-sigma", "2", "--mirostat", "2",
+            "--samplers", "logit_bias;penalties;dry;top_n_sigma;xtc;mirostat;temperature"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads(result.stdout)
+    s = record["settings"]
+    assert s["strategy"] == "sample" and s["mirostat"] == 2 and s["top_n_sigma"] == 2.0
+    assert s["logit_bias"] == {str(comma): -100.0, " girl": 2.0}
+    assert s["dry_sequence_breakers"] == ["\n"]
+    assert s["samplers"][-1] == "temperature"
+    assert comma not in record["token_ids"]  # banned by its bias
+    again = runner.invoke(app, args)
+    assert json.loads(again.stdout)["token_ids"] == record["token_ids"]  # seeded: repeatable
+    bad = runner.invoke(app, ["generate", "x", "-m", str(STORIES), "--mirostat", "1"])
+    assert bad.exit_code == 2 and "mirostat must be 0 or 2" in bad.stderr
