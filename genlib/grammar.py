@@ -12,8 +12,9 @@ sampled, batched, beam and speculative decoding all use it unchanged: beams that
 a prefix share its matcher, and a speculative verification that looks at several draft
 positions at once finds each position's matcher from the one before.
 
-xgrammar is a dependency of genlab; where it cannot be installed or imported, the grammar
-settings fail with a ConfigError saying so, and everything else works.
+xgrammar is the optional `grammar` extra (pip install 'genlab[grammar]'); without it the
+grammar settings fail with a ConfigError saying how to install it, and everything else
+works.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _xgrammar() -> Any:
         import xgrammar
     except ImportError:
         raise ConfigError("json_schema, regex and grammar need xgrammar: "
-                          "pip install xgrammar (a genlab dependency: reinstall genlab)") from None
+                          "pip install 'genlab[grammar]'") from None
     return xgrammar
 
 

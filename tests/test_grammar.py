@@ -11,6 +11,8 @@ import sys
 import jsonschema
 import pytest
 import torch
+
+pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlab[grammar]'")
 from typer.testing import CliRunner
 
 from cli.main import app
@@ -138,7 +140,7 @@ def test_grammar_stage_is_pure_and_masks_per_row(builtin):
 def test_without_xgrammar_the_grammar_settings_fail_with_one_line(monkeypatch, builtin):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     grammar._TOKENIZER_INFOS.clear()
-    with pytest.raises(ConfigError, match=r"need xgrammar: pip install xgrammar"):
+    with pytest.raises(ConfigError, match=r"need xgrammar: pip install 'genlab\[grammar\]'"):
         decode.generate(builtin, [builtin.encode("x")], resolve_settings({"regex": "a+"}))
 
 
