@@ -32,7 +32,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from genlib import sampling
 from genlib.config import DEFAULT_SAMPLERS, fresh_seed
 from genlib.errors import ConfigError
 
