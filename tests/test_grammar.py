@@ -16,7 +16,7 @@ pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlab[g
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import decode, grammar, processors
+from genlib import generate, grammar, processors
 from genlib.beam import beam_search
 from genlib.config import resolve_settings
 from genlib.errors import ConfigError
@@ -53,18 +53,18 @@ def test_schema_output_validates_for_20_seeds_where_the_model_alone_does_not(bui
     seeds = list(range(20))
     constrained = resolve_settings({"json_schema": SCHEMA, "temperature": 1.0,
                                     "max_new_tokens": 48})
-    finishes = decode.generate(builtin, [ids] * 20, constrained, seeds=seeds)
+    finishes = generate.generate(builtin, [ids] * 20, constrained, seeds=seeds)
     assert [f.reason for f in finishes] == ["eos"] * 20
     assert all(is_valid(f.text) for f in finishes), [f.text for f in finishes]
     assert len({f.text for f in finishes}) > 5  # sampled, not one forced string
     unconstrained = resolve_settings({"temperature": 1.0, "max_new_tokens": 48})
-    alone = decode.generate(builtin, [ids] * 20, unconstrained, seeds=seeds)
+    alone = generate.generate(builtin, [ids] * 20, unconstrained, seeds=seeds)
     assert sum(is_valid(f.text) for f in alone) <= 2
 
 
 def test_a_budget_too_small_for_the_grammar_ends_incomplete(builtin):
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 4})
-    [finish] = decode.generate(builtin, [builtin.encode(PROMPT)], settings)
+    [finish] = generate.generate(builtin, [builtin.encode(PROMPT)], settings)
     assert finish.reason == grammar.INCOMPLETE
     assert not is_valid(finish.text)
 
@@ -72,11 +72,11 @@ def test_a_budget_too_small_for_the_grammar_ends_incomplete(builtin):
 def test_regex_and_ebnf_outputs_match(builtin):
     ids = builtin.encode("x = ")
     pattern = r"[a-z]{2,5}_[0-9]{1,3}"
-    [regex] = decode.generate(builtin, [ids], resolve_settings(
+    [regex] = generate.generate(builtin, [ids], resolve_settings(
         {"regex": pattern, "temperature": 1.2, "seed": 3, "max_new_tokens": 20}))
     assert regex.reason == "eos" and re.fullmatch(pattern, regex.text), regex.text
     ebnf = 'root ::= "(" num ("," num)? ")"\nnum ::= [1-9] [0-9]?'
-    [out] = decode.generate(builtin, [ids], resolve_settings(
+    [out] = generate.generate(builtin, [ids], resolve_settings(
         {"grammar": ebnf, "max_new_tokens": 30}))
     assert out.reason == "eos" and re.fullmatch(r"\([1-9][0-9]?(,[1-9][0-9]?)?\)", out.text)
 
@@ -97,7 +97,7 @@ def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     prompt = 'x = {"title": "abc", "ok": true, "n": 5}\ny = '
     ids = builtin.encode(prompt)
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 40})
-    [plain] = decode.generate(builtin, [ids], settings)
+    [plain] = generate.generate(builtin, [ids], settings)
     kwargs = ({"prompt_lookup": 2, "num_draft_tokens": 6} if drafter == "lookup"
               else {"draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))})
     events = list(speculative_stream(builtin, ids, settings, **kwargs))
@@ -141,7 +141,7 @@ def test_without_xgrammar_the_grammar_settings_fail_with_one_line(monkeypatch, b
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     grammar._TOKENIZER_INFOS.clear()
     with pytest.raises(ConfigError, match=r"need xgrammar: pip install 'genlab\[grammar\]'"):
-        decode.generate(builtin, [builtin.encode("x")], resolve_settings({"regex": "a+"}))
+        generate.generate(builtin, [builtin.encode("x")], resolve_settings({"regex": "a+"}))
 
 
 # --- the CLI ------------------------------------------------------------------------
