@@ -116,6 +116,9 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         render.warn("some outputs do not contain every forced phrase (marked NOT met): the "
                     "model could not fit them in max_new_tokens; raise --max-new-tokens or "
                     "--num-beams")
+    if not interrupted:
+        render.warn_incomplete([h.finish_reason for h in result.hypotheses],
+                               settings.max_new_tokens)
     render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
                 f"backend {backend.name}")
     return interrupted
@@ -186,6 +189,26 @@ def beam(
     seed: opt.Seed = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
+    logit_bias: opt.LogitBias = None,
+    presence_penalty: opt.PresencePenalty = None,
+    frequency_penalty: opt.FrequencyPenalty = None,
+    dry_multiplier: opt.DryMultiplier = None,
+    dry_base: opt.DryBase = None,
+    dry_allowed_length: opt.DryAllowedLength = None,
+    dry_penalty_last_n: opt.DryPenaltyLastN = None,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_probability: opt.XtcProbability = None,
+    xtc_threshold: opt.XtcThreshold = None,
+    top_n_sigma: opt.TopNSigma = None,
+    epsilon_cutoff: opt.EpsilonCutoff = None,
+    eta_cutoff: opt.EtaCutoff = None,
+    mirostat: opt.Mirostat = None,
+    mirostat_tau: opt.MirostatTau = None,
+    mirostat_eta: opt.MirostatEta = None,
+    samplers: opt.Samplers = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     tree: Annotated[bool, typer.Option(
         "--tree", rich_help_panel=opt.OUTPUT_PANEL,
         help="Draw the search tree: candidates kept, finished and pruned at each step.")

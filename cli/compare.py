@@ -31,7 +31,8 @@ MIN_COLUMN = 30  # characters a text column needs to stay readable; narrower: st
 REFRESH_S = 0.1  # live view redraws at most this often (Rich is slow on a busy CPU)
 LABEL_WIDTH = 20
 SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_tokens",
-                "ignore_eos", "stop_strings", "max_time", "num_return_sequences")
+                "ignore_eos", "stop_strings", "max_time", "num_return_sequences",
+                "json_schema", "regex", "grammar")
 
 
 # --- shared formatting --------------------------------------------------------------
@@ -442,6 +443,9 @@ def compare(
     seed: opt.Seed = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",
@@ -469,7 +473,8 @@ def compare(
     if json_path == "-" and markdown_path == "-":
         raise fail("--json - and --markdown - both want stdout; write one of them to a file")
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos)
+                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
+                              **opt.grammar_flags(json_schema, regex, grammar))
     base_seed = seed if seed is not None else fresh_seed()
     strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
                            base_seed)

@@ -45,7 +45,8 @@ def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill: Prefill |
 
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                    settings: GenerationSettings, as_json: bool, show_stats: bool) -> int:
-    """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
+    """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
+    output ended before its grammar was complete)."""
     from cli import render
     from genlib.events import Finish, Prefill, Token
     from genlib.generate import stream
@@ -80,7 +81,10 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
         if show_stats:
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
                          backend_note(prefill))
-    return INTERRUPTED if interrupted else 0
+    if interrupted:
+        return INTERRUPTED
+    incomplete = render.warn_incomplete([f.reason for f in finished], settings.max_new_tokens)
+    return 1 if incomplete else 0
 
 
 def backend_note(prefill: Prefill | None) -> str:
@@ -111,6 +115,26 @@ def generate(
     num_return_sequences: opt.NumReturn = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
+    logit_bias: opt.LogitBias = None,
+    presence_penalty: opt.PresencePenalty = None,
+    frequency_penalty: opt.FrequencyPenalty = None,
+    dry_multiplier: opt.DryMultiplier = None,
+    dry_base: opt.DryBase = None,
+    dry_allowed_length: opt.DryAllowedLength = None,
+    dry_penalty_last_n: opt.DryPenaltyLastN = None,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_probability: opt.XtcProbability = None,
+    xtc_threshold: opt.XtcThreshold = None,
+    top_n_sigma: opt.TopNSigma = None,
+    epsilon_cutoff: opt.EpsilonCutoff = None,
+    eta_cutoff: opt.EtaCutoff = None,
+    mirostat: opt.Mirostat = None,
+    mirostat_tau: opt.MirostatTau = None,
+    mirostat_eta: opt.MirostatEta = None,
+    samplers: opt.Samplers = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,

@@ -13,6 +13,8 @@ import typer
 MODEL_PANEL = "Model"
 DECODING_PANEL = "Decoding"
 OUTPUT_PANEL = "Output"
+SAMPLERS_PANEL = "Samplers and penalties (docs/samplers.md)"
+GRAMMAR_PANEL = "Constrained output (xgrammar)"
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
@@ -74,6 +76,77 @@ MaxTime = Annotated[float | None, typer.Option(
 IgnoreEos = Annotated[bool | None, typer.Option(
     "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
 
+# Samplers from other tools; each help names the tool whose semantics it follows.
+LogitBias = Annotated[list[str] | None, typer.Option(
+    "--logit-bias", rich_help_panel=SAMPLERS_PANEL, metavar="TOKEN=BIAS",
+    help="Add BIAS to TOKEN's logit; TOKEN is an id or text (repeatable; llama.cpp, OpenAI; "
+         "text of several tokens biases its last token after the others, as transformers' "
+         "sequence_bias).")]
+PresencePenalty = Annotated[float | None, typer.Option(
+    "--presence-penalty", rich_help_panel=SAMPLERS_PANEL,
+    help="Subtract this from every generated token's logit, -2..2 (OpenAI, vLLM).")]
+FrequencyPenalty = Annotated[float | None, typer.Option(
+    "--frequency-penalty", rich_help_panel=SAMPLERS_PANEL,
+    help="Subtract this times its count from each generated token's logit, -2..2 "
+         "(OpenAI, vLLM).")]
+DryMultiplier = Annotated[float | None, typer.Option(
+    "--dry-multiplier", rich_help_panel=SAMPLERS_PANEL,
+    help="DRY repetition penalty strength, 0 = off (llama.cpp).")]
+DryBase = Annotated[float | None, typer.Option(
+    "--dry-base", rich_help_panel=SAMPLERS_PANEL,
+    help="DRY: penalty = multiplier * base^(length - allowed length), default 1.75 "
+         "(llama.cpp).")]
+DryAllowedLength = Annotated[int | None, typer.Option(
+    "--dry-allowed-length", rich_help_panel=SAMPLERS_PANEL,
+    help="DRY: repetitions this long go unpenalized, default 2 (llama.cpp).")]
+DryPenaltyLastN = Annotated[int | None, typer.Option(
+    "--dry-penalty-last-n", rich_help_panel=SAMPLERS_PANEL,
+    help="DRY: tokens of context scanned, -1 = all, 0 = off (llama.cpp).")]
+DrySequenceBreaker = Annotated[list[str] | None, typer.Option(
+    "--dry-sequence-breaker", rich_help_panel=SAMPLERS_PANEL,
+    help="DRY: text that ends a repetition (repeatable, replaces the default "
+         "\\n : \" *; \\n escapes work; llama.cpp).")]
+XtcProbability = Annotated[float | None, typer.Option(
+    "--xtc-probability", rich_help_panel=SAMPLERS_PANEL,
+    help="XTC: chance per step of excluding the top choices, 0 = off (llama.cpp).")]
+XtcThreshold = Annotated[float | None, typer.Option(
+    "--xtc-threshold", rich_help_panel=SAMPLERS_PANEL,
+    help="XTC: tokens with p >= this are top choices, default 0.1 (llama.cpp).")]
+TopNSigma = Annotated[float | None, typer.Option(
+    "--top-n-sigma", rich_help_panel=SAMPLERS_PANEL,
+    help="top-nσ: drop tokens with logit < max - n * std, 0 = off (llama.cpp).")]
+EpsilonCutoff = Annotated[float | None, typer.Option(
+    "--epsilon-cutoff", rich_help_panel=SAMPLERS_PANEL,
+    help="Drop tokens with p < epsilon, 0 = off (transformers).")]
+EtaCutoff = Annotated[float | None, typer.Option(
+    "--eta-cutoff", rich_help_panel=SAMPLERS_PANEL,
+    help="Drop tokens with p < min(eta, sqrt(eta) * exp(-entropy)), 0 = off (transformers).")]
+Mirostat = Annotated[int | None, typer.Option(
+    "--mirostat", rich_help_panel=SAMPLERS_PANEL,
+    help="Mirostat version: 0 = off, 2 = Mirostat 2.0 (llama.cpp).")]
+MirostatTau = Annotated[float | None, typer.Option(
+    "--mirostat-tau", rich_help_panel=SAMPLERS_PANEL,
+    help="Mirostat target surprise in bits, default 5 (llama.cpp).")]
+MirostatEta = Annotated[float | None, typer.Option(
+    "--mirostat-eta", rich_help_panel=SAMPLERS_PANEL,
+    help="Mirostat learning rate, default 0.1 (llama.cpp).")]
+Samplers = Annotated[str | None, typer.Option(
+    "--samplers", rich_help_panel=SAMPLERS_PANEL, metavar="A;B;...",
+    help="The chain's order, stage names separated by ';'; stages left out do not run "
+         "(llama.cpp). Default: logit_bias;penalties;no_repeat_ngram;dry;temperature;top_k;"
+         "top_p;min_p;typical_p;epsilon_cutoff;eta_cutoff;top_n_sigma;xtc;mirostat.")]
+
+JsonSchema = Annotated[str | None, typer.Option(
+    "--json-schema", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
+    help="Constrain the output to JSON valid against this JSON schema file (`-` = stdin).")]
+Regex = Annotated[str | None, typer.Option(
+    "--regex", rich_help_panel=GRAMMAR_PANEL, metavar="PATTERN",
+    help="Constrain the output to match this regular expression.")]
+Grammar = Annotated[str | None, typer.Option(
+    "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE",
+    help="Constrain the output to this EBNF/GBNF grammar file (start rule: root; "
+         "llama.cpp's GBNF).")]
+
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
 System = Annotated[str | None, typer.Option(
@@ -117,6 +190,14 @@ DECODING_PARAMS = {
     "repetition_penalty": "repetition_penalty", "no_repeat_ngram_size": "no_repeat_ngram_size",
     "stop": "stop_strings", "seed": "seed", "num_return_sequences": "num_return_sequences",
     "max_time": "max_time", "ignore_eos": "ignore_eos",
+    "logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty", "dry_multiplier": "dry_multiplier",
+    "dry_base": "dry_base", "dry_allowed_length": "dry_allowed_length",
+    "dry_penalty_last_n": "dry_penalty_last_n", "dry_sequence_breaker": "dry_sequence_breakers",
+    "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold",
+    "top_n_sigma": "top_n_sigma", "epsilon_cutoff": "epsilon_cutoff",
+    "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
+    "mirostat_eta": "mirostat_eta", "samplers": "samplers",
 }
 
 
@@ -125,7 +206,39 @@ def decoding_flags(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
     parameters are `params` (the command's `locals()`), plus the command's own `extra`."""
     picked = {setting: params[name] for name, setting in DECODING_PARAMS.items()
               if name in params}
+    picked |= grammar_flags(params.get("json_schema"), params.get("regex"),
+                            params.get("grammar"))
     return setting_flags(**(picked | extra))
+
+
+def grammar_flags(json_schema: str | None, regex: str | None, grammar: str | None
+                  ) -> dict[str, Any]:
+    """The settings --json-schema FILE|-, --regex and --grammar FILE give (files read
+    here; ConfigError naming the flag when one cannot be read)."""
+    out: dict[str, Any] = {}
+    if json_schema is not None:
+        out["json_schema"] = _read_flag_file("--json-schema", json_schema)
+    if regex is not None:
+        out["regex"] = regex
+    if grammar is not None:
+        out["grammar"] = _read_flag_file("--grammar", grammar)
+    return out
+
+
+def _read_flag_file(flag: str, path: str) -> str:
+    import sys
+    from pathlib import Path
+
+    from genlib.errors import ConfigError
+
+    if path == "-":
+        if sys.stdin.isatty():
+            raise ConfigError(f"{flag} - reads stdin, but nothing is piped in")
+        return sys.stdin.read()
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
 
 
 def setting_flags(**flags: Any) -> dict[str, Any]:
@@ -134,6 +247,11 @@ def setting_flags(**flags: Any) -> dict[str, Any]:
         flags["stop_strings"] = None
     if flags.get("stop_strings"):
         flags["stop_strings"] = [unescape(s) for s in flags["stop_strings"]]
+    for key in ("logit_bias", "dry_sequence_breakers"):
+        if flags.get(key) == []:
+            flags[key] = None
+    if flags.get("dry_sequence_breakers"):
+        flags["dry_sequence_breakers"] = [unescape(s) for s in flags["dry_sequence_breakers"]]
     if flags.get("ignore_eos") is False:
         flags["ignore_eos"] = None
     return {k: v for k, v in flags.items() if v is not None}

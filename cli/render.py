@@ -58,6 +58,17 @@ class building:  # noqa: N801 - used as a context manager, like open()
             err.print(f"[dim]{self._status.status} done[/]")
 
 
+def warn_incomplete(reasons: list[str], max_new_tokens: int) -> bool:
+    """Warn when an output stopped before its grammar could end (finish reason
+    grammar_incomplete): that text is not valid. Whether any did."""
+    count = reasons.count("grammar_incomplete")
+    if count:
+        which = "an output" if count == 1 else f"{count} outputs"
+        warn(f"{which} ended before the grammar was complete (max_new_tokens "
+             f"{max_new_tokens} or max_time): the text is NOT valid; raise --max-new-tokens")
+    return bool(count)
+
+
 def info(message: str) -> None:
     err.print(_escape(message), style="dim")
 

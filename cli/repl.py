@@ -462,4 +462,5 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
     render.end_line()
     if finish is not None:
         render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
+        render.warn_incomplete([finish.reason], settings.max_new_tokens)
     return finish

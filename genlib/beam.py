@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from genlib import constraints as cons
-from genlib import processors, sampling
+from genlib import grammar, processors, sampling
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
@@ -154,7 +154,7 @@ class _Plan:
     groups: int
     n_keep: int
     eos: frozenset[int]
-    chain: list[processors.Processor]
+    chain: list[processors.Stage]
     suppress_eos: processors.Processor | None
     constraints: tuple[cons.Constraint, ...]
     tokenizer: Any
@@ -266,7 +266,7 @@ def _run(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]]
          ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
     """The search, as a generator that yields the Prefill event and a BeamStep per
     prompt and step, and returns the results."""
-    plan = _make_plan(lm, settings, record_tree)
+    plan = _make_plan(lm, settings, record_tree, max(len(p) for p in prompts_ids))
     searches = _make_searches(lm, prompts_ids, plan, seeds)
     start = time.perf_counter()
     logits, context = _prefill_beams(lm, backend, prompts_ids, plan)
@@ -325,7 +325,8 @@ def _shared_prefix(sequences: list[list[int]]) -> int:
     return n
 
 
-def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool) -> _Plan:
+def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
+               prompt_width: int) -> _Plan:
     if settings.num_beams % settings.num_beam_groups:
         raise ConfigError(f"num_beams ({settings.num_beams}) must be divisible by "
                           f"num_beam_groups ({settings.num_beam_groups})")
@@ -341,9 +342,11 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool)
     # even if the best ones all end.
     n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
     deadline = time.perf_counter() + settings.max_time if settings.max_time else None
-    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos,
-                 processors.build_processors(settings), suppress, constraints, lm.tokenizer,
-                 deadline, record_tree)
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, prompt_width=prompt_width,
+                                        tokenizer=lm.tokenizer, constraint=constraint)
+    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
+                 constraints, lm.tokenizer, deadline, record_tree)
 
 
 def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan,
@@ -625,6 +628,8 @@ def _hypothesis(plan: _Plan, prompt: tuple[int, ...], done: _Done) -> Hypothesis
         stops = StopStrings(plan.settings.stop_strings)
         stops.feed(text)
         text = stops.final_text
+    reason = grammar.finish_reason(processors.grammar_of(plan.chain), done.beam.tokens,
+                                   done.reason)
     return Hypothesis(tuple(done.beam.tokens), tuple(done.beam.logprobs),
-                      float(sum(done.beam.logprobs)), done.score, text, done.reason,
+                      float(sum(done.beam.logprobs)), done.score, text, reason,
                       cons.satisfied(done.beam.state) if plan.constraints else None)

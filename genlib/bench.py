@@ -197,7 +197,7 @@ def no_cache_stream(lm: LoadedModel, prompts: list[list[int]], settings: Generat
     positions, so the whole generation is quadratic where the cached loop is linear.
     Kept only to measure that difference; it yields the same events as
     `genlib.generate.stream` for equal-length prompts."""
-    plan = make_plan(lm, settings, len(prompts))
+    plan = make_plan(lm, settings, len(prompts), prompt_width=len(prompts[0]))
     forward = TransformersBackend(lm)
     start = time.perf_counter()
     ids = torch.tensor(prompts, dtype=torch.long, device=lm.device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import hashlib
+import json
 import math
 import os
 import reprlib
@@ -23,7 +24,20 @@ import yaml
 from genlib.errors import ConfigError
 
 STRATEGIES = ("greedy", "sample", "beam")
-SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p")
+SAMPLING_KEYS = ("temperature", "top_k", "top_p", "min_p", "typical_p", "epsilon_cutoff",
+                 "eta_cutoff", "top_n_sigma", "xtc_probability", "mirostat")
+# The processor chain's stages in their default order: the `samplers` vocabulary.
+DEFAULT_SAMPLERS = (
+    "logit_bias", "penalties", "no_repeat_ngram", "dry",
+    "temperature", "top_k", "top_p", "min_p", "typical_p",
+    "epsilon_cutoff", "eta_cutoff", "top_n_sigma", "xtc", "mirostat",
+)
+# Other names `samplers` accepts, as llama.cpp's --samplers spells them.
+SAMPLER_ALIASES = {"typ_p": "typical_p", "typical": "typical_p", "temp": "temperature",
+                   "nucleus": "top_p", "top-n-sigma": "top_n_sigma", "epsilon": "epsilon_cutoff",
+                   "eta": "eta_cutoff", "top-k": "top_k", "top-p": "top_p", "min-p": "min_p",
+                   "logit-bias": "logit_bias"}
+GRAMMAR_KEYS = ("json_schema", "regex", "grammar")
 PRESET_META_KEYS = ("name", "description", "model", "extends")
 MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most this
 # Rows per prompt (beams, or returned sequences): each is a full copy of the KV cache, so
@@ -43,7 +57,8 @@ def shown(value: Any) -> str:
 class Spec:
     """How one setting is typed, bounded and explained."""
 
-    kind: str  # "int", "float", "bool", "str", "strings", "choice", "early_stopping"
+    kind: str  # "int", "float", "bool", "str", "strings", "choice", "early_stopping",
+    #            "bias", "samplers", "schema"
     default: Any
     help: str
     allowed: str = ""
@@ -97,6 +112,53 @@ SPECS: dict[str, Spec] = {
     "force_words": Spec("strings", (), "constrained beam search: phrases that must appear"),
     "force_any": Spec("strings", (), "constrained beam search: sets 'A|B|C', one of which must "
                       "appear"),
+    "logit_bias": Spec("bias", (), "add BIAS to a token's logit: TOKEN=BIAS, the token as an "
+                       "id or as text (text of several tokens biases that sequence's last "
+                       "token after the others, as transformers' sequence_bias; llama.cpp, "
+                       "OpenAI)"),
+    "presence_penalty": Spec("float", 0.0, "subtract this from the logit of every token already "
+                             "generated (OpenAI, vLLM; 0 = off)", "-2 <= presence_penalty <= 2",
+                             lambda v: -2 <= v <= 2),
+    "frequency_penalty": Spec("float", 0.0, "subtract this times its count so far from each "
+                              "generated token's logit (OpenAI, vLLM; 0 = off)",
+                              "-2 <= frequency_penalty <= 2", lambda v: -2 <= v <= 2),
+    "dry_multiplier": Spec("float", 0.0, "DRY repetition penalty strength (llama.cpp; 0 = off)",
+                           ">= 0", lambda v: v >= 0),
+    "dry_base": Spec("float", 1.75, "DRY: the penalty grows as base**(length - allowed_length) "
+                     "(llama.cpp)", ">= 1", lambda v: v >= 1),
+    "dry_allowed_length": Spec("int", 2, "DRY: repetitions up to this long go unpenalized "
+                               "(llama.cpp)", ">= 1", lambda v: v >= 1),
+    "dry_penalty_last_n": Spec("int", -1, "DRY: tokens of context scanned for repetitions "
+                               "(llama.cpp; -1 = all, 0 = off)", ">= -1", lambda v: v >= -1),
+    "dry_sequence_breakers": Spec("strings", ("\n", ":", "\"", "*"),
+                                  "DRY: texts that end a repetition (llama.cpp)"),
+    "xtc_probability": Spec("float", 0.0, "XTC: chance of excluding the top choices each step "
+                            "(llama.cpp; 0 = off)", "0 <= xtc_probability <= 1",
+                            lambda v: 0 <= v <= 1),
+    "xtc_threshold": Spec("float", 0.1, "XTC: tokens with p >= this are top choices (llama.cpp)",
+                          "0 <= xtc_threshold <= 0.5 (above 0.5 no two tokens can reach it)",
+                          lambda v: 0 <= v <= 0.5),
+    "top_n_sigma": Spec("float", 0.0, "top-nσ: drop tokens with logit < max - n * std "
+                        "(llama.cpp; 0 = off)", ">= 0", lambda v: v >= 0),
+    "epsilon_cutoff": Spec("float", 0.0, "drop tokens with p < epsilon (transformers; 0 = off)",
+                           "0 <= epsilon_cutoff < 1", lambda v: 0 <= v < 1),
+    "eta_cutoff": Spec("float", 0.0, "drop tokens with p < min(eta, sqrt(eta) * exp(-entropy)) "
+                       "(transformers; 0 = off)", "0 <= eta_cutoff < 1", lambda v: 0 <= v < 1),
+    "mirostat": Spec("int", 0, "Mirostat version: 0 = off, 2 = Mirostat 2.0 (llama.cpp)",
+                     "0 or 2 (Mirostat 1.0 is not implemented)", lambda v: v in (0, 2)),
+    "mirostat_tau": Spec("float", 5.0, "Mirostat: target surprise in bits (llama.cpp)", "> 0",
+                         lambda v: v > 0),
+    "mirostat_eta": Spec("float", 0.1, "Mirostat: learning rate (llama.cpp)", "> 0",
+                         lambda v: v > 0),
+    "samplers": Spec("samplers", (), "the processor chain's order, names separated by ';' "
+                     "(llama.cpp); stages left out do not run (default: the documented "
+                     "order, docs/samplers.md)"),
+    "json_schema": Spec("schema", None, "constrain the output to JSON valid against this "
+                        "schema (xgrammar)", optional=True),
+    "regex": Spec("str", None, "constrain the output to match this regular expression "
+                  "(xgrammar)", optional=True),
+    "grammar": Spec("str", None, "constrain the output to this EBNF/GBNF grammar, rule root "
+                    "(xgrammar)", optional=True),
 }
 
 
@@ -127,6 +189,26 @@ class GenerationSettings:
     diversity_penalty: float = 0.0
     force_words: tuple[str, ...] = ()
     force_any: tuple[str, ...] = ()
+    logit_bias: tuple[tuple[int | str, float], ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_penalty_last_n: int = -1
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
+    top_n_sigma: float = 0.0
+    epsilon_cutoff: float = 0.0
+    eta_cutoff: float = 0.0
+    mirostat: int = 0
+    mirostat_tau: float = 5.0
+    mirostat_eta: float = 0.1
+    samplers: tuple[str, ...] = ()
+    json_schema: str | None = None
+    regex: str | None = None
+    grammar: str | None = None
     unused: tuple[str, ...] = field(default=(), compare=False)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +218,8 @@ class GenerationSettings:
             if f.name == "unused":
                 continue
             value = getattr(self, f.name)
+            if f.name == "logit_bias":
+                value = {str(k): b for k, b in value}
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
 
@@ -155,7 +239,10 @@ def _type_error(source: str, key: str, spec: Spec, value: Any) -> ConfigError:
     wanted = {"int": "an integer", "float": "a number", "bool": "true or false",
               "str": "a string", "strings": "a string or a list of strings",
               "choice": f"one of {', '.join(spec.choices)}",
-              "early_stopping": "true, false or \"never\""}[spec.kind]
+              "early_stopping": "true, false or \"never\"",
+              "bias": "TOKEN=BIAS strings or a mapping of token to bias",
+              "samplers": "stage names separated by ';' or a list of them",
+              "schema": "a JSON schema (an object, or its JSON text)"}[spec.kind]
     return ConfigError(f"{source}: {key} must be {wanted}, got {shown(value)}")
 
 
@@ -198,9 +285,95 @@ def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
     elif kind == "early_stopping":
         if not (isinstance(value, bool) or value == "never"):
             raise _type_error(source, key, spec, value)
+    elif kind == "bias":
+        value = _coerce_bias(source, key, value)
+    elif kind == "samplers":
+        value = _coerce_samplers(source, key, value)
+    elif kind == "schema":
+        value = _coerce_schema(source, key, value)
     if spec.check is not None and not spec.check(value):
         raise ConfigError(f"{source}: {key} must be {spec.allowed}, got {shown(value)}")
     return value
+
+
+def _coerce_bias(source: str, key: str, value: Any) -> tuple[tuple[int | str, float], ...]:
+    """logit_bias as ((token, bias), ...): a mapping, or TOKEN=BIAS strings (split at the
+    last '='); a token of digits alone is an id, any other text is encoded."""
+    if isinstance(value, str):
+        value = [value]
+    if isinstance(value, Mapping):
+        pairs = list(value.items())
+    elif isinstance(value, (list, tuple)):
+        pairs = []
+        for item in value:
+            if isinstance(item, (list, tuple)) and len(item) == 2:
+                pairs.append(tuple(item))
+                continue
+            token, sep, bias = str(item).rpartition("=")
+            if not sep or not token:
+                raise ConfigError(f"{source}: {key} wants TOKEN=BIAS, got {item!r}")
+            pairs.append((token, bias))
+    else:
+        raise _type_error(source, key, SPECS[key], value)
+    out: list[tuple[int | str, float]] = []
+    for token, bias in pairs:
+        try:
+            number = float(bias)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{source}: {key} for {token!r} must be a number, got "
+                              f"{bias!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{source}: {key} for {token!r} must be finite, got {bias!r}")
+        if isinstance(token, int) and not isinstance(token, bool):
+            token_key: int | str = token
+        elif isinstance(token, str) and token.isdigit():
+            token_key = int(token)
+        elif isinstance(token, str) and token:
+            token_key = token
+        else:
+            raise ConfigError(f"{source}: {key} tokens are ids or non-empty text, got {token!r}")
+        out.append((token_key, number))
+    return tuple(out)
+
+
+def _coerce_samplers(source: str, key: str, value: Any) -> tuple[str, ...]:
+    """samplers as a tuple of canonical stage names: 'a;b;c' (or commas) or a list."""
+    if isinstance(value, str):
+        value = [v for v in value.replace(",", ";").split(";") if v.strip()]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _type_error(source, key, SPECS[key], value)
+    names: list[str] = []
+    for raw in value:
+        name = SAMPLER_ALIASES.get(raw.strip(), raw.strip())
+        if name not in DEFAULT_SAMPLERS:
+            hint = closest_key(name, DEFAULT_SAMPLERS)
+            extra = f" (did you mean {hint!r}?)" if hint else ""
+            raise ConfigError(f"{source}: {key} has no stage {raw!r}{extra}; stages: "
+                              f"{';'.join(DEFAULT_SAMPLERS)}")
+        if name in names:
+            raise ConfigError(f"{source}: {key} names {name!r} twice")
+        names.append(name)
+    return tuple(names)
+
+
+def _coerce_schema(source: str, key: str, value: Any) -> str:
+    """json_schema as compact JSON text, checked to be a valid JSON schema."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: {key} is not valid JSON: {exc}") from None
+    if not isinstance(value, (Mapping, bool)):
+        raise _type_error(source, key, SPECS[key], value)
+    try:
+        import jsonschema
+
+        jsonschema.validators.validator_for(value).check_schema(value)
+    except ImportError:
+        pass  # xgrammar reports what it cannot read when the grammar is compiled
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"{source}: {key} is not a valid JSON schema: {exc.message}") from None
+    return json.dumps(value, separators=(",", ":"))
 
 
 def validate_settings(data: Mapping[str, Any], source: str,
@@ -330,6 +503,7 @@ def _check_combination(s: Mapping[str, Any]) -> None:
         raise ConfigError("diversity_penalty needs num_beam_groups > 1")
     if (s["force_words"] or s["force_any"]) and s["strategy"] != "beam":
         raise ConfigError("force_words/force_any need beam search (strategy beam, num_beams > 1)")
+    _check_new_samplers(s)
     if s["min_new_tokens"] > s["max_new_tokens"]:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")
@@ -367,3 +541,40 @@ def with_seed(settings: GenerationSettings, seed: int | None = None) -> Generati
     if settings.do_sample and settings.seed is None:
         return settings.replace(seed=fresh_seed() if seed is None else seed)
     return settings
+
+
+def active_stages(s: Mapping[str, Any]) -> list[str]:
+    """The stages whose settings turn them on (whatever the order or strategy)."""
+    on = {
+        "logit_bias": bool(s["logit_bias"]),
+        "penalties": s["repetition_penalty"] != 1.0 or s["presence_penalty"] != 0.0
+        or s["frequency_penalty"] != 0.0,
+        "no_repeat_ngram": s["no_repeat_ngram_size"] > 0,
+        "dry": s["dry_multiplier"] > 0 and s["dry_penalty_last_n"] != 0,
+        "temperature": s["temperature"] != 1.0, "top_k": s["top_k"] > 0,
+        "top_p": s["top_p"] < 1.0, "min_p": s["min_p"] > 0.0, "typical_p": s["typical_p"] < 1.0,
+        "epsilon_cutoff": s["epsilon_cutoff"] > 0.0, "eta_cutoff": s["eta_cutoff"] > 0.0,
+        "top_n_sigma": s["top_n_sigma"] > 0.0, "xtc": s["xtc_probability"] > 0.0,
+        "mirostat": s["mirostat"] == 2,
+    }
+    return [name for name in DEFAULT_SAMPLERS if on[name]]
+
+
+def _check_new_samplers(s: Mapping[str, Any]) -> None:
+    """Rules for the samplers order, Mirostat and the grammar constraints."""
+    if s["samplers"]:
+        left_out = [n for n in active_stages(s) if n not in s["samplers"]]
+        if left_out:
+            raise ConfigError(f"samplers leaves out {', '.join(left_out)}, which the settings "
+                              f"turn on: add them to samplers or turn them off")
+    if s["mirostat"] and s["strategy"] == "beam":
+        raise ConfigError("mirostat adapts to the tokens one row samples; beam search has no "
+                          "such row: drop mirostat or use strategy sample")
+    grammars = [k for k in GRAMMAR_KEYS if s[k] is not None]
+    if len(grammars) > 1:
+        raise ConfigError(f"give one of json_schema, regex, grammar, not {' and '.join(grammars)}")
+    if grammars and (s["ignore_eos"] or s["min_new_tokens"]):
+        raise ConfigError(f"{grammars[0]} ends the output where the grammar ends; it cannot "
+                          f"work with ignore_eos or min_new_tokens: drop them")
+    if grammars and (s["force_words"] or s["force_any"]):
+        raise ConfigError(f"{grammars[0]} cannot be combined with force_words/force_any")

@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from genlib import grammar, processors
 from genlib.backends.base import Backend
 from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
@@ -50,7 +51,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     `step.interrupt`), the rows still running finish with reason "interrupted"."""
     check_prompts(lm, prompts, settings)
     expanded = expand_prompts(prompts, settings.num_return_sequences)
-    plan = make_plan(lm, settings, len(expanded), seeds)
+    plan = make_plan(lm, settings, len(expanded), seeds, max(len(p) for p in prompts))
     single_token_texts: dict[int, str] = {}
     rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
     yield from _decode_loop(lm, backend, plan, rows)
@@ -87,6 +88,8 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
                 if reason is None and step + 1 == settings.max_new_tokens:
                     reason = "length"
                 if reason is not None:
+                    reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
+                                                   reason)
                     yield from finish_row(row, active[pos], reason, start)
                     done.append(pos)
             if len(done) == len(active):
@@ -111,6 +114,7 @@ def _drop_rows(backend: Backend, plan: Plan, active: list[int], done: list[int],
     keep = [pos for pos in range(len(active)) if pos not in finished]
     index = torch.tensor(keep, dtype=torch.long, device=device)
     backend.reorder(index)
+    processors.reorder(plan.chain, index)
     if plan.generators is not None:
         plan.generators = [plan.generators[p] for p in keep]
     active[:] = [active[p] for p in keep]

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from genlib import grammar, processors
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
@@ -144,7 +145,8 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     def draft_process(context: Sequence[int], logits: torch.Tensor, i: int) -> torch.Tensor:
         return process(plan, context, logits, base + i)
 
-    draft = spec.drafter.propose(spec.ids, gamma, draft_process, generator)
+    draft = _grammar_valid(plan, spec, spec.drafter.propose(spec.ids, gamma, draft_process,
+                                                            generator))
     begin = time.perf_counter()
     fed = [spec.ids[-1], *draft.tokens]
     raw = spec.backend.extend(torch.tensor(
@@ -164,6 +166,21 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     spec.drafter.commit(spec.ids)
     return StepResult(tokens, [True] * accepted + [False], logprobs, len(draft.tokens),
                       accepted, draft.seconds, target_seconds, draft.forwards)
+
+
+def _grammar_valid(plan: Plan, spec: Speculation, draft: Draft) -> Draft:
+    """The draft cut before its first token the grammar forbids (if any): the target's
+    processed p gives such a token probability 0, so verification would reject it anyway,
+    and it is cheaper not to score it (greedy output is unchanged, sampled output keeps
+    its distribution)."""
+    matchers = processors.grammar_of(plan.chain)
+    if matchers is None or not draft.tokens:
+        return draft
+    keep = grammar.valid_prefix(matchers, spec.ids[spec.prompt_len:], draft.tokens)
+    if keep == len(draft.tokens):
+        return draft
+    return replace(draft, tokens=draft.tokens[:keep],
+                   q=draft.q[:keep] if draft.q is not None else None)
 
 
 def verify_greedy(p_logits: torch.Tensor, drafted: Sequence[int]) -> tuple[int, int]:
@@ -239,6 +256,9 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
     if settings.strategy == "beam":
         raise ConfigError("speculative decoding does greedy or sampling, not beam search; "
                           "use `genlab beam` for beams")
+    if settings.mirostat:
+        raise ConfigError("mirostat adapts after every token it samples; speculative "
+                          "decoding verifies several at once: drop mirostat")
     if settings.num_return_sequences > 1:
         raise ConfigError(f"speculative decoding supports one sequence at a time (batch "
                           f"size 1); got num_return_sequences={settings.num_return_sequences}")
@@ -276,7 +296,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                            backend=backend)
     target = choose_backend(target_lm, Request(rows=1, crop=True,
                                                backend=backend or target_lm.backend))
-    plan = make_plan(target_lm, settings, 1)
+    plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids))
     row = new_row(target_lm, 0, prompt_ids, settings)
     yield from _speculative_loop(target_lm, target, plan, drafter, row,
                                  GammaSchedule(gamma, adaptive))
@@ -311,6 +331,8 @@ def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter
                          result.target_seconds, result.draft_forwards, time.perf_counter())
             reason = yield from _emit(target, row, result, settings.max_new_tokens, deadline)
             if reason is not None:
+                reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
+                                               reason)
                 yield from finish_row(row, 0, reason, begin)
                 return
     except KeyboardInterrupt:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlib import config, processors, sampling
+from genlib import config, grammar, processors, sampling
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.events import Event, Finish, Token
@@ -40,7 +40,7 @@ class Plan:
     """Everything the loop needs that can be decided before the first step."""
 
     settings: GenerationSettings
-    chain: list[processors.Processor]
+    chain: list[processors.Stage]
     sampler: sampling.Sampler
     generators: list[torch.Generator] | None
     suppress_eos: processors.Processor | None
@@ -73,8 +73,11 @@ def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | No
 
 
 def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
-              seeds: Sequence[int] | None = None) -> Plan:
-    chain = processors.build_processors(settings)
+              seeds: Sequence[int] | None = None, prompt_width: int = 0) -> Plan:
+    """`prompt_width`: the context columns that hold the (left-padded) prompts."""
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, prompt_width=prompt_width,
+                                        tokenizer=lm.tokenizer, constraint=constraint)
     suppress = suppress_eos_for(lm, settings)
     all_seeds = row_seeds(settings, rows, seeds)
     generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
@@ -110,6 +113,7 @@ def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor
     processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
                                step)
     tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    processors.observe(plan.chain, processed, tokens)
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs
 

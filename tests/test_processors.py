@@ -119,7 +119,13 @@ def total_variation(p: torch.Tensor, q: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("flags", [{"temperature": 0.7}, {"top_k": 8}, {"top_p": 0.8},
-                                   {"min_p": 0.05, "temperature": 1.3}])
+                                   {"min_p": 0.05, "temperature": 1.3},
+                                   {"top_n_sigma": 1.0, "temperature": 1.3},
+                                   {"epsilon_cutoff": 0.01, "eta_cutoff": 0.02},
+                                   {"xtc_probability": 1.0, "xtc_threshold": 0.05,
+                                    "mirostat": 2, "mirostat_tau": 4.0},
+                                   {"presence_penalty": 1.0, "dry_multiplier": 0.8,
+                                    "logit_bias": ["5=2"], "temperature": 1.0}])
 def test_sampled_first_tokens_follow_processed_distribution(stories, flags):
     """2000 seeded rows through the real loop; the histogram of their first token is
     within total-variation 0.06 of the processed distribution (expected TV for this
@@ -133,10 +139,21 @@ def test_sampled_first_tokens_follow_processed_distribution(stories, flags):
                             minlength=stories.vocab_size).float()
     with torch.no_grad():
         logits = stories.model(torch.tensor([ids])).logits[:, -1].float()
-    chain = processors.build_processors(settings)
+    chain = processors.build_processors(settings, prompt_width=len(ids),
+                                        tokenizer=stories.tokenizer)
     expected = processors.apply(chain, torch.tensor([ids]), logits).softmax(-1)[0]
     assert counts[expected == 0].sum() == 0  # never a filtered token
     tv = total_variation(counts / rows, expected)
     assert tv < 0.06, tv
     entropy = -(expected[expected > 0] * expected[expected > 0].log()).sum().item()
     assert entropy > math.log(2)  # the test is not trivially a near-deterministic choice
+
+
+def test_chain_is_named_stages_in_documented_order():
+    settings = resolve_settings({"temperature": 0.7, "top_k": 5, "top_p": 0.9,
+                                 "repetition_penalty": 1.2})
+    chain = processors.build_processors(settings)
+    assert [s.name for s in chain] == ["penalties", "temperature", "top_k", "top_p"]
+    assert all(s.name in processors.STAGE_NAMES for s in chain)
+    greedy = processors.build_processors(resolve_settings({"repetition_penalty": 1.2}))
+    assert [s.name for s in greedy] == ["penalties"]  # sampling stages skipped

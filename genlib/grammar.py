@@ -1,0 +1,241 @@
+"""Grammar-constrained generation through xgrammar: a JSON schema, a regular expression
+or an EBNF/GBNF grammar becomes the chain's first stage, "grammar", which sets the logit
+of every token the grammar cannot take next to -inf.
+
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    stage = grammar.stage(constraint, prompt_width)
+
+The stage is a pure function of the context: each row's generated tokens (the columns
+of `token_ids` from `prompt_width` on) select a grammar matcher, kept in a small cache
+keyed by those tokens and made by forking the matcher one token shorter. So greedy,
+sampled, batched, beam and speculative decoding all use it unchanged: beams that share
+a prefix share its matcher, and a speculative verification that looks at several draft
+positions at once finds each position's matcher from the one before.
+
+xgrammar is the optional `grammar` extra (pip install 'genlab[grammar]'); without it the
+grammar settings fail with a ConfigError saying how to install it, and everything else
+works.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from genlib.errors import ConfigError
+
+INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar would not end
+NEG_INF = float("-inf")
+CACHE_SIZE = 512  # matchers kept; a step needs one per row (per position when speculating)
+
+
+def _xgrammar() -> Any:
+    try:
+        import xgrammar
+    except ImportError:
+        raise ConfigError("json_schema, regex and grammar need xgrammar: "
+                          "pip install 'genlab[grammar]'") from None
+    return xgrammar
+
+
+def kind_of(settings: Any) -> str | None:
+    """Which constraint the settings give: 'json_schema', 'regex', 'grammar' or None."""
+    for key in ("json_schema", "regex", "grammar"):
+        if getattr(settings, key, None) is not None:
+            return key
+    return None
+
+
+_TOKENIZER_INFOS: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+
+
+def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
+    """xgrammar's view of the tokenizer (built once per tokenizer: it decodes the vocab)."""
+    key = (id(tokenizer), vocab_size, tuple(eos_ids))
+    if key not in _TOKENIZER_INFOS:
+        xgr = _xgrammar()
+        _TOKENIZER_INFOS[key] = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids) or None)
+    return _TOKENIZER_INFOS[key]
+
+
+def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], settings: Any
+                ) -> Any | None:
+    """The settings' constraint compiled for this tokenizer (None without one).
+    ConfigError when xgrammar is missing or cannot read the schema, regex or grammar."""
+    kind = kind_of(settings)
+    if kind is None:
+        return None
+    xgr = _xgrammar()
+    compiler = xgr.GrammarCompiler(_tokenizer_info(tokenizer, vocab_size, eos_ids),
+                                   max_threads=1)
+    text = getattr(settings, kind)
+    try:
+        if kind == "json_schema":
+            return compiler.compile_json_schema(text, any_whitespace=False)
+        if kind == "regex":
+            return compiler.compile_regex(text)
+        return compiler.compile_grammar(text)
+    except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
+
+
+def _first_line(exc: Exception) -> str:
+    """xgrammar's message without its '[time] file.cc:line:' prefix."""
+    text = str(exc).strip()
+    first = text.splitlines()[0] if text else type(exc).__name__
+    return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", first)
+
+
+@dataclass
+class Matchers:
+    """xgrammar matchers keyed by the generated tokens they have accepted.
+
+    The common case, a row one token further than at the last step, advances its
+    matcher in place (one `accept_token`), and `moved` remembers where that matcher went;
+    a key needed again later (a second beam from one parent, a speculative rollback) is
+    rebuilt by forking the matcher it moved to and rolling that fork back."""
+
+    compiled: Any
+    cache: OrderedDict[tuple[int, ...], Any]  # key -> its matcher (None: not allowed)
+    moved: OrderedDict[tuple[int, ...], tuple[int, ...]]  # key -> the longer key it became
+
+    @classmethod
+    def start(cls, compiled: Any) -> Matchers:
+        root = _xgrammar().GrammarMatcher(compiled)
+        return cls(compiled, OrderedDict({(): root}), OrderedDict())
+
+    def observe(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Nothing to do: matchers are found from the context itself."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Nothing to do: matchers are keyed by tokens, not by row."""
+
+    def get(self, generated: tuple[int, ...]) -> Any | None:
+        """The matcher after `generated`; None when the grammar does not allow it."""
+        if generated in self.cache:
+            self.cache.move_to_end(generated)
+            return self.cache[generated]
+        parent = generated[:-1]
+        if parent and self.cache.get(parent) is not None:  # the root is never moved
+            matcher = self.cache.pop(parent)
+            if _accept(matcher, generated[-1:]):
+                self._store(generated, matcher)
+                self.moved[parent] = generated
+                while len(self.moved) > CACHE_SIZE:
+                    self.moved.popitem(last=False)
+                return matcher
+            self._store(parent, matcher)  # a refused token leaves the matcher as it was
+            self._store(generated, None)
+            return None
+        for cut in range(len(generated) - 1, -1, -1):
+            found, matcher = self._copy_of(generated[:cut])
+            if found:
+                break
+        if matcher is not None and not _accept(matcher, generated[cut:]):
+            matcher = None
+        self._store(generated, matcher)
+        return matcher
+
+    def _copy_of(self, key: tuple[int, ...]) -> tuple[bool, Any | None]:
+        """(found, a fresh matcher after `key`, or None if the grammar forbids key)."""
+        if key in self.cache:
+            matcher = self.cache[key]
+            return True, None if matcher is None else matcher.fork()
+        owner = key
+        while owner in self.moved:
+            owner = self.moved[owner]
+        if owner != key and self.cache.get(owner) is not None:
+            matcher = self.cache[owner].fork()
+            matcher.rollback(len(owner) - len(key))
+            return True, matcher
+        return False, None
+
+    def _store(self, key: tuple[int, ...], matcher: Any | None) -> None:
+        self.cache[key] = matcher
+        while len(self.cache) > CACHE_SIZE:
+            oldest = next(iter(self.cache))
+            if oldest == ():
+                self.cache.move_to_end(oldest)  # the root stays: everything forks from it
+                continue
+            self.cache.pop(oldest)
+
+    def allows(self, generated: tuple[int, ...], token: int) -> bool:
+        """Whether the grammar can take `token` after `generated`."""
+        return self.get((*generated, token)) is not None
+
+    def complete(self, generated: tuple[int, ...]) -> bool:
+        """Whether `generated` is a whole sentence of the grammar."""
+        matcher = self.get(generated)
+        return matcher is not None and (matcher.is_terminated() or matcher.is_completed())
+
+
+def _accept(matcher: Any, tokens: Sequence[int]) -> bool:
+    """Feed `tokens` to `matcher`; False at the first one the grammar refuses."""
+    for token in tokens:
+        if matcher.is_terminated() or not matcher.accept_token(token):
+            return False
+    return True
+
+
+def _row_tokens(row: list[int], prompt_width: int) -> tuple[int, ...]:
+    """The generated tokens of one context row (no padding follows the prompt)."""
+    return tuple(row[prompt_width:])
+
+
+def mask_fn(matchers: Matchers, prompt_width: int) -> Any:
+    """The grammar stage's processor over `matchers`."""
+    xgr = _xgrammar()
+    scratch: dict[tuple[int, int], torch.Tensor] = {}  # bitmask buffers, reused per shape
+
+    def constrain(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        """grammar: l[x] = -inf for every x the grammar cannot take next."""
+        rows = token_ids.tolist()
+        shape = (len(rows), logits.shape[-1])
+        if shape not in scratch:
+            scratch[shape] = xgr.allocate_token_bitmask(*shape)
+        bitmask = scratch[shape]
+        for i, row in enumerate(rows):
+            matcher = matchers.get(_row_tokens(row, prompt_width))
+            if matcher is None or matcher.is_terminated():
+                bitmask[i].zero_()  # a context the grammar rejects: nothing can follow
+            else:
+                matcher.fill_next_token_bitmask(bitmask, i)
+        allowed = _allowed(bitmask, shape[1]).to(logits.device)
+        return torch.where(allowed, logits, torch.tensor(NEG_INF, dtype=logits.dtype,
+                                                         device=logits.device))
+
+    return constrain
+
+
+def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
+    """xgrammar's packed bitmask (bit j of int32 word i = token 32 i + j) as booleans;
+    numpy's unpackbits is several times faster here than xgrammar's CPU kernel."""
+    bits = np.unpackbits(bitmask.numpy().view(np.uint8), axis=-1, bitorder="little")
+    return torch.from_numpy(bits[:, :vocab].astype(bool))
+
+
+def finish_reason(matchers: Matchers | None, generated: Sequence[int], reason: str) -> str:
+    """`reason`, unless the row ran out of tokens or time before its grammar could end:
+    then INCOMPLETE, so unfinished output is never taken for valid output."""
+    if matchers is None or reason not in ("length", "time"):
+        return reason
+    return reason if matchers.complete(tuple(generated)) else INCOMPLETE
+
+
+def valid_prefix(matchers: Matchers, generated: Sequence[int], draft: Sequence[int]) -> int:
+    """How many of `draft`'s tokens the grammar allows after `generated` (speculative
+    decoding drops the rest before verifying: the target could never accept them)."""
+    done = tuple(generated)
+    for n, token in enumerate(draft):
+        if not matchers.allows(done, token):
+            return n
+        done = (*done, token)
+    return len(draft)
