@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import genlib  # noqa: F401  (first: keeps triton away from a CPU torch, see genlib/__init__)
+
 ROOT = Path(__file__).resolve().parents[1]
 SHARED_MODELS = ROOT.parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K"
