@@ -2,13 +2,16 @@
 line of a JSONL file in real batches, resumable, with a progress bar on stderr.
 
 The work (parsing, grouping, seeds, resume, writing) is genlib.batch; this module only
-wires it to the terminal: progress, summary, exit code.
+wires it to the terminal: progress, summary, exit code. Two engines produce the outcomes:
+the local one (this process) and `--engine ray` (genlib.ray_engine); both are recorded
+by `_record_outcomes`, through the same writer.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,10 +24,43 @@ from cli.errors import INTERRUPTED, fail
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from genlib.batch import Job, ResultWriter
+    from genlib.batch import Job, ResultWriter, RunDefaults
+    from genlib.events import Finish
 
 
 DEFAULT_BATCH_SIZE = 16
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Where the lines run and in which file format: --engine, --ray-address, --workers,
+    --format."""
+
+    engine: str = "local"
+    ray_address: str | None = None
+    workers: int | None = None
+    format: str = "auto"
+
+    def given(self) -> list[str]:
+        """The flags given with other than their defaults (they need --input)."""
+        return [name for name, on in (("--engine", self.engine != "local"),
+                                      ("--ray-address", self.ray_address is not None),
+                                      ("--workers", self.workers is not None),
+                                      ("--format", self.format != "auto")) if on]
+
+    def check(self) -> None:
+        from genlib.openai_batch import FORMATS
+
+        if self.engine not in ENGINES:
+            raise fail(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.format not in FORMATS:
+            raise fail(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        ray_only = [name for name in self.given() if name in ("--ray-address", "--workers")]
+        if ray_only and self.engine != "ray":
+            raise fail(f"{' and '.join(ray_only)} only apply with --engine ray")
+        if self.workers is not None and self.workers < 1:
+            raise fail(f"--workers must be >= 1, got {self.workers}")
 
 
 @dataclass
@@ -43,7 +79,8 @@ class Tally:
 
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                 output: str | None, batch_size: int | None,
-                single_prompt_flags: dict[str, bool] | None = None) -> None:
+                single_prompt_flags: dict[str, bool] | None = None,
+                engine: EngineFlags | None = None) -> None:
     """The ways to run `genlab generate` exclude each other; say which flag to drop.
 
     `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
@@ -60,13 +97,19 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                    + ("--interactive" if interactive else "--input") + "; drop one")
     if input_path is None and (output is not None or batch_size is not None):
         raise fail("--output and --batch-size only apply with --input FILE")
+    batch_only = engine.given() if engine is not None else []
+    if input_path is None and batch_only:
+        raise fail(f"{', '.join(batch_only)} only apply with --input FILE")
+    if engine is not None:
+        engine.check()
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         input_path: Path, output: str | None, batch_size: int | None, chat: bool,
-        system: str | None) -> None:
+        system: str | None, engine: EngineFlags | None = None) -> None:
     """Entry point from `genlab generate --input`."""
     from genlib import batch as gb
+    from genlib import openai_batch
     from genlib.config import resolve_settings
     from genlib.presets import load_preset
 
@@ -87,14 +130,31 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         flags={k: v for k, v in flags.items() if k != "seed"},
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
         chat=chat, system=system)
-    items = gb.parse_lines(gb.read_input(input_path), run_defaults)
-    done = _resume(out_path) if out_path is not None else {}
+    engine = engine or EngineFlags()
+    if engine.engine == "ray":
+        from genlib.ray_engine import require_ray
+
+        require_ray()  # not installed: say how, before reading anything
+    lines = gb.read_input(input_path)
+    in_format = engine.format if engine.format != "auto" else openai_batch.detect(lines)
+    out_format = _output_format(out_path, engine.format, in_format)
+    adapt = openai_batch.to_genlab_line if in_format == "openai" else None
+    items = gb.parse_lines(lines, run_defaults, adapt)
+    done = _resume(out_path, out_format) if out_path is not None else {}
     tally = Tally(lines=len(items))
-    writer = gb.ResultWriter.open(out_path) if out_path else gb.ResultWriter(sys.stdout)
+    line_of = None
+    if out_format == "openai":
+        line_of = openai_batch.line_writer(_endpoints(items, chat and in_format == "genlab"),
+                                           _model_ref(model_flags, preset))
+    writer = gb.ResultWriter.open(out_path, line_of=line_of) if out_path else \
+        gb.ResultWriter(sys.stdout, line_of=line_of)
     start = time.perf_counter()
     try:
         todo = _write_line_errors(items, done, writer, tally)
-        if todo:
+        if todo and engine.engine == "ray":
+            _run_ray(todo, lines, run_defaults, model_flags, preset, batch_size, adapt,
+                     engine, writer, tally)
+        elif todo:
             lm = load(model_flags, preset, quick=batch_size == 1)
             _generate(lm, todo, run_defaults, batch_size, writer, tally)
     except KeyboardInterrupt:
@@ -108,11 +168,39 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise typer.Exit(1)
 
 
-def _resume(path: Path) -> dict[str, dict[str, Any]]:
+def _output_format(out_path: Path | None, forced: str, in_format: str) -> str:
+    """The results' format: the one the output file already holds (a resumed run keeps
+    it), else --format, else the input's."""
+    from genlib.openai_batch import results_format
+
+    found = results_format(out_path) if out_path is not None else None
+    if found is not None and forced != "auto" and found != forced:
+        raise fail(f"--format {forced}: {out_path} already holds results in {found} format; "
+                   f"give another --output file, or --format {found}")
+    return found or in_format
+
+
+def _endpoints(items: Iterable[Any], chat: bool) -> dict[str, str]:
+    from genlib.batch import Job, id_key
+    from genlib.openai_batch import endpoint_for
+
+    return {id_key(item.id): endpoint_for(item.messages is not None, chat)
+            for item in items if isinstance(item, Job)}
+
+
+def _model_ref(model_flags: ModelFlags, preset: Any) -> str:
+    """The model as the command names it (--model, the preset's, the default)."""
+    from genlib.models import resolve_model_ref
+
+    return resolve_model_ref(model_flags.model, preset.model if preset else None)
+
+
+def _resume(path: Path, out_format: str = "genlab") -> dict[str, dict[str, Any]]:
     from cli import render
     from genlib.batch import scan_output
+    from genlib.openai_batch import record_of
 
-    done, cut = scan_output(path)
+    done, cut = scan_output(path, record_of if out_format == "openai" else None)
     if cut:
         render.warn(f"{path}: removed a half-written last line ({cut} bytes) left by an "
                     f"interrupted run; that line will be generated again")
@@ -165,16 +253,46 @@ def _encode_all(lm: Any, jobs: list[Job], writer: ResultWriter, tally: Tally,
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
               writer: ResultWriter, tally: Tally) -> None:
-    from cli import render
-    from genlib.batch import error_record, generate_jobs, result_record
+    """The local engine: encode here, generate here."""
+    from genlib.batch import generate_jobs
 
     ready = _encode_all(lm, jobs, writer, tally, run_defaults)
-    progress = _progress(len(jobs))
-    task = progress.add_task("generating", total=len(jobs), tps="")
-    progress.update(task, advance=len(jobs) - len(ready))
+    _record_outcomes(generate_jobs(lm, ready, batch_size), len(jobs), len(jobs) - len(ready),
+                     writer, tally)
+
+
+def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
+             model_flags: ModelFlags, preset: Any, batch_size: int, adapt: Any,
+             engine: EngineFlags, writer: ResultWriter, tally: Tally) -> None:
+    """The Ray engine: the workers encode and generate, this process records."""
+    from genlib.models import ModelSpec
+    from genlib.ray_engine import WorkerPlan, run_on_ray
+
+    ref = _model_ref(model_flags, preset)
+    if Path(ref).expanduser().exists():  # workers may start in other folders
+        ref = str(Path(ref).expanduser().resolve())
+    spec = ModelSpec(ref=ref, device=model_flags.device, dtype=model_flags.dtype,
+                     quantize=model_flags.quantize,
+                     trust_remote_code=model_flags.trust_remote_code)
+    plan = WorkerPlan(spec=spec, run=run_defaults, batch_size=batch_size, adapt=adapt,
+                      quick=batch_size == 1)
+    outcomes = run_on_ray(jobs, lines, plan, engine.workers, engine.ray_address)
+    _record_outcomes(outcomes, len(jobs), 0, writer, tally)
+
+
+def _record_outcomes(outcomes: Iterable[tuple[Job, Finish | str]], total: int, failed: int,
+                     writer: ResultWriter, tally: Tally) -> None:
+    """Write each job's outcome as it comes (either engine), with a progress bar over
+    `total` jobs of which `failed` already had their error written."""
+    from cli import render
+    from genlib.batch import error_record, result_record
+
+    progress = _progress(total)
+    task = progress.add_task("generating", total=total, tps="")
+    progress.update(task, advance=failed)
     start = time.perf_counter()
     with progress:
-        for job, outcome in generate_jobs(lm, ready, batch_size):
+        for job, outcome in outcomes:
             if isinstance(outcome, str):
                 message = f"line {job.line}: {outcome}"
                 render.error(message)

@@ -179,6 +179,18 @@ def generate(
         "resumes it.")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Rows per forward pass with --input (default 16).")] = None,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Where --input runs: local (this process) or ray (the workers of "
+        "a Ray cluster; needs the ray extra).")] = "local",
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="--engine ray: the cluster to join (auto: the one `ray start` "
+        "runs here; default: start a private one on this machine).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="--engine ray: workers, each with the model loaded (default: one "
+        "per CPU of the cluster, or per GPU with --device cuda).")] = None,
+    batch_format: Annotated[str, typer.Option(
+        "--format", help="--input/--output lines: auto (detected per file), genlab, or "
+        "openai (OpenAI's Batch format, as vLLM's run-batch reads and writes).")] = "auto",
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -188,19 +200,24 @@ def generate(
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
     flags = opt.decoding_flags(locals())
-    if interactive or input_file is not None or output is not None or batch_size is not None:
+    from cli.batch import EngineFlags
+
+    engine_flags = EngineFlags(engine, ray_address, workers, batch_format)
+    if (interactive or input_file is not None or output is not None or batch_size is not None
+            or engine_flags.given()):
         from cli import batch as batch_cmd
 
         model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code)
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--stats": show_stats,
-                               "--truncate-prompt": truncate_prompt, "--compile": compile})
+                               "--truncate-prompt": truncate_prompt, "--compile": compile},
+                              engine_flags)
         if interactive:
             from cli import repl
 
             return repl.run(flags, preset, model_flags, chat, system)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
-                             chat, system)
+                             chat, system, engine_flags)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)

@@ -78,7 +78,13 @@ def id_key(value: str | int) -> str:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]:
+# An input line in another format (e.g. OpenAI's batch format) as a genlab line: the
+# parsed object and "line N" -> the same line's genlab keys; raises GenlabError.
+LineAdapter = Callable[[Mapping[str, Any], str], Mapping[str, Any]]
+
+
+def parse_lines(lines: Iterable[str], run: RunDefaults, adapt: LineAdapter | None = None
+                ) -> list[Job | LineError]:
     """Every non-blank input line as a Job or a LineError, in input order.
 
     A repeated id refuses the whole file (BatchFileError): resuming finds done lines by
@@ -89,7 +95,7 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        item = parse_line(text, number, run)
+        item = parse_line(text, number, run, adapt)
         key = id_key(item.id)
         if key in seen:
             raise BatchFileError(f"line {number}: id {item.id!r} is also the id of line "
@@ -100,8 +106,11 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
     return out
 
 
-def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
-    """One JSONL line -> Job, or LineError naming the line number and how to fix it."""
+def parse_line(text: str, number: int, run: RunDefaults, adapt: LineAdapter | None = None
+               ) -> Job | LineError:
+    """One JSONL line -> Job, or LineError naming the line number and how to fix it.
+    `adapt` first turns a line of another format into genlab's keys (its id is read
+    before, so an error result still carries it)."""
     where = f"line {number}"
     try:
         data = json.loads(text)
@@ -116,7 +125,7 @@ def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
     except ConfigError as exc:
         return LineError(number, number, str(exc))
     try:
-        return _job(data, job_id, number, run)
+        return _job(data if adapt is None else adapt(data, where), job_id, number, run)
     except GenlabError as exc:  # every message names the line (settings rules do not)
         message = str(exc)
         return LineError(job_id, number, message if message.startswith(f"{where}:")
@@ -292,9 +301,11 @@ def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int
 # ---------------------------------------------------------------- output file
 
 
-def scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+def scan_output(path: Path, record_of: Callable[[dict[str, Any]], dict[str, Any]] | None
+                = None) -> tuple[dict[str, dict[str, Any]], int]:
     """Results already in `path`: {id_key: record}, and how many bytes of a half-written
-    last line (left by a crash) were cut off the end of the file to repair it."""
+    last line (left by a crash) were cut off the end of the file to repair it.
+    `record_of` reads a line of another format back as genlab's record."""
     if not path.exists():
         return {}, 0
     try:
@@ -314,6 +325,8 @@ def scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
             continue
         try:
             record = json.loads(raw)
+            if record_of is not None and isinstance(record, dict):
+                record = record_of(record)
         except json.JSONDecodeError:
             raise BatchFileError(f"{path} line {number} is not valid JSON, so the run "
                                  f"cannot resume from it; fix or move the file") from None
@@ -326,27 +339,32 @@ def scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
 
 class ResultWriter:
     """Appends one JSON line per result and flushes it at once, so a killed run loses
-    at most the rows in flight. `on_write` sees every record written."""
+    at most the rows in flight. `on_write` sees every record written; `line_of` turns a
+    record into the line written, for another output format (OpenAI's batch format)."""
 
     def __init__(self, stream: IO[str], on_write: Callable[[dict[str, Any]], None]
-                 | None = None, owns: bool = False):
+                 | None = None, owns: bool = False,
+                 line_of: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None):
         self._stream = stream
         self._on_write = on_write
         self._owns = owns  # close the stream at the end (a file, not stdout)
+        self._line_of = line_of
 
     @classmethod
-    def open(cls, path: Path, on_write: Callable[[dict[str, Any]], None] | None = None
+    def open(cls, path: Path, on_write: Callable[[dict[str, Any]], None] | None = None,
+             line_of: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
              ) -> ResultWriter:
         try:
             handle = path.open("a", encoding="utf-8")
         except OSError as exc:
             raise BatchFileError(f"cannot write results to {path} ({exc})") from None
-        return cls(handle, on_write, owns=True)
+        return cls(handle, on_write, owns=True, line_of=line_of)
 
     def write(self, record: Mapping[str, Any]) -> None:
+        line = record if self._line_of is None else self._line_of(record)
         # One write call per line: a crash can only leave the last line half-written,
         # and scan_output repairs that.
-        self._stream.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._stream.write(json.dumps(line, ensure_ascii=False) + "\n")
         self._stream.flush()
         if self._on_write is not None:
             self._on_write(dict(record))
