@@ -23,7 +23,7 @@ import logging
 import math
 import os
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -205,17 +205,23 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=plan.cpus,
             num_gpus=1 if plan.spec.device.startswith("cuda") else None,
             max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES)
-    seen: set[int] = set()
     try:
-        for row in outcomes.iter_rows():
-            number = int(row["line"])
-            if number in seen:  # a retried batch's rows that had come back already
-                continue
-            seen.add(number)
-            yield by_line[number], _outcome(json.loads(row["outcome"]))
+        for number, outcome in first_of_each(outcomes.iter_rows()):
+            yield by_line[number], _outcome(json.loads(outcome))
     except ray.exceptions.RayError as exc:
         raise RayEngineError(f"the Ray run failed: {_first_line(exc)}; the results so far "
                              f"are kept, rerun the same command to finish") from None
+
+
+def first_of_each(rows: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
+    """(line, outcome) of each row whose line has not come before: a batch that Ray ran
+    again after its worker died may send rows that had come back already."""
+    seen: set[int] = set()
+    for row in rows:
+        number = int(row["line"])
+        if number not in seen:
+            seen.add(number)
+            yield number, row["outcome"]
 
 
 def _outcome(data: dict[str, Any]) -> Finish | str:
