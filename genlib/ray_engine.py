@@ -194,8 +194,9 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
     rows = [{"line": job.line, "text": lines[job.line - 1]} for job in jobs]
     # One block per batch: each worker task is one batch, so a result comes back (and a
     # retry after a crash repeats) one batch at a time.
-    dataset = ray.data.from_items(rows, override_num_blocks=math.ceil(len(rows) /
-                                                                      plan.batch_size))
+    blocks = math.ceil(len(rows) / plan.batch_size)
+    dataset = ray.data.from_items(rows, override_num_blocks=blocks)
+    workers = min(workers, blocks)  # a worker without a batch would only load the model
     with warnings.catch_warnings():
         # Ray 2.60 names no parameter for bounded restarts and retries (its own default
         # is to retry for ever); its remote arguments still set them, with a warning.

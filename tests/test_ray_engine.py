@@ -5,7 +5,6 @@ resumed. Skipped when ray is not installed; CI installs the ray extra."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -90,7 +89,7 @@ class DiesOnce(GenerateWorker):
 def test_a_killed_worker_is_replaced_and_every_id_comes_once(cluster, stories):
     _, scratch = cluster
     lines = mixed_prompts(10)
-    got = ray_outcomes(lines, batch_size=2, workers=2, worker=DiesOnce)
+    got = ray_outcomes(lines, batch_size=2, workers=1, worker=DiesOnce)
     assert (scratch / "died").exists(), "the worker should have been killed"
     assert sorted(i for i, _ in got) == sorted(f"p{i}" for i in range(10))
     assert dict(got) == local_outcomes(stories, lines)
@@ -110,7 +109,7 @@ def test_driver_killed_mid_run_then_resumed_writes_every_id_once(cluster, storie
     src.write_text("\n".join(lines) + "\n")
     command = [sys.executable, "-m", "cli", "generate", *MODEL, "--input", str(src),
                "--output", str(out), "--seed", "7", "--batch-size", "2", "--engine", "ray",
-               "--ray-address", address, "--workers", "1"]
+               "--ray-address", address]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
@@ -124,18 +123,19 @@ def test_driver_killed_mid_run_then_resumed_writes_every_id_once(cluster, storie
     partial = len(read_results(out))
     assert 2 <= partial < 12, "the driver should have been killed midway"
 
-    resumed = subprocess.run(command[:-1] + ["2"], cwd=ROOT, env=env, capture_output=True,
+    resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
                              text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr
     assert f"resuming: {partial} results already in" in resumed.stderr
     records = read_results(out)
     assert sorted(r["id"] for r in records) == sorted(f"p{i}" for i in range(12))
-    run = gb.RunDefaults({}, {"max_new_tokens": 16}, seed=7)
+    # the local engine's whole records: texts, token counts, settings with seeds
+    run = gb.RunDefaults({}, {}, seed=7)
     jobs = gb.parse_lines(lines, run)
     for job in jobs:
         gb.encode(stories, job, run)
-    expected = {job.id: f.text for job, f in gb.generate_jobs(stories, jobs, 4)}
-    assert {r["id"]: r["text"] for r in records} == expected
+    expected = {job.id: gb.result_record(job, f) for job, f in gb.generate_jobs(stories, jobs, 4)}
+    assert {r["id"]: r for r in records} == expected
 
 
 # ---------------------------------------------------------------- the CLI's checks
@@ -168,19 +168,3 @@ def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: st
     result = runner.invoke(app, ["generate", *MODEL, *args])
     assert result.exit_code == 2
     assert message in result.stderr, result.stderr
-
-
-def test_ray_cli_run_matches_the_local_cli_run(cluster, tmp_path):
-    address, _ = cluster
-    src = tmp_path / "in.jsonl"
-    src.write_text("\n".join(mixed_prompts(4)) + "\n")
-    outputs = {}
-    for engine in ("local", "ray"):
-        out = tmp_path / f"{engine}.jsonl"
-        extra = ["--engine", "ray", "--ray-address", address] if engine == "ray" else []
-        result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
-                                     str(out), "-n", "8", *extra])
-        assert result.exit_code == 0, result.output
-        outputs[engine] = {r["id"]: r for r in read_results(out)}
-    assert outputs["ray"] == outputs["local"]  # whole records: text, counts, settings
-    assert json.dumps(outputs["ray"]["p0"]["text"]) == json.dumps(", there was a little girl")
