@@ -58,7 +58,7 @@ class EngineFlags:
             raise fail(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
         ray_only = [name for name in self.given() if name in ("--ray-address", "--workers")]
         if ray_only and self.engine != "ray":
-            raise fail(f"{' and '.join(ray_only)} only apply with --engine ray")
+            raise fail(f"{' and '.join(ray_only)} only {_apply(ray_only)} with --engine ray")
         if self.workers is not None and self.workers < 1:
             raise fail(f"--workers must be >= 1, got {self.workers}")
 
@@ -75,6 +75,10 @@ class Tally:
     tokens: int = 0
     interrupted: bool = False
     generating_s: float = 0.0  # model loading excluded, for tokens/s
+
+
+def _apply(flags: list[str]) -> str:
+    return "applies" if len(flags) == 1 else "apply"
 
 
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
@@ -99,7 +103,7 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
         raise fail("--output and --batch-size only apply with --input FILE")
     batch_only = engine.given() if engine is not None else []
     if input_path is None and batch_only:
-        raise fail(f"{', '.join(batch_only)} only apply with --input FILE")
+        raise fail(f"{', '.join(batch_only)} only {_apply(batch_only)} with --input FILE")
     if engine is not None:
         engine.check()
 

@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import os
+import sys
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -118,6 +119,9 @@ class GenerateWorker:
         from genlib.models import load_model
 
         torch.set_num_threads(max(1, plan.cpus))
+        # Ray forwards a worker's stdout to the driver's, which may be the results
+        # (--output -): anything a library prints goes to stderr instead.
+        sys.stdout = sys.stderr
         self.plan = plan
         self.lm = load_model(plan.spec, quick=plan.quick)
 
@@ -210,8 +214,8 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
         for number, outcome in first_of_each(outcomes.iter_rows()):
             yield by_line[number], _outcome(json.loads(outcome))
     except ray.exceptions.RayError as exc:
-        raise RayEngineError(f"the Ray run failed: {_first_line(exc)}; the results so far "
-                             f"are kept, rerun the same command to finish") from None
+        raise RayEngineError(f"the Ray run failed: {_reason(exc)}; the results so far are "
+                             f"kept, rerun the same command to finish") from None
 
 
 def first_of_each(rows: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
@@ -232,6 +236,19 @@ def _outcome(data: dict[str, Any]) -> Finish | str:
         return str(data["error"])
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data["finish"].items()}
     return Finish(**fields)
+
+
+def _reason(exc: BaseException) -> str:
+    """Why a Ray run failed: genlab's own message where a worker raised one (a model it
+    cannot load, say), else the first line of Ray's."""
+    cause: BaseException | None = exc
+    for _ in range(8):  # Ray's errors wrap the worker's, sometimes a few levels deep
+        if cause is None:
+            break
+        if isinstance(cause, GenlabError):
+            return _first_line(Exception(*cause.args))  # not Ray's traceback-laden str()
+        cause = getattr(cause, "cause", None) or cause.__cause__
+    return _first_line(exc)
 
 
 def _first_line(exc: BaseException) -> str:

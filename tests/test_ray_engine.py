@@ -156,10 +156,10 @@ def test_engine_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--input", "x", "--output", "o", "--workers", "2"],
-     "--workers only apply with --engine ray"),
+     "--workers only applies with --engine ray"),
     (["--input", "x", "--output", "o", "--ray-address", "auto"],
-     "--ray-address only apply with --engine ray"),
-    (["--engine", "ray"], "--engine only apply with --input FILE"),
+     "--ray-address only applies with --engine ray"),
+    (["--engine", "ray"], "--engine only applies with --input FILE"),
     (["--input", "x", "--output", "o", "--engine", "spark"], "--engine must be one of"),
     (["--input", "x", "--output", "o", "--engine", "ray", "--workers", "0"],
      "--workers must be >= 1, got 0"),
@@ -168,3 +168,17 @@ def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: st
     result = runner.invoke(app, ["generate", *MODEL, *args])
     assert result.exit_code == 2
     assert message in result.stderr, result.stderr
+
+
+def test_a_workers_own_error_is_what_the_user_reads():
+    from genlib.errors import ModelLoadError
+    from genlib.ray_engine import _reason
+
+    class Wrapped(Exception):  # as Ray wraps what a worker raised, traceback and all
+        def __init__(self, cause):
+            super().__init__("ray::MapWorker.__init__() (pid=1)\n  File ...\nModelLoadError")
+            self.cause = cause
+
+    inner = ModelLoadError("cannot load /no/such/model: no such folder")
+    assert _reason(Wrapped(Wrapped(inner))) == "cannot load /no/such/model: no such folder"
+    assert _reason(Wrapped(ValueError("x"))) == "ray::MapWorker.__init__() (pid=1)"
