@@ -138,7 +138,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     if engine.engine == "ray":
         from genlib.ray_engine import require_ray
 
-        require_ray()  # not installed: say how, before reading anything
+        require_ray(engine.ray_address is None)  # not installed: say how, before anything
     lines = gb.read_input(input_path)
     in_format = engine.format if engine.format != "auto" else openai_batch.detect(lines)
     out_format = _output_format(out_path, engine.format, in_format)

@@ -70,8 +70,14 @@ class WorkerPlan:
     cpus: int = 1  # torch threads per worker: the CPUs Ray reserves for it
 
 
-def require_ray() -> Any:
-    """The ray module, or RayMissingError saying how to install it."""
+def require_ray(private_cluster: bool = False) -> Any:
+    """The ray module, or RayMissingError saying how to install it. `private_cluster`:
+    the run will start its own one-machine cluster (no --ray-address), so keep it on the
+    loopback address (no other node can join it anyway) and report no usage anywhere;
+    Ray reads both when it is first imported."""
+    if private_cluster:
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     try:
         import ray
         import ray.data  # noqa: F401 - the "data" extra: pyarrow, pandas
@@ -141,12 +147,7 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
     """Join the cluster at `address` ("auto": the one `ray start` runs here), or start a
     private one on this machine (loopback only) when there is none. True if this call
     started Ray (the caller shuts it down). A Ray already initialised is used as it is."""
-    if address is None:
-        # A one-machine cluster: keep it on the loopback address (no other node can
-        # join it anyway) and never report usage anywhere. Read when ray is imported.
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray = require_ray()
+    ray = require_ray(private_cluster=address is None)
     if ray.is_initialized():
         return False
     try:
