@@ -26,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "code-target"
+Run = tuple[int, float, float, dict]  # tokens, first result (s), total (s), texts by id
 SNIPPETS = ["import os\n", "def main(argv):\n    ", "class Parser:\n    def __init__(self",
             "for line in open(path):\n    ", "if __name__ == '__main__':\n    ",
             "try:\n    import json\nexcept ImportError:\n    "]
@@ -43,7 +44,19 @@ def input_lines(n: int, max_new_tokens: int) -> list[str]:
     return out
 
 
-def run_local(model: str, lines: list[str], batch_size: int) -> tuple[int, float, float]:
+def run_local(model: str, lines: list[str], batch_size: int, threads: int = 0) -> Run:
+    import torch
+
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads or before)
+    try:
+        return _run_local(model, lines, batch_size)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _run_local(model: str, lines: list[str], batch_size: int) -> Run:
     from genlib import batch as gb
     from genlib.models import ModelSpec, load_model
 
@@ -56,8 +69,7 @@ def run_local(model: str, lines: list[str], batch_size: int) -> tuple[int, float
     return _drain(gb.generate_jobs(lm, jobs, batch_size), start)
 
 
-def run_ray(model: str, lines: list[str], batch_size: int, workers: int
-            ) -> tuple[int, float, float]:
+def run_ray(model: str, lines: list[str], batch_size: int, workers: int) -> Run:
     from genlib import batch as gb
     from genlib.models import ModelSpec
     from genlib.ray_engine import WorkerPlan, run_on_ray
@@ -68,12 +80,13 @@ def run_ray(model: str, lines: list[str], batch_size: int, workers: int
     return _drain(run_on_ray(gb.parse_lines(lines, run), lines, plan, workers), start)
 
 
-def _drain(outcomes, start: float) -> tuple[int, float, float]:
-    tokens, first = 0, None
-    for _, finish in outcomes:
+def _drain(outcomes, start: float) -> Run:
+    tokens, first, texts = 0, None, {}
+    for job, finish in outcomes:
         first = first or time.perf_counter() - start
         tokens += finish.new_tokens
-    return tokens, first or 0.0, time.perf_counter() - start
+        texts[job.id] = finish.text
+    return tokens, first or 0.0, time.perf_counter() - start, texts
 
 
 def main() -> None:
@@ -83,6 +96,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--local-threads", type=int, default=0,
+                        help="torch threads of the local engine (0: torch's default)")
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
 
@@ -96,14 +111,15 @@ def main() -> None:
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     cluster_s = time.perf_counter() - started
     lines = input_lines(args.lines, args.max_new_tokens)
-    configs = {"local engine": lambda: run_local(args.model, lines, args.batch_size),
+    local = f"local engine, {args.local_threads or 'default'} threads"
+    configs = {local: lambda: run_local(args.model, lines, args.batch_size, args.local_threads),
                "ray, 1 worker": lambda: run_ray(args.model, lines, args.batch_size, 1),
                "ray, 2 workers": lambda: run_ray(args.model, lines, args.batch_size, 2)}
-    results: dict[str, list[tuple[int, float, float]]] = {name: [] for name in configs}
+    results: dict[str, list[Run]] = {name: [] for name in configs}
     for r in range(args.rounds):
         for name, fn in configs.items():
             results[name].append(fn())
-            tokens, first, total = results[name][-1]
+            tokens, first, total, _ = results[name][-1]
             print(f"round {r + 1} {name}: {tokens} tokens, first {first:.1f} s, "
                   f"total {total:.1f} s", file=sys.stderr)
     ray.shutdown()
@@ -114,6 +130,8 @@ def main() -> None:
 
 def table(results, args, cluster_s: float, cpus: int) -> str:
     base = results["ray, 1 worker"]
+    texts = [run[3] for runs in results.values() for run in runs]
+    same = all(t == texts[0] for t in texts)
     rows = ["| engine | tokens | first result (s) | total (s) | tok/s | vs 1 worker |",
             "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for name, runs in results.items():
@@ -129,7 +147,8 @@ def table(results, args, cluster_s: float, cpus: int) -> str:
         f"(noisy), model {Path(args.model).name}, {args.lines} lines x "
         f"{args.max_new_tokens} tokens, --batch-size {args.batch_size}, medians of "
         f"{args.rounds} interleaved rounds; the Ray cluster itself took {cluster_s:.1f} s "
-        f"to start (once, not in the rows).", f"Command: `{command}`", "", *rows])
+        f"to start (once, not in the rows). Every run gave the same text for every id: "
+        f"{'yes' if same else 'NO'}.", f"Command: `{command}`", "", *rows])
 
 
 if __name__ == "__main__":

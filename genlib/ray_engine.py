@@ -215,8 +215,9 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
         for number, outcome in first_of_each(outcomes.iter_rows()):
             yield by_line[number], _outcome(json.loads(outcome))
     except ray.exceptions.RayError as exc:
-        raise RayEngineError(f"the Ray run failed: {_reason(exc)}; the results so far are "
-                             f"kept, rerun the same command to finish") from None
+        reason = _reason(exc).rstrip(".")
+        raise RayEngineError(f"the Ray run failed: {reason}; the results so far are kept, "
+                             f"rerun the same command to finish") from None
 
 
 def first_of_each(rows: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]]:
