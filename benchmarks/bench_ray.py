@@ -107,7 +107,7 @@ def main() -> None:
 
     cpus = os.cpu_count() or 1
     started = time.perf_counter()
-    ray.init(num_cpus=cpus, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=cpus, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT)}})
     cluster_s = time.perf_counter() - started
     lines = input_lines(args.lines, args.max_new_tokens)

@@ -151,7 +151,9 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
     if ray.is_initialized():
         return False
     try:
-        ray.init(address=address, num_cpus=cpus if address is None else None,
+        # "local": a new cluster even where `ray start` runs one (ray.init's default
+        # would join that), so a run without --ray-address never lands on another's.
+        ray.init(address=address or "local", num_cpus=cpus if address is None else None,
                  include_dashboard=False, logging_level="ERROR", log_to_driver=True)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         where = f"the Ray cluster at {address}" if address else "a local Ray cluster"

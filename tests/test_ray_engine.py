@@ -36,7 +36,7 @@ def cluster(tmp_path_factory):
     ray = pytest.importorskip("ray", reason='ray is not installed: pip install ".[ray]"')
     pytest.importorskip("ray.data", reason='Ray Data is not installed: pip install ".[ray]"')
     scratch = tmp_path_factory.mktemp("ray")
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT),
                                        "GENLAB_TEST_SCRATCH": str(scratch)}})
     # Workers cannot import this file by name (tests/ is no package): send it by value.
