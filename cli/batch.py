@@ -2,12 +2,15 @@
 line of a JSONL file in real batches, resumable, with a progress bar on stderr.
 
 The work (parsing, grouping, seeds, resume, writing) is genlib.batch; this module only
-wires it to the terminal: progress, summary, exit code.
+wires it to the terminal: progress, summary, exit code. Two engines produce the outcomes:
+the local one (this process) and `--engine ray` (genlib.ray_engine); both are recorded
+by `_record_outcomes`, through the same writer.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,10 +23,43 @@ from cli.errors import INTERRUPTED, fail
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from genlib.batch import Job, ResultsFile, ResumePlan
+    from genlib.batch import Job, ResultsFile, ResumePlan, RunDefaults
+    from genlib.events import Finish
 
 
 DEFAULT_BATCH_SIZE = 16
+ENGINES = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class EngineFlags:
+    """Where the lines run and in which file format: --engine, --ray-address, --workers,
+    --format."""
+
+    engine: str = "local"
+    ray_address: str | None = None
+    workers: int | None = None
+    format: str = "auto"
+
+    def given(self) -> list[str]:
+        """The flags given with other than their defaults (they need --input)."""
+        return [name for name, on in (("--engine", self.engine != "local"),
+                                      ("--ray-address", self.ray_address is not None),
+                                      ("--workers", self.workers is not None),
+                                      ("--format", self.format != "auto")) if on]
+
+    def check(self) -> None:
+        from genlib.openai_batch import FORMATS
+
+        if self.engine not in ENGINES:
+            raise fail(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.format not in FORMATS:
+            raise fail(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+        ray_only = [name for name in self.given() if name in ("--ray-address", "--workers")]
+        if ray_only and self.engine != "ray":
+            raise fail(f"{' and '.join(ray_only)} only {_apply(ray_only)} with --engine ray")
+        if self.workers is not None and self.workers < 1:
+            raise fail(f"--workers must be >= 1, got {self.workers}")
 
 
 @dataclass
@@ -49,10 +85,15 @@ class ResumeFlags:
     retry_errors: bool = False
 
 
+def _apply(flags: list[str]) -> str:
+    return "applies" if len(flags) == 1 else "apply"
+
+
 def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                 output: str | None, batch_size: int | None,
                 single_prompt_flags: dict[str, bool] | None = None,
-                batch_flags: dict[str, bool] | None = None) -> None:
+                batch_flags: dict[str, bool] | None = None,
+                engine: EngineFlags | None = None) -> None:
     """The ways to run `genlab generate` exclude each other; say which flag to drop.
 
     `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
@@ -73,13 +114,20 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                    + ("--interactive" if interactive else "--input") + "; drop one")
     if input_path is None and (output is not None or batch_size is not None):
         raise fail("--output and --batch-size only apply with --input FILE")
+    batch_only = engine.given() if engine is not None else []
+    if input_path is None and batch_only:
+        raise fail(f"{', '.join(batch_only)} only {_apply(batch_only)} with --input FILE")
+    if engine is not None:
+        engine.check()
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         input_path: Path, output: str | None, batch_size: int | None, chat: bool,
-        system: str | None, resume: ResumeFlags = ResumeFlags()) -> None:
+        system: str | None, resume: ResumeFlags = ResumeFlags(),
+        engine: EngineFlags | None = None) -> None:
     """Entry point from `genlab generate --input`."""
     from genlib import batch as gb
+    from genlib import openai_batch
     from genlib.config import resolve_settings
     from genlib.models import resolve_model_ref
     from genlib.presets import load_preset
@@ -103,15 +151,31 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
         chat=chat, system=system,
         model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize))
-    items = gb.parse_lines(gb.read_input(input_path), run_defaults)
+    engine = engine or EngineFlags()
+    if engine.engine == "ray":
+        from genlib.ray_engine import require_ray
+
+        require_ray(engine.ray_address is None)  # not installed: say how, before anything
+    lines = gb.read_input(input_path)
+    in_format = engine.format if engine.format != "auto" else openai_batch.detect(lines)
+    out_format = _output_format(out_path, engine.format, in_format)
+    adapt = openai_batch.to_genlab_line if in_format == "openai" else None
+    items = gb.parse_lines(lines, run_defaults, adapt)
     tally = Tally(lines=len(items))
     results = gb.ResultsFile.open(out_path) if out_path else gb.ResultsFile.stdout()
+    if out_format == "openai":
+        results.in_format(openai_batch.line_writer(
+            _endpoints(items, chat and in_format == "genlab"), model_ref),
+            openai_batch.record_of)
     start = time.perf_counter()
     with results:
         plan = _resume(results, items, resume, tally)
         try:
             todo = _write_line_errors(items, plan, results, tally)
-            if todo:
+            if todo and engine.engine == "ray":
+                _run_ray(todo, lines, run_defaults, model_flags, model_ref, batch_size,
+                         adapt, engine, results, tally)
+            elif todo:
                 lm = load(model_flags, preset, quick=batch_size == 1)
                 _generate(lm, todo, run_defaults, batch_size, results, tally)
         except KeyboardInterrupt:
@@ -156,6 +220,26 @@ def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: 
         render.warn(f"{results.name} holds {plan.orphans} result(s) for ids no input line "
                     f"has; they are left as they are")
     return plan
+
+
+def _output_format(out_path: Path | None, forced: str, in_format: str) -> str:
+    """The results' format: the one the output file already holds (a resumed run keeps
+    it), else --format, else the input's."""
+    from genlib.openai_batch import results_format
+
+    found = results_format(out_path) if out_path is not None else None
+    if found is not None and forced != "auto" and found != forced:
+        raise fail(f"--format {forced}: {out_path} already holds results in {found} format; "
+                   f"give another --output file, or --format {found}")
+    return found or in_format
+
+
+def _endpoints(items: Iterable[Any], chat: bool) -> dict[str, str]:
+    from genlib.batch import Job, id_key
+    from genlib.openai_batch import endpoint_for
+
+    return {id_key(item.id): endpoint_for(item.messages is not None, chat)
+            for item in items if isinstance(item, Job)}
 
 
 def _write_line_errors(items: list[Any], plan: ResumePlan, results: ResultsFile,
@@ -203,16 +287,49 @@ def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
               results: ResultsFile, tally: Tally) -> None:
-    from cli import render
-    from genlib.batch import error_record, generate_jobs, result_record
+    """The local engine: encode here, generate here."""
+    from genlib.batch import generate_jobs
 
     ready = _encode_all(lm, jobs, results, tally, run_defaults)
-    progress = _progress(len(jobs))
-    task = progress.add_task("generating", total=len(jobs), tps="")
-    progress.update(task, advance=len(jobs) - len(ready))
+    _record_outcomes(generate_jobs(lm, ready, batch_size), len(jobs), len(jobs) - len(ready),
+                     results, tally)
+
+
+def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
+             model_flags: ModelFlags, model_ref: str, batch_size: int, adapt: Any,
+             engine: EngineFlags, results: ResultsFile, tally: Tally) -> None:
+    """The Ray engine: the workers encode and generate, this process records (through
+    the same locked results file, with the fingerprints the driver computed)."""
+    from genlib.backends.choose import check_name
+    from genlib.modelinfo import ModelSpec
+    from genlib.ray_engine import WorkerPlan, run_on_ray
+
+    ref = model_ref
+    if Path(ref).expanduser().exists():  # workers may start in other folders
+        ref = str(Path(ref).expanduser().resolve())
+    spec = ModelSpec(ref=ref, device=model_flags.device, dtype=model_flags.dtype,
+                     quantize=model_flags.quantize,
+                     trust_remote_code=model_flags.trust_remote_code,
+                     backend=check_name(model_flags.backend))
+    plan = WorkerPlan(spec=spec, run=run_defaults, batch_size=batch_size, adapt=adapt,
+                      quick=batch_size == 1)
+    outcomes = run_on_ray(jobs, lines, plan, engine.workers, engine.ray_address)
+    _record_outcomes(outcomes, len(jobs), 0, results, tally)
+
+
+def _record_outcomes(outcomes: Iterable[tuple[Job, Finish | str]], total: int, failed: int,
+                     results: ResultsFile, tally: Tally) -> None:
+    """Write each job's outcome as it comes (either engine), with a progress bar over
+    `total` jobs of which `failed` already had their error written."""
+    from cli import render
+    from genlib.batch import error_record, result_record
+
+    progress = _progress(total)
+    task = progress.add_task("generating", total=total, tps="")
+    progress.update(task, advance=failed)
     start = time.perf_counter()
     with progress:
-        for job, outcome in generate_jobs(lm, ready, batch_size):
+        for job, outcome in outcomes:
             if isinstance(outcome, str):
                 message = f"line {job.line}: {outcome}"
                 render.error(message)

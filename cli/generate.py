@@ -165,6 +165,18 @@ def generate(
         "--redo-changed", help="With --input: generate again the lines whose prompt or "
         "settings changed since their result in --output was written (otherwise "
         "refused).")] = False,
+    engine: Annotated[str, typer.Option(
+        "--engine", help="Where --input runs: local (this process) or ray (the workers of "
+        "a Ray cluster; needs the ray extra).")] = "local",
+    ray_address: Annotated[str | None, typer.Option(
+        "--ray-address", help="--engine ray: the cluster to join (auto: the one `ray start` "
+        "runs here; default: start a private one on this machine).")] = None,
+    workers: Annotated[int | None, typer.Option(
+        "--workers", help="--engine ray: workers, each with the model loaded (default: one "
+        "per CPU of the cluster, or per GPU with --device cuda).")] = None,
+    batch_format: Annotated[str, typer.Option(
+        "--format", help="--input/--output lines: auto (detected per file), genlab, or "
+        "openai (OpenAI's Batch format, as vLLM's run-batch reads and writes).")] = "auto",
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -176,20 +188,25 @@ def generate(
     flags = opt.decoding_flags(locals())
     opt.refuse_compile(compile)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
+    from cli.batch import EngineFlags
+
+    engine_flags = EngineFlags(engine, ray_address, workers, batch_format)
     if (interactive or input_file is not None or output is not None or batch_size is not None
-            or retry_errors or redo_changed):
+            or retry_errors or redo_changed or engine_flags.given()):
         from cli import batch as batch_cmd
 
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--stats": show_stats,
                                "--truncate-prompt": truncate_prompt},
-                              {"--retry-errors": retry_errors, "--redo-changed": redo_changed})
+                              {"--retry-errors": retry_errors, "--redo-changed": redo_changed},
+                              engine_flags)
         if interactive:
             from cli import repl
 
             return repl.run(flags, preset, model_flags, chat, system)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
-                             chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors))
+                             chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
+                             engine_flags)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)

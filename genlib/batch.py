@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -131,7 +131,13 @@ def line_error_fingerprint(text: str, run: RunDefaults) -> str:
 # ---------------------------------------------------------------- parsing
 
 
-def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]:
+# An input line in another format (e.g. OpenAI's batch format) as a genlab line: the
+# parsed object and "line N" -> the same line's genlab keys; raises GenlabError.
+LineAdapter = Callable[[Mapping[str, Any], str], Mapping[str, Any]]
+
+
+def parse_lines(lines: Iterable[str], run: RunDefaults, adapt: LineAdapter | None = None
+                ) -> list[Job | LineError]:
     """Every non-blank input line as a Job or a LineError, in input order.
 
     A repeated id refuses the whole file (BatchFileError): resuming finds done lines by
@@ -142,7 +148,7 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
     for number, text in enumerate(lines, start=1):
         if not text.strip():
             continue
-        item = parse_line(text, number, run)
+        item = parse_line(text, number, run, adapt)
         key = id_key(item.id)
         if key in seen:
             raise BatchFileError(f"line {number}: id {shown(item.id)} is also the id of line "
@@ -153,12 +159,15 @@ def parse_lines(lines: Iterable[str], run: RunDefaults) -> list[Job | LineError]
     return out
 
 
-def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
+def parse_line(text: str, number: int, run: RunDefaults, adapt: LineAdapter | None = None
+               ) -> Job | LineError:
     """One JSONL line -> Job (with its fingerprint), or LineError naming the line number
     and how to fix it. Never raises for what a line holds: a fault no rule foresaw (a
-    bug) is that line's error too, in the "unexpected" wording of bugs."""
+    bug) is that line's error too, in the "unexpected" wording of bugs. `adapt` first
+    turns a line of another format into genlab's keys (its id is read before, so an
+    error result still carries it)."""
     try:
-        item = _parse(text, number, run)
+        item = _parse(text, number, run, adapt)
     except Exception as exc:  # noqa: BLE001  (isolation: one line never stops the file)
         item = LineError(number, number, f"line {number}: {unexpected(exc)}")
     if isinstance(item, Job):
@@ -166,7 +175,8 @@ def parse_line(text: str, number: int, run: RunDefaults) -> Job | LineError:
     return dataclasses.replace(item, fingerprint=line_error_fingerprint(text, run))
 
 
-def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:
+def _parse(text: str, number: int, run: RunDefaults, adapt: LineAdapter | None
+           ) -> Job | LineError:
     where = f"line {number}"
     try:
         data = jsonl.loads(text, text_only=False)
@@ -187,7 +197,7 @@ def _parse(text: str, number: int, run: RunDefaults) -> Job | LineError:
     except jsonl.JsonLineError as exc:
         return LineError(job_id, number, f"{where}: {exc}")
     try:
-        return _job(data, job_id, number, run)
+        return _job(data if adapt is None else adapt(data, where), job_id, number, run)
     except GenlabError as exc:  # every message names the line (settings rules do not)
         message = str(exc)
         return LineError(job_id, number, message if message.startswith(f"{where}:")

@@ -25,7 +25,7 @@ import json
 import os
 import stat
 import sys
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
@@ -144,6 +144,17 @@ class ResultsFile:
         self.repaired_bytes = 0  # a half-written last line cut off by read()
         self.duplicates = 0  # records whose id a later record repeats (dropped by drop())
         self._last: dict[str, int] = {}  # id_key -> line number of its last record
+        # Another file format (OpenAI's batch format): a record as the line written, and
+        # a line read back as the record; genlab's own records pass as they are.
+        self._line_of: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+        self._record_of: Callable[[Mapping[str, Any]], Mapping[str, Any]] | None = None
+
+    def in_format(self, line_of: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+                  record_of: Callable[[Mapping[str, Any]], Mapping[str, Any]]) -> None:
+        """Write and read lines of another format: `line_of` turns each record into the
+        line appended, `record_of` each line read back into the record (with the id and
+        fingerprint the record had), so locking, resuming and dropping work the same."""
+        self._line_of, self._record_of = line_of, record_of
 
     # ------------------------------------------------------------ opening
 
@@ -255,6 +266,8 @@ class ResultsFile:
         except jsonl.JsonLineError as exc:
             raise BatchFileError(f"{self.path} line {number} is {exc}, so the run cannot "
                                  f"resume from it; fix or move the file") from None
+        if self._record_of is not None and isinstance(record, dict):
+            record = dict(self._record_of(record))
         if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)) \
                 or isinstance(record.get("id"), bool):
             raise BatchFileError(f"{self.path} line {number} is not a genlab result (no "
@@ -313,7 +326,8 @@ class ResultsFile:
 
     def append(self, record: Mapping[str, Any]) -> None:
         """Write one record as one JSON line, at once (no buffering)."""
-        data = jsonl.dumps(dict(record))
+        line = record if self._line_of is None else self._line_of(record)
+        data = jsonl.dumps(dict(line))
         if self._fd is not None:
             _write_all(self._fd, data)
         elif self._stream is not None:

@@ -1,0 +1,184 @@
+"""OpenAI's Batch format for JSONL batch runs, so files move between genlab, vLLM's
+`run-batch` and OpenAI's batch API.
+
+An input line is a request: `custom_id`, `method` ("POST"), `url` ("/v1/completions" with
+a `prompt`, or "/v1/chat/completions" with `messages`) and the request `body`, whose
+sampling fields are mapped onto genlab's settings (`max_tokens` -> `max_new_tokens`,
+`temperature: 0` -> greedy, ...). A result line carries `custom_id`, a `response` with
+`status_code` and a completion `body`, and `error` (null, or why the line failed). It also
+keeps genlab's own record under the key `genlab` (settings, token counts), which readers
+of the format ignore, so a resumed run reads back exactly what it wrote.
+
+genlab's batch code (genlib.batch) works in its own record shape; this module only
+converts at the two edges: `to_genlab_line` for each input line, `result_line` for each
+record written, `record_of` for each result read back when resuming.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
+from typing import Any
+
+from genlib.errors import ConfigError
+
+FORMATS = ("auto", "genlab", "openai")
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+ENDPOINTS = (COMPLETIONS, CHAT)
+
+# Request fields that are genlab settings under another name.
+RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+           "min_tokens": "min_new_tokens", "stop": "stop_strings", "n": "num_return_sequences"}
+# Request fields that do not change the output: which model is genlab's -m, not the file's.
+IGNORED = ("model", "user", "metadata", "store")
+# genlab's finish reasons as OpenAI's: "stop" (an end token or a stop string) or "length".
+FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
+
+
+def detect(lines: Iterable[str]) -> str:
+    """"openai" if the first JSON object line is a batch request (it has a `body`),
+    else "genlab"."""
+    for text in lines:
+        if not text.strip():
+            continue
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(data, dict):
+            return "openai" if "body" in data else "genlab"
+    return "genlab"
+
+
+def to_genlab_line(data: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """One OpenAI batch request as a genlab input line (a `genlib.batch.LineAdapter`)."""
+    if "body" not in data:
+        raise ConfigError(f'{where}: not an OpenAI batch request (no "body"); a file is '
+                          f"in one format, OpenAI's or genlab's")
+    unknown = sorted(set(data) - {"custom_id", "method", "url", "body"})
+    if unknown:
+        raise ConfigError(f"{where}: unknown request field {unknown[0]!r} (a request has "
+                          f"custom_id, method, url and body)")
+    if "custom_id" not in data:
+        raise ConfigError(f"{where}: an OpenAI batch request needs a custom_id")
+    if data.get("method", "POST") != "POST":
+        raise ConfigError(f"{where}: method must be POST, got {data['method']!r}")
+    url = data.get("url", CHAT if "messages" in data["body"] else COMPLETIONS)
+    if url not in ENDPOINTS:
+        raise ConfigError(f"{where}: url {url!r} is not supported; use {COMPLETIONS} "
+                          f"(prompt) or {CHAT} (messages)")
+    body = data["body"]
+    if not isinstance(body, dict):
+        raise ConfigError(f"{where}: body must be a JSON object, got {type(body).__name__}")
+    wanted = "messages" if url == CHAT else "prompt"
+    if wanted not in body:
+        raise ConfigError(f'{where}: a {url} request needs "{wanted}" in its body')
+    return {"custom_id": data["custom_id"], **_settings_of(body, where)}
+
+
+def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in body.items():
+        if key in IGNORED:
+            continue
+        if key == "stream":
+            if value:
+                raise ConfigError(f"{where}: stream must be false in a batch request")
+            continue
+        if key == "temperature":
+            # OpenAI samples at any temperature above 0; 0 means the most likely token.
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
+                out["strategy"] = "greedy"
+                continue
+            out["strategy"] = "sample"
+        if key == "stop" and isinstance(value, str):
+            value = [value]
+        out[RENAMED.get(key, key)] = value  # genlab's own checks name anything unknown
+    return out
+
+
+def result_line(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
+    """genlab's result (or error) record as an OpenAI batch result line."""
+    custom_id = str(record["id"])
+    extra = {k: v for k, v in record.items() if k != "text"}
+    if "error" in record:
+        return {"id": f"genlab-{custom_id}", "custom_id": custom_id,
+                "response": {"status_code": 400, "request_id": f"genlab-batch-{custom_id}",
+                             "body": None},
+                "error": {"code": "invalid_request", "message": record["error"]},
+                "genlab": extra}
+    reason = FINISH.get(record["finish_reason"], record["finish_reason"])
+    if endpoint == CHAT:
+        choice = {"index": 0, "message": {"role": "assistant", "content": record["text"]},
+                  "logprobs": None, "finish_reason": reason}
+        kind, prefix = "chat.completion", "chatcmpl"
+    else:
+        choice = {"index": 0, "text": record["text"], "logprobs": None, "finish_reason": reason}
+        kind, prefix = "text_completion", "cmpl"
+    usage = {"prompt_tokens": record["prompt_tokens"], "completion_tokens": record["new_tokens"],
+             "total_tokens": record["prompt_tokens"] + record["new_tokens"]}
+    body = {"id": f"{prefix}-{custom_id}", "object": kind, "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": usage}
+    return {"id": f"genlab-{custom_id}", "custom_id": custom_id,
+            "response": {"status_code": 200, "request_id": f"genlab-batch-{custom_id}",
+                         "body": body},
+            "error": None, "genlab": extra}
+
+
+def record_of(line: Mapping[str, Any]) -> dict[str, Any]:
+    """An OpenAI batch result line (genlab's, vLLM's or OpenAI's) read back as genlab's
+    record; {} for a line that is not one (the caller refuses it)."""
+    if "custom_id" not in line or "response" not in line:
+        return {}
+    record: dict[str, Any] = {"id": line["custom_id"], **line.get("genlab", {})}
+    if line.get("error") is not None or not (line["response"] or {}).get("body"):
+        error = line.get("error")
+        message = error.get("message") if isinstance(error, dict) else error
+        record["error"] = str(message or "the request failed")
+        return record
+    choices = line["response"]["body"].get("choices") or [{}]
+    text = (choices[0].get("message") or {}).get("content", choices[0].get("text"))
+    if not isinstance(text, str):
+        return {}
+    record["text"] = text
+    return record
+
+
+def endpoint_for(has_messages: bool, chat: bool) -> str:
+    """The endpoint a line's result answers: chat for `messages` or a --chat run."""
+    return CHAT if has_messages or chat else COMPLETIONS
+
+
+def results_format(path: Path) -> str | None:
+    """The format of the results already in `path` ("openai" or "genlab"), None when it
+    holds none yet (or is not a regular file: a pipe is never read). Only the first line
+    is read: a file is in one format."""
+    if not path.is_file():
+        return None
+    try:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            first = next((text for text in fh if text.strip()), "")
+    except OSError:
+        return None
+    try:
+        data = json.loads(first)
+    except json.JSONDecodeError:
+        return None  # a half-written line: ResultsFile.read repairs or refuses the file
+    if not isinstance(data, dict):
+        return None
+    return "openai" if "custom_id" in data and "response" in data else "genlab"
+
+
+def line_writer(endpoints: Mapping[str, str], model: str
+                ) -> Callable[[Mapping[str, Any]], dict[str, Any]]:
+    """`genlib.results.ResultsFile.in_format`'s `line_of` for OpenAI output: `endpoints` maps each
+    id's `id_key` to the endpoint its request named."""
+    from genlib.batch import id_key
+
+    def line_of(record: Mapping[str, Any]) -> dict[str, Any]:
+        return result_line(record, endpoints.get(id_key(record["id"]), COMPLETIONS), model)
+
+    return line_of

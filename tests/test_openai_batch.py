@@ -1,0 +1,147 @@
+"""OpenAI's Batch format: requests mapped onto genlab's settings (with line numbers on
+every error), result lines in the shape vLLM's run-batch and OpenAI's batch API write,
+the format detected per file or forced, and resuming a run whose output is in it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib import batch as gb
+from genlib import openai_batch as ob
+from tests.conftest import STORIES
+from tests.test_batch import RUN, read_results
+
+MODEL = ["-m", str(STORIES)]
+runner = CliRunner()
+
+
+def request(custom_id: str, url: str = ob.COMPLETIONS, **body: object) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url,
+                       "body": {"model": "stories", **body}})
+
+
+def test_requests_map_onto_genlab_settings():
+    items = gb.parse_lines([
+        request("g", prompt="Once", max_tokens=9, temperature=0, stop="."),
+        request("s", prompt="Once", max_completion_tokens=5, temperature=0.7, top_p=0.9,
+                seed=3, min_tokens=2),
+        request("c", ob.CHAT, messages=[{"role": "user", "content": "hi"}]),
+    ], RUN, ob.to_genlab_line)
+    g, s, c = items
+    assert isinstance(g, gb.Job) and g.id == "g" and g.prompt == "Once"
+    assert g.settings.strategy == "greedy" and g.settings.max_new_tokens == 9
+    assert g.settings.stop_strings == (".",)
+    assert s.settings.strategy == "sample" and s.settings.temperature == 0.7
+    assert (s.settings.top_p, s.settings.seed, s.settings.max_new_tokens,
+            s.settings.min_new_tokens) == (0.9, 3, 5, 2)
+    assert c.messages == [{"role": "user", "content": "hi"}]
+    # the seed of a line without one comes from its custom_id, as for a genlab id
+    from genlib.config import derive_seed
+
+    assert g.settings.seed == derive_seed(RUN.seed, "g")
+
+
+def test_bad_requests_fail_their_own_line_with_its_custom_id():
+    items = gb.parse_lines([
+        request("a", "/v1/embeddings", input="x"),
+        request("b", ob.CHAT, prompt="x"),
+        request("c", prompt="x", presence_penalty=0.5),
+        request("d", prompt="x", n=2),
+        request("e", prompt="x", stream=True),
+        json.dumps({"custom_id": "f", "prompt": "x"}),
+        json.dumps({"custom_id": "g", "url": ob.COMPLETIONS, "body": {"prompt": "x"},
+                    "extra": 1}),
+    ], RUN, ob.to_genlab_line)
+    errors = {i.id: i.message for i in items}
+    assert all(isinstance(i, gb.LineError) for i in items)
+    assert errors["a"].startswith("line 1: url '/v1/embeddings' is not supported")
+    assert errors["b"] == 'line 2: a /v1/chat/completions request needs "messages" in its body'
+    assert errors["c"].startswith("line 3: unknown setting 'presence_penalty'")
+    assert errors["d"].startswith("line 4: num_return_sequences must be 1 in batch mode")
+    assert errors["e"] == "line 5: stream must be false in a batch request"
+    assert errors["f"].startswith('line 6: not an OpenAI batch request (no "body")')
+    assert errors["g"].startswith("line 7: unknown request field 'extra'")
+
+
+def test_format_detection():
+    assert ob.detect(["", "{oops", request("a", prompt="x")]) == "openai"
+    assert ob.detect(['{"id": 1, "prompt": "x"}', request("a", prompt="x")]) == "genlab"
+    assert ob.detect([]) == "genlab"
+
+
+def test_result_lines_round_trip_and_vllm_lines_read_back():
+    record = {"id": 3, "text": "hi", "finish_reason": "eos", "prompt_tokens": 4,
+              "new_tokens": 2, "settings": {"seed": 1}}
+    line = ob.result_line(record, ob.CHAT, "m")
+    assert line["custom_id"] == "3" and line["error"] is None
+    body = line["response"]["body"]
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": "hi"}
+    assert body["choices"][0]["finish_reason"] == "stop" and body["object"] == "chat.completion"
+    assert body["usage"] == {"prompt_tokens": 4, "completion_tokens": 2, "total_tokens": 6}
+    assert ob.record_of(json.loads(json.dumps(line))) == record  # the id keeps its type
+    error = ob.result_line({"id": "x", "error": "line 2: bad"}, ob.COMPLETIONS, "m")
+    assert error["response"]["status_code"] == 400 and error["error"]["message"] == "line 2: bad"
+    assert ob.record_of(error) == {"id": "x", "error": "line 2: bad"}
+    vllm = {"id": "vllm-1", "custom_id": "r1", "error": None,
+            "response": {"status_code": 200, "request_id": "vllm-batch-1", "body": {
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"},
+                             "finish_reason": "stop"}]}}}
+    assert ob.record_of(vllm) == {"id": "r1", "text": "ok"}
+    assert ob.record_of({"id": "a", "text": "genlab's"}) == {}
+
+
+def test_cli_openai_file_gives_the_genlab_texts_and_resumes(tmp_path: Path):
+    prompts = {"a": "Once upon a time", "b": "The little dog", "c": "Lily"}
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join([*(request(k, prompt=p, max_tokens=8, temperature=0.8)
+                                for k, p in prompts.items()),
+                              request("chat", ob.CHAT, messages=[{"role": "user",
+                                                                  "content": "hi"}])]) + "\n")
+    first = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", str(out)])
+    assert first.exit_code == 1, first.output  # stories260K has no chat template
+    lines = {x["custom_id"]: x for x in read_results(out)}
+    assert set(lines) == {"a", "b", "c", "chat"}
+    assert lines["chat"]["response"]["status_code"] == 400
+    assert "has no chat template" in lines["chat"]["error"]["message"]
+
+    genlab_src, genlab_out = tmp_path / "g.jsonl", tmp_path / "g_out.jsonl"
+    genlab_src.write_text("\n".join(json.dumps({"id": k, "prompt": p, "max_new_tokens": 8,
+                                                "temperature": 0.8})
+                                    for k, p in prompts.items()) + "\n")
+    assert runner.invoke(app, ["generate", *MODEL, "--input", str(genlab_src), "--output",
+                               str(genlab_out)]).exit_code == 0
+    expected = {r["id"]: r["text"] for r in read_results(genlab_out)}
+    assert {k: lines[k]["response"]["body"]["choices"][0]["text"] for k in prompts} == expected
+
+    again = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", str(out)])
+    assert "4 already done (1 of them failed)" in again.stderr
+    assert len(read_results(out)) == 4  # nothing doubled
+
+    forced = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", str(out),
+                                 "--format", "genlab"])
+    assert forced.exit_code == 2
+    assert "already holds results in openai format" in forced.stderr
+
+
+def test_cli_format_openai_writes_openai_results_for_an_openai_file(tmp_path: Path):
+    src = tmp_path / "in.jsonl"
+    src.write_text(request("a", prompt="Once upon a time", max_tokens=5) + "\n")
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", "-",
+                                 "--format", "openai"])
+    assert result.exit_code == 0, result.output
+    (line,) = [json.loads(x) for x in result.stdout.splitlines()]
+    assert line["custom_id"] == "a"
+    assert line["response"]["body"]["choices"][0]["text"] == ", there was a little"
+
+
+def test_format_openai_refuses_genlab_lines(tmp_path: Path):
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"id": "a", "prompt": "Once"}\n')
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", "-",
+                                 "--format", "openai"])
+    assert result.exit_code == 1
+    assert 'line 1: not an OpenAI batch request (no "body")' in result.stderr

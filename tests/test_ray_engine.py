@@ -1,0 +1,239 @@
+"""--engine ray on a local Ray cluster this module starts once (2 CPUs, loopback only):
+every id's text is the local engine's, each id is written exactly once after a worker is
+killed mid-run (Ray runs its batch again) and after the driver is killed and the run
+resumed. Skipped when ray is not installed; CI installs the ray extra."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib import batch as gb
+from genlib.models import ModelSpec
+from genlib.ray_engine import GenerateWorker, WorkerPlan, first_of_each, run_on_ray
+from tests.conftest import ROOT, STORIES
+from tests.test_batch import RUN, mixed_prompts, read_results
+
+# A private cluster on the loopback address that reports nothing (read at ray's import).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+MODEL = ["-m", str(STORIES)]
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """A 2-CPU Ray cluster for the whole module (starting one takes seconds); its
+    workers import genlab from this checkout. Yields (its address, a scratch folder)."""
+    ray = pytest.importorskip("ray", reason='ray is not installed: pip install ".[ray]"')
+    pytest.importorskip("ray.data", reason='Ray Data is not installed: pip install ".[ray]"')
+    scratch = tmp_path_factory.mktemp("ray")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+             runtime_env={"env_vars": {"PYTHONPATH": str(ROOT),
+                                       "GENLAB_TEST_SCRATCH": str(scratch)}})
+    # Workers cannot import this file by name (tests/ is no package): send it by value.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+    try:
+        yield ray.get_runtime_context().gcs_address, scratch
+    finally:
+        ray.shutdown()
+
+
+def plan_for(batch_size: int) -> WorkerPlan:
+    return WorkerPlan(spec=ModelSpec(str(STORIES)), run=RUN, batch_size=batch_size)
+
+
+def local_outcomes(lm, lines: list[str]) -> dict[object, tuple]:
+    jobs = gb.parse_lines(lines, RUN)
+    for job in jobs:
+        gb.encode(lm, job, RUN)
+    return {job.id: (f.text, f.reason, f.token_ids) for job, f in gb.generate_jobs(lm, jobs, 4)}
+
+
+def ray_outcomes(lines: list[str], batch_size: int, workers: int, **kw) -> list[tuple]:
+    jobs = gb.parse_lines(lines, RUN)
+    return [(job.id, (f.text, f.reason, f.token_ids))
+            for job, f in run_on_ray(jobs, lines, plan_for(batch_size), workers, **kw)]
+
+
+def test_ray_texts_are_the_local_engines(cluster, stories):
+    lines = mixed_prompts(8)
+    local = local_outcomes(stories, lines)
+    got = ray_outcomes(lines, batch_size=3, workers=2)
+    assert sorted(i for i, _ in got) == sorted(local)  # each id once
+    assert dict(got) == local  # texts, finish reasons and token ids, sampled lines too
+    assert local["p0"][0] == ", there was a little girl named Lily. She loved to play"
+
+
+class DiesOnce(GenerateWorker):
+    """A worker that, given line 6, generates its batch and then kills its own process
+    (SIGKILL, as the OOM killer would) before returning it: once per test run."""
+
+    def __call__(self, batch):
+        out = super().__call__(batch)
+        marker = Path(os.environ["GENLAB_TEST_SCRATCH"]) / "died"
+        if 6 in [int(n) for n in batch["line"]] and not marker.exists():
+            marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+        return out
+
+
+def test_a_killed_worker_is_replaced_and_every_id_comes_once(cluster, stories):
+    _, scratch = cluster
+    lines = mixed_prompts(10)
+    got = ray_outcomes(lines, batch_size=2, workers=1, worker=DiesOnce)
+    assert (scratch / "died").exists(), "the worker should have been killed"
+    assert sorted(i for i, _ in got) == sorted(f"p{i}" for i in range(10))
+    assert dict(got) == local_outcomes(stories, lines)
+
+
+def test_rows_of_a_retried_batch_that_came_back_already_are_dropped():
+    rows = [{"line": 1, "outcome": "a"}, {"line": 2, "outcome": "b"},
+            {"line": 1, "outcome": "a again"}, {"line": 3, "outcome": "c"}]
+    assert list(first_of_each(rows)) == [(1, "a"), (2, "b"), (3, "c")]
+
+
+@pytest.mark.slow
+def test_driver_killed_mid_run_then_resumed_writes_every_id_once(cluster, stories, tmp_path):
+    address, _ = cluster
+    lines = mixed_prompts(12, ignore_eos=True, max_new_tokens=48)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    command = [sys.executable, "-m", "cli", "generate", *MODEL, "--input", str(src),
+               "--output", str(out), "--seed", "7", "--batch-size", "2", "--engine", "ray",
+               "--ray-address", address]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    partial = len(read_results(out))
+    assert 2 <= partial < 12, "the driver should have been killed midway"
+
+    resumed = subprocess.run(command, cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming: {partial} results already in" in resumed.stderr
+    records = read_results(out)
+    assert sorted(r["id"] for r in records) == sorted(f"p{i}" for i in range(12))
+    # the local engine's whole records: texts, token counts, settings with seeds, and
+    # the fingerprints the CLI's run computes (its model named as the CLI names it)
+    run = gb.RunDefaults({}, {}, seed=7, model=gb.model_identity(str(STORIES)))
+    jobs = gb.parse_lines(lines, run)
+    for job in jobs:
+        gb.encode(stories, job, run)
+    expected = {job.id: gb.result_record(job, f) for job, f in gb.generate_jobs(stories, jobs, 4)}
+    assert {r["id"]: r for r in records} == expected
+
+
+# ---------------------------------------------------------------- the CLI's checks
+
+runner = CliRunner()
+
+
+def test_ray_results_carry_the_local_fingerprints_and_a_local_rerun_keeps_them(
+        cluster, tmp_path):
+    address, _ = cluster
+    lines = mixed_prompts(4)
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    args = ["generate", *MODEL, "--input", str(src), "--output", str(out), "--seed", "7",
+            "--batch-size", "2"]
+    first = runner.invoke(app, [*args, "--engine", "ray", "--ray-address", address])
+    assert first.exit_code == 0, first.stderr
+    written = out.read_bytes()
+    run = gb.RunDefaults({}, {}, seed=7, model=gb.model_identity(str(STORIES)))
+    prints = {job.id: job.fingerprint for job in gb.parse_lines(lines, run)}
+    assert {r["id"]: r["fingerprint"] for r in read_results(out)} == prints
+    again = runner.invoke(app, args)  # the local engine resumes the Ray engine's file
+    assert again.exit_code == 0, again.stderr
+    assert "resuming: 4 results already in" in again.stderr
+    assert "0 generated" in again.stderr
+    assert out.read_bytes() == written
+
+
+def test_engine_ray_loads_the_model_on_the_backend_asked_for(monkeypatch, tmp_path):
+    import genlib.ray_engine as re_mod
+
+    seen = []
+
+    def fake_run_on_ray(jobs, lines, plan, workers=None, address=None):
+        seen.append(plan)
+        return iter(())
+
+    monkeypatch.setattr(re_mod, "require_ray", lambda *a, **k: None)
+    monkeypatch.setattr(re_mod, "run_on_ray", fake_run_on_ray)
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Once"}\n')
+    runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                        str(tmp_path / "out.jsonl"), "--engine", "ray", "--backend", "lean"])
+    assert [plan.spec.backend for plan in seen] == ["lean"]
+    assert seen[0].run.model == gb.model_identity(str(STORIES))
+
+
+def test_engine_ray_refuses_an_unknown_backend_before_starting(monkeypatch, tmp_path):
+    import genlib.ray_engine as re_mod
+
+    monkeypatch.setattr(re_mod, "require_ray", lambda *a, **k: None)
+    monkeypatch.setattr(re_mod, "run_on_ray", lambda *a, **k: pytest.fail("ran"))
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Once"}\n')
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                                 str(tmp_path / "out.jsonl"), "--engine", "ray",
+                                 "--backend", "warp"])
+    assert result.exit_code == 2
+    assert "warp" in result.stderr and "Traceback" not in result.output
+
+
+def test_engine_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
+    monkeypatch.setitem(sys.modules, "ray", None)  # import ray -> ImportError
+    src = tmp_path / "in.jsonl"
+    src.write_text('{"prompt": "Once"}\n')
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                                 str(tmp_path / "out.jsonl"), "--engine", "ray"])
+    assert result.exit_code == 2
+    assert 'pip install "genlab[ray]"' in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "out.jsonl").exists()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--input", "x", "--output", "o", "--workers", "2"],
+     "--workers only applies with --engine ray"),
+    (["--input", "x", "--output", "o", "--ray-address", "auto"],
+     "--ray-address only applies with --engine ray"),
+    (["--engine", "ray"], "--engine only applies with --input FILE"),
+    (["--input", "x", "--output", "o", "--engine", "spark"], "--engine must be one of"),
+    (["--input", "x", "--output", "o", "--engine", "ray", "--workers", "0"],
+     "--workers must be >= 1, got 0"),
+])
+def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: str):
+    result = runner.invoke(app, ["generate", *MODEL, *args])
+    assert result.exit_code == 2
+    assert message in result.stderr, result.stderr
+
+
+def test_a_workers_own_error_is_what_the_user_reads():
+    from genlib.errors import ModelLoadError
+    from genlib.ray_engine import _reason
+
+    class Wrapped(Exception):  # as Ray wraps what a worker raised, traceback and all
+        def __init__(self, cause):
+            super().__init__("ray::MapWorker.__init__() (pid=1)\n  File ...\nModelLoadError")
+            self.cause = cause
+
+    inner = ModelLoadError("cannot load /no/such/model: no such folder")
+    assert _reason(Wrapped(Wrapped(inner))) == "cannot load /no/such/model: no such folder"
+    assert _reason(Wrapped(ValueError("x"))) == "ray::MapWorker.__init__() (pid=1)"
