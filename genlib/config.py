@@ -162,54 +162,72 @@ SPECS: dict[str, Spec] = {
 }
 
 
+def _default(name: str) -> Any:
+    """A setting's default, from SPECS: the one place defaults are written."""
+    return SPECS[name].default
+
+
 @dataclass(frozen=True)
 class GenerationSettings:
-    """Resolved, validated settings for one generation. Build with `resolve_settings`."""
+    """Resolved, validated settings for one generation, built by `resolve_settings` (from
+    flags, presets and the defaults) or directly; either way every value is checked
+    (`__post_init__`). The defaults are SPECS' (strategy and do_sample hold what the
+    empty settings resolve to)."""
 
     strategy: str = "greedy"
     do_sample: bool = False
-    max_new_tokens: int = 128
-    min_new_tokens: int = 0
-    ignore_eos: bool = False
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    typical_p: float = 1.0
-    repetition_penalty: float = 1.0
-    no_repeat_ngram_size: int = 0
-    stop_strings: tuple[str, ...] = ()
-    seed: int | None = None
-    num_return_sequences: int = 1
-    max_time: float | None = None
-    num_beams: int = 1
-    length_penalty: float = 1.0
-    early_stopping: bool | str = False
-    num_beam_groups: int = 1
-    diversity_penalty: float = 0.0
-    force_words: tuple[str, ...] = ()
-    force_any: tuple[str, ...] = ()
-    logit_bias: tuple[tuple[int | str, float], ...] = ()
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    dry_multiplier: float = 0.0
-    dry_base: float = 1.75
-    dry_allowed_length: int = 2
-    dry_penalty_last_n: int = -1
-    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", "\"", "*")
-    xtc_probability: float = 0.0
-    xtc_threshold: float = 0.1
-    top_n_sigma: float = 0.0
-    epsilon_cutoff: float = 0.0
-    eta_cutoff: float = 0.0
-    mirostat: int = 0
-    mirostat_tau: float = 5.0
-    mirostat_eta: float = 0.1
-    samplers: tuple[str, ...] = ()
-    json_schema: str | None = None
-    regex: str | None = None
-    grammar: str | None = None
+    max_new_tokens: int = _default("max_new_tokens")
+    min_new_tokens: int = _default("min_new_tokens")
+    ignore_eos: bool = _default("ignore_eos")
+    temperature: float = _default("temperature")
+    top_k: int = _default("top_k")
+    top_p: float = _default("top_p")
+    min_p: float = _default("min_p")
+    typical_p: float = _default("typical_p")
+    repetition_penalty: float = _default("repetition_penalty")
+    no_repeat_ngram_size: int = _default("no_repeat_ngram_size")
+    stop_strings: tuple[str, ...] = _default("stop_strings")
+    seed: int | None = _default("seed")
+    num_return_sequences: int = _default("num_return_sequences")
+    max_time: float | None = _default("max_time")
+    num_beams: int = _default("num_beams")
+    length_penalty: float = _default("length_penalty")
+    early_stopping: bool | str = _default("early_stopping")
+    num_beam_groups: int = _default("num_beam_groups")
+    diversity_penalty: float = _default("diversity_penalty")
+    force_words: tuple[str, ...] = _default("force_words")
+    force_any: tuple[str, ...] = _default("force_any")
+    logit_bias: tuple[tuple[int | str, float], ...] = _default("logit_bias")
+    presence_penalty: float = _default("presence_penalty")
+    frequency_penalty: float = _default("frequency_penalty")
+    dry_multiplier: float = _default("dry_multiplier")
+    dry_base: float = _default("dry_base")
+    dry_allowed_length: int = _default("dry_allowed_length")
+    dry_penalty_last_n: int = _default("dry_penalty_last_n")
+    dry_sequence_breakers: tuple[str, ...] = _default("dry_sequence_breakers")
+    xtc_probability: float = _default("xtc_probability")
+    xtc_threshold: float = _default("xtc_threshold")
+    top_n_sigma: float = _default("top_n_sigma")
+    epsilon_cutoff: float = _default("epsilon_cutoff")
+    eta_cutoff: float = _default("eta_cutoff")
+    mirostat: int = _default("mirostat")
+    mirostat_tau: float = _default("mirostat_tau")
+    mirostat_eta: float = _default("mirostat_eta")
+    samplers: tuple[str, ...] = _default("samplers")
+    json_schema: str | None = _default("json_schema")
+    regex: str | None = _default("regex")
+    grammar: str | None = _default("grammar")
     unused: tuple[str, ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        """Check every value as `resolve_settings` does (type, range, the cross-field
+        rules), so no GenerationSettings holds a value genlab would refuse."""
+        for key, spec in SPECS.items():
+            value = _coerce("settings", key, spec, getattr(self, key))
+            if value is None and key in ("strategy", "do_sample"):
+                raise ConfigError(f"settings: {key} needs a value")
+            object.__setattr__(self, key, value)
+        _check_combination(self.__dict__)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain, YAML/JSON-friendly dict of every setting (lists, not tuples)."""

@@ -106,3 +106,30 @@ def test_settings_are_frozen_and_replace_revalidates():
     with pytest.raises(ConfigError):
         s.replace(top_p=0)
     assert isinstance(s, GenerationSettings)
+
+
+def test_settings_built_directly_are_validated_too():
+    """No GenerationSettings holds a value resolve_settings would refuse: a range, a type
+    or a cross-field rule broken in the constructor is the same ConfigError."""
+    from genlib.config import GenerationSettings
+    from genlib.errors import ConfigError
+
+    for bad, message in (({"temperature": 0}, "temperature must be > 0"),
+                         ({"top_p": 1.5}, "top_p must be 0 < top_p <= 1"),
+                         ({"max_new_tokens": "12"}, "max_new_tokens must be an integer"),
+                         ({"num_return_sequences": 2}, "identical greedy outputs")):
+        with pytest.raises(ConfigError, match=message):
+            GenerationSettings(**bad)
+    assert GenerationSettings(stop_strings=["a"]).stop_strings == ("a",)  # canonical form
+
+
+def test_every_default_is_written_once_in_specs():
+    import dataclasses
+
+    from genlib.config import SPECS, GenerationSettings, resolve_settings
+
+    built = GenerationSettings()
+    for f in dataclasses.fields(GenerationSettings):
+        if f.name in SPECS and f.name not in ("strategy", "do_sample"):
+            assert getattr(built, f.name) == SPECS[f.name].default, f.name
+    assert resolve_settings() == built  # the empty settings resolve to the defaults
