@@ -154,7 +154,7 @@ class _Plan:
     groups: int
     n_keep: int
     eos: frozenset[int]
-    chain: list[processors.Processor]
+    chain: list[processors.Stage]
     suppress_eos: processors.Processor | None
     constraints: tuple[cons.Constraint, ...]
     tokenizer: Any

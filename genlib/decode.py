@@ -15,6 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from genlib import processors
 from genlib.backends.base import Backend
 from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
@@ -111,6 +112,7 @@ def _drop_rows(backend: Backend, plan: Plan, active: list[int], done: list[int],
     keep = [pos for pos in range(len(active)) if pos not in finished]
     index = torch.tensor(keep, dtype=torch.long, device=device)
     backend.reorder(index)
+    processors.reorder(plan.chain, index)
     if plan.generators is not None:
         plan.generators = [plan.generators[p] for p in keep]
     active[:] = [active[p] for p in keep]

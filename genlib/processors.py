@@ -1,20 +1,28 @@
 """Logits processors: pure functions `(token_ids, logits) -> logits`, built once by
-`build_processors` and run in one documented order:
+`build_processors` into an ordered list of named `Stage`s and run by `apply`.
 
-    suppress-EOS -> repetition penalty -> no-repeat-ngram -> temperature -> top-k
-    -> top-p -> min-p -> typical-p
+The default order (`DEFAULT_ORDER`; EOS suppression runs before it, per step):
 
-(the order of transformers' `generate()`, so distributions match it). Sampling-only
-processors (temperature onwards) are skipped for greedy and beam search, where they
-could not change the argmax anyway. `token_ids` is the full context, prompt included,
-shape (batch, length); left-padding positions hold -1 and are ignored. No processor
-modifies its input in place.
+    penalties -> no_repeat_ngram -> temperature -> top_k -> top_p -> min_p -> typical_p
+
+(the order of transformers' `generate()`, so distributions match it). `settings.samplers`
+(`--samplers`) gives another order, as llama.cpp's `--samplers` does; stage names are that
+option's vocabulary (`STAGE_NAMES`). Sampling-only stages (`SAMPLING_STAGES`) are skipped
+for greedy and beam search, where they could not change the argmax anyway. `token_ids`
+is the full context, prompt included, shape (batch, length); left-padding positions hold
+-1 and are ignored. No processor modifies its input in place.
+
+A stateful stage (Mirostat) keeps per-row state in `Stage.state`: its function only reads
+that state, so a stage can be run again for inspection without effect; the loop calls
+`observe` with the sampled tokens once per step (which updates the state) and `reorder`
+when rows leave the batch.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -24,6 +32,38 @@ if TYPE_CHECKING:
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PAD = -1
 NEG_INF = float("-inf")
+
+# Every stage name, in the default order (the `--samplers` vocabulary).
+DEFAULT_ORDER: tuple[str, ...] = (
+    "penalties", "no_repeat_ngram",
+    "temperature", "top_k", "top_p", "min_p", "typical_p",
+)
+STAGE_NAMES = frozenset(DEFAULT_ORDER)
+# Stages that only shape a distribution to sample from: skipped without sampling.
+SAMPLING_STAGES = frozenset({"temperature", "top_k", "top_p", "min_p", "typical_p"})
+
+
+class RowState(Protocol):
+    """Per-row state of a stateful stage (one entry per batch row)."""
+
+    def observe(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Update from the logits sampled from (rows, vocab) and the tokens drawn (rows,)."""
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Keep the rows at `index`, in that order (rows left the batch or beams moved)."""
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One named step of the chain: `fn(token_ids, logits) -> logits`, pure (it may read,
+    never write, `state`)."""
+
+    name: str
+    fn: Processor
+    state: RowState | None = None
+
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return self.fn(token_ids, logits)
 
 
 def suppress_tokens(ids: Sequence[int]) -> Processor:
@@ -127,30 +167,64 @@ def typical_p(mass: float) -> Processor:
     return typical
 
 
-def build_processors(settings: GenerationSettings) -> list[Processor]:
-    """The processor chain for `settings`, in the documented order (EOS suppression is
-    added per step by the decode loop, not here)."""
-    chain: list[Processor] = []
-    if settings.repetition_penalty != 1.0:
-        chain.append(repetition_penalty(settings.repetition_penalty))
-    if settings.no_repeat_ngram_size > 0:
-        chain.append(no_repeat_ngram(settings.no_repeat_ngram_size))
-    if settings.do_sample:
-        if settings.temperature != 1.0:
-            chain.append(temperature(settings.temperature))
-        if settings.top_k > 0:
-            chain.append(top_k(settings.top_k))
-        if settings.top_p < 1.0:
-            chain.append(top_p(settings.top_p))
-        if settings.min_p > 0.0:
-            chain.append(min_p(settings.min_p))
-        if settings.typical_p < 1.0:
-            chain.append(typical_p(settings.typical_p))
+def _stage_fn(name: str, settings: GenerationSettings) -> Processor | None:
+    """The processor for stage `name` under `settings`; None when the stage is off."""
+    s = settings
+    if name == "penalties":
+        return repetition_penalty(s.repetition_penalty) if s.repetition_penalty != 1.0 \
+            else None
+    if name == "no_repeat_ngram":
+        return no_repeat_ngram(s.no_repeat_ngram_size) if s.no_repeat_ngram_size > 0 else None
+    if name == "temperature":
+        return temperature(s.temperature) if s.temperature != 1.0 else None
+    if name == "top_k":
+        return top_k(s.top_k) if s.top_k > 0 else None
+    if name == "top_p":
+        return top_p(s.top_p) if s.top_p < 1.0 else None
+    if name == "min_p":
+        return min_p(s.min_p) if s.min_p > 0.0 else None
+    if name == "typical_p":
+        return typical_p(s.typical_p) if s.typical_p < 1.0 else None
+    raise ValueError(f"unknown stage {name!r}")
+
+
+def stage_order(settings: GenerationSettings) -> tuple[str, ...]:
+    """The order the chain runs in: `settings.samplers` if given, else `DEFAULT_ORDER`."""
+    return tuple(getattr(settings, "samplers", ())) or DEFAULT_ORDER
+
+
+def build_processors(settings: GenerationSettings) -> list[Stage]:
+    """The chain for `settings`: its active stages, in the order used (EOS suppression
+    is added per step by the decode loop, not here)."""
+    chain: list[Stage] = []
+    for name in stage_order(settings):
+        if name in SAMPLING_STAGES and not settings.do_sample:
+            continue
+        fn = _stage_fn(name, settings)
+        if fn is not None:
+            chain.append(Stage(name, fn))
     return chain
 
 
 def apply(chain: Sequence[Processor], token_ids: torch.Tensor, logits: torch.Tensor
           ) -> torch.Tensor:
+    """Run the chain's stages in order."""
     for processor in chain:
         logits = processor(token_ids, logits)
     return logits
+
+
+def observe(chain: Sequence[Processor], logits: torch.Tensor, tokens: torch.Tensor) -> None:
+    """After sampling: let stateful stages see the logits sampled from and the tokens."""
+    for stage in chain:
+        state = getattr(stage, "state", None)
+        if state is not None:
+            state.observe(logits, tokens)
+
+
+def reorder(chain: Sequence[Processor], index: torch.Tensor) -> None:
+    """Rows left the batch (or beams moved): keep stateful stages' rows at `index`."""
+    for stage in chain:
+        state = getattr(stage, "state", None)
+        if state is not None:
+            state.reorder(index)

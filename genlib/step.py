@@ -40,7 +40,7 @@ class Plan:
     """Everything the loop needs that can be decided before the first step."""
 
     settings: GenerationSettings
-    chain: list[processors.Processor]
+    chain: list[processors.Stage]
     sampler: sampling.Sampler
     generators: list[torch.Generator] | None
     suppress_eos: processors.Processor | None
@@ -110,6 +110,7 @@ def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor
     processed = process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
                                step)
     tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    processors.observe(plan.chain, processed, tokens)
     logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
     return tokens, logprobs
 

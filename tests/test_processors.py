@@ -140,3 +140,13 @@ def test_sampled_first_tokens_follow_processed_distribution(stories, flags):
     assert tv < 0.06, tv
     entropy = -(expected[expected > 0] * expected[expected > 0].log()).sum().item()
     assert entropy > math.log(2)  # the test is not trivially a near-deterministic choice
+
+
+def test_chain_is_named_stages_in_documented_order():
+    settings = resolve_settings({"temperature": 0.7, "top_k": 5, "top_p": 0.9,
+                                 "repetition_penalty": 1.2})
+    chain = processors.build_processors(settings)
+    assert [s.name for s in chain] == ["penalties", "temperature", "top_k", "top_p"]
+    assert all(s.name in processors.STAGE_NAMES for s in chain)
+    greedy = processors.build_processors(resolve_settings({"repetition_penalty": 1.2}))
+    assert [s.name for s in greedy] == ["penalties"]  # sampling stages skipped
