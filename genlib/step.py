@@ -50,9 +50,9 @@ class Plan:
 
     @property
     def records(self) -> bool:
-        """Whether steps go through `choose_with_detail` (logprobs, stages or a branch)."""
+        """Whether steps go through `choose_with_detail` (records or a branch)."""
         d = self.detail
-        return d is not None and bool(d.logprobs or d.stages or d.force)
+        return d is not None and (d.record or bool(d.force))
 
 
 def new_row(lm: LoadedModel, prompt_index: int, prompt_ids: Sequence[int],

@@ -10,7 +10,6 @@ used, not a recomputation. Nothing here runs unless the plan asks for it.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -24,12 +23,14 @@ EOS_STAGE = "suppress_eos"
 
 @dataclass(frozen=True)
 class Detail:
-    """What to record per step. `logprobs`: how many top alternatives (0-20) to keep;
+    """What to record per step. `record`: whether to record at all (False: only the
+    sampler choice below); `logprobs`: how many top alternatives (0-20) to keep;
     `stages`: also each stage's distribution (explain); `inverse_cdf`: sample by one
     uniform draw per row and step (common random numbers; the draw is recorded);
     `force`: {step: token id} to put in place of the sampled token (a branch), the
     step's draw still taken so later steps use the same random stream."""
 
+    record: bool = True
     logprobs: int = 0
     stages: bool = False
     inverse_cdf: bool = False
@@ -68,20 +69,17 @@ class StepDetail:
     the inverse-CDF sampler used (None otherwise); `interval` is the chosen token's span
     [lo, hi) of the processed cumulative distribution in vocabulary order, where the
     draw fell; `forced` marks a branch's token. `final` (stages recorded only) is the
-    processed logits row the sampler drew from."""
+    processed logits row the sampler drew from. `entropy`: of the distribution sampled
+    from, nats."""
 
     chosen: Candidate
     top: tuple[Candidate, ...]
+    entropy: float
     stages: tuple[StageEffect, ...] = ()
     draw: float | None = None
     interval: tuple[float, float] | None = None
     forced: bool = False
     final: torch.Tensor | None = None
-
-    @property
-    def entropy(self) -> float:
-        """Entropy (nats) of the distribution sampled from."""
-        return self.stages[-1].entropy if self.stages else math.nan
 
 
 def run_stages(chain: Sequence[processors.Stage], suppress: processors.Processor | None,
@@ -117,6 +115,7 @@ def details(stages: list[tuple[str, torch.Tensor]], tokens: torch.Tensor,
     top_ids = raw.topk(min(top_n, raw.shape[-1]), dim=-1).indices
     ranks = (raw > raw.gather(-1, tokens[:, None])).sum(-1)
     cdf = final.exp().cumsum(-1)
+    entropies = entropy(final).clamp(min=0.0)
     out = []
     for i in range(tokens.shape[0]):
         tok = int(tokens[i])
@@ -128,7 +127,7 @@ def details(stages: list[tuple[str, torch.Tensor]], tokens: torch.Tensor,
         lo = hi - float(final[i, tok].exp())
         top = tuple(candidate(int(t), r) for r, t in enumerate(top_ids[i, :want.logprobs]))
         out.append(StepDetail(
-            chosen=candidate(tok, int(ranks[i])), top=top,
+            chosen=candidate(tok, int(ranks[i])), top=top, entropy=float(entropies[i]),
             stages=tuple(e[i] for e in effects) if effects else (),
             draw=None if draws is None else float(draws[i]), interval=(lo, hi),
             forced=forced[i], final=final_logits[i] if want.stages else None))
