@@ -21,7 +21,7 @@ def show_settings_table(settings: GenerationSettings, cli: Mapping[str, Any],
     """Print the table on stderr, then a warning per ignored setting."""
     from genlib.provenance import model_generation_config, sources
 
-    model_config = model_generation_config(lm.ref, lm.model) if lm is not None else {}
+    model_config = model_generation_config(lm.ref, lambda: lm.model) if lm is not None else {}
     rows = sources(settings, cli, preset, model_config)
     table = Table(title="effective settings", title_justify="left", show_edge=False)
     for column in ("setting", "value", "source", "model's generation_config.json"):

@@ -11,7 +11,7 @@ difference is visible (and one flag away).
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,16 +63,18 @@ def preset_files(preset: Preset) -> dict[str, Path]:
     return files
 
 
-def model_generation_config(model_ref: str, model: Any = None) -> dict[str, Any]:
-    """The sampling-relevant fields of a model's generation_config.json (a local folder's
-    file, else the loaded model's `generation_config`); {} when there is none."""
+def model_generation_config(model_ref: str, model: Callable[[], Any] | None = None
+                            ) -> dict[str, Any]:
+    """The settings a model's generation_config.json names (a local folder's file, else
+    the `generation_config` of `model()`, called only then: a quickly loaded model
+    builds its transformers model on first access); {} when there is none."""
     path = Path(model_ref) / "generation_config.json"
     data: dict[str, Any] = {}
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))
-    elif model is not None and hasattr(getattr(model, "generation_config", None),
-                                       "to_diff_dict"):
-        data = model.generation_config.to_diff_dict()
+    elif model is not None:
+        config = getattr(model(), "generation_config", None)
+        data = config.to_diff_dict() if hasattr(config, "to_diff_dict") else {}
     return {k: v for k, v in data.items() if k in SPECS}
 
 
