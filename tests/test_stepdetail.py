@@ -179,3 +179,19 @@ def test_crn_gives_two_settings_the_same_draws(stories):
         events = tokens_of(stories, ids, settings, Detail(inverse_cdf=True))
         draws.append([e.detail.draw for e in events])
     assert draws[0] == draws[1] and len(set(draws[0])) == 5
+
+
+@pytest.mark.parametrize("crn", [True, False])
+def test_compare_draws_by_inverse_cdf_with_crn_only(stories, crn):
+    from genlib.compare import build_strategies, compare, with_seed
+
+    strategies = with_seed(build_strategies([], ["temperature=1.2", "top_k=20"],
+                                            {"max_new_tokens": 8, "ignore_eos": True}), 9)
+    ids = stories.encode("Once upon a time")
+    comparison = compare(stories, ids, strategies, seed=9, crn=crn)
+    assert comparison.to_dict()["random_draws"] == ("common (inverse CDF)" if crn
+                                                    else "independent")
+    for strategy, result in zip(strategies, comparison.results):
+        detail = Detail(record=False, inverse_cdf=True) if crn else None
+        expected = [e.token_id for e in tokens_of(stories, ids, strategy.settings, detail)]
+        assert list(result.samples[0].token_ids) == expected
