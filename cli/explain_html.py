@@ -1,6 +1,7 @@
 """`explain --html`: one self-contained page (inline CSS and script, no network). Each
 generated token is a <span class="tok"> coloured by its processed probability; a click
-shows that step's waterfall (the candidates' probability after each stage)."""
+shows that step's waterfall (the candidates' probability after each stage), as does
+opening the page at `#step-N`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import html
 import json
 from typing import Any
 
-PAGE = """<!doctype html>
+PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>genlab explain</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
@@ -63,6 +64,8 @@ function show(i) {{
 }}
 document.querySelectorAll(".tok").forEach(
   e => e.addEventListener("click", () => show(+e.dataset.step)));
+const linked = location.hash.match(/^#step-(\d+)$/);  // page.html#step-3 opens step 3
+if (linked && STEPS[+linked[1]]) show(+linked[1]);
 </script></body></html>
 """
 
