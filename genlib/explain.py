@@ -34,13 +34,15 @@ class Run:
 def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
             *, top: int = 5, force: Mapping[int, int] | None = None) -> Run:
     """Generate for one prompt recording every step (top `top` alternatives, each
-    stage's distribution); `force` = {step: token id} makes a branch."""
+    stage's distribution); `force` = {step: token id} makes a branch. Only the first
+    output row is explained (a preset's num_return_sequences is set to 1)."""
     from genlib.generate import stream
 
     detail = Detail(logprobs=top, stages=True, inverse_cdf=settings.do_sample,
                     force=dict(force or {}))
     tokens: list[Token] = []
     finish: Finish | None = None
+    settings = settings.replace(num_return_sequences=1)
     for event in stream(lm, [list(prompt_ids)], settings, detail=detail):
         if isinstance(event, Token):
             tokens.append(event)
