@@ -31,11 +31,16 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     exact one). `seeds`: one per output row. `detail` (plain loop only) adds a
     per-step record to each Token event and can ask for inverse-CDF sampling with common
     random numbers or a branch's forced tokens (`genlib.stepdetail.Detail`)."""
-    if detail is not None and (drafter is not None or settings.strategy == "beam"):
+    if detail is not None and settings.strategy == "beam":
         raise ConfigError("per-token detail (--logprobs, explain, --crn) needs strategy "
-                          "greedy or sample, without a drafter")
+                          "greedy or sample, not beam search")
+    if detail is not None and drafter is not None and (detail.inverse_cdf or detail.force
+                                                       or detail.stages):
+        raise ConfigError("speculative decoding records --logprobs only: its tokens come "
+                          "from the accept/reject step, not one draw per step")
     if drafter is not None:
-        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend)
+        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
+                                      detail)
     elif settings.strategy == "beam":
         request = beam.backend_request(prompts, settings, backend or lm.backend)
         beam.check_request(lm, prompts, settings)

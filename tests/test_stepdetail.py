@@ -195,3 +195,23 @@ def test_compare_draws_by_inverse_cdf_with_crn_only(stories, crn):
         detail = Detail(record=False, inverse_cdf=True) if crn else None
         expected = [e.token_id for e in tokens_of(stories, ids, strategy.settings, detail)]
         assert list(result.samples[0].token_ids) == expected
+
+
+def test_speculative_logprobs_equal_the_plain_loops(stories):
+    """Greedy speculation (prompt lookup) emits the plain loop's tokens; their records
+    (raw and processed logprobs, alternatives) must be the plain loop's too."""
+    from genlib.speculative import Drafting
+
+    settings = resolve_settings({"strategy": "greedy", "repetition_penalty": 1.2,
+                                 "max_new_tokens": 12})
+    ids = stories.encode("Once upon a time, there was a little girl. Once upon a time")
+    plain = tokens_of(stories, ids, settings, Detail(logprobs=3))
+    spec = [e for e in stream(stories, [ids], settings, drafter=Drafting(prompt_lookup=2),
+                              detail=Detail(logprobs=3)) if isinstance(e, Token)]
+    assert [e.token_id for e in spec] == [e.token_id for e in plain]
+    assert any(e.draft for e in spec)  # some tokens came from accepted drafts
+    for a, b in zip(spec, plain):
+        assert a.detail.chosen.logprob == pytest.approx(b.detail.chosen.logprob, abs=1e-4)
+        assert a.detail.chosen.processed_logprob == pytest.approx(
+            b.detail.chosen.processed_logprob, abs=1e-4)
+        assert [c.token_id for c in a.detail.top] == [c.token_id for c in b.detail.top]
