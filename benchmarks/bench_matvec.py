@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from genlib.backends.llama import _matvec, _mm, _Proj
 from genlib.bench import read_bandwidth
+from genlib.backends.llama import _matvec, _mm, _Proj
 
 # code-target: 8 layers of q/k/v (fused), o, gate/up (fused), down; the tied lm_head.
 SHAPES = [(1152, 384), (384, 384), (2048, 384), (384, 1024)] * 8 + [(8192, 384)]

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from genlib import batch as gb
-from genlib.config import derive_seed
 from genlib.errors import ChatTemplateError
+from genlib.config import derive_seed
 from tests.conftest import ROOT, STORIES
 
 RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7)

@@ -171,8 +171,8 @@ def test_stop_strings_end_beams(stories):
 
 def test_stream_dispatches_beam_with_scores(stories):
     from genlib.config import resolve_settings
-    from genlib.events import Finish, Prefill
     from genlib.generate import stream
+    from genlib.events import Finish, Prefill
 
     s = resolve_settings({"strategy": "beam", "num_beams": 3, "num_return_sequences": 2,
                           "max_new_tokens": 12})

@@ -7,9 +7,9 @@ import pytest
 import torch
 
 from genlib import decode, forward
-from genlib.backends.llama import LeanLlama, _mm, _Proj
 from genlib.config import resolve_settings
 from genlib.events import Finish
+from genlib.backends.llama import LeanLlama, _mm, _Proj
 from tests.conftest import (
     assert_lean_follows_transformers,
     tiny_config,

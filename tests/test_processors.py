@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from genlib import config, generate, processors
+from genlib import config, generate, processors, sampling
 from genlib.config import resolve_settings
 
 NEG = float("-inf")

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from genlib import decode, forward
-from genlib.backends.llama import LeanLlama
 from genlib.config import resolve_settings
+from genlib.backends.llama import LeanLlama
 from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
 from genlib.quickload import quick_load
 from tests.conftest import (
