@@ -89,6 +89,26 @@ def explain(
     stop: opt.Stop = None,
     seed: opt.Seed = None,
     ignore_eos: opt.IgnoreEos = None,
+    logit_bias: opt.LogitBias = None,
+    presence_penalty: opt.PresencePenalty = None,
+    frequency_penalty: opt.FrequencyPenalty = None,
+    dry_multiplier: opt.DryMultiplier = None,
+    dry_base: opt.DryBase = None,
+    dry_allowed_length: opt.DryAllowedLength = None,
+    dry_penalty_last_n: opt.DryPenaltyLastN = None,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_probability: opt.XtcProbability = None,
+    xtc_threshold: opt.XtcThreshold = None,
+    top_n_sigma: opt.TopNSigma = None,
+    epsilon_cutoff: opt.EpsilonCutoff = None,
+    eta_cutoff: opt.EtaCutoff = None,
+    mirostat: opt.Mirostat = None,
+    mirostat_tau: opt.MirostatTau = None,
+    mirostat_eta: opt.MirostatEta = None,
+    samplers: opt.Samplers = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     steps: Annotated[str | None, typer.Option(
@@ -135,6 +155,7 @@ def explain(
     ids = encode_prompt(lm, text, chat, system, False, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
+    render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)
     if html_file is not None:
         from cli.explain_html import page
 

@@ -182,3 +182,23 @@ def test_html_page_renders_in_a_browser(record, tmp_path):
     assert hi - lo > 100  # not blank
     colours = pil.open(shot).convert("RGB").getcolors(1 << 20)
     assert colours is not None and len(colours) > 20  # coloured tokens, text, table
+
+
+def test_explain_runs_the_grammar_first_and_new_stages(tmp_path):
+    """With --regex the chain starts with the grammar's mask (the default model, whose
+    tokenizer xgrammar compiles for); every candidate the mask removes is marked
+    removed_by "grammar", and the text matches the pattern."""
+    pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlib[grammar]'")
+    import re
+
+    record = run_json("explain", "x = ", "--regex", "[0-9]{2}", "-t", "1.5",
+                      "--top-n-sigma", "3", "--seed", "1", "-n", "8", "--top", "10")
+    original = record["original"]
+    assert re.fullmatch("[0-9]{2}", original["text"]) and original["finish_reason"] == "eos"
+    for step in original["steps"]:
+        assert [s["name"] for s in step["stages"]] == ["raw", "grammar", "temperature",
+                                                       "top_n_sigma"]
+        assert step["chosen"]["stage_probs"]["grammar"] > 0
+        for c in step["candidates"]:
+            if c["stage_probs"]["grammar"] == 0:
+                assert c["removed_by"] == "grammar"

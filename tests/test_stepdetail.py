@@ -215,3 +215,21 @@ def test_speculative_logprobs_equal_the_plain_loops(stories):
         assert a.detail.chosen.processed_logprob == pytest.approx(
             b.detail.chosen.processed_logprob, abs=1e-4)
         assert [c.token_id for c in a.detail.top] == [c.token_id for c in b.detail.top]
+
+
+def test_detail_path_runs_the_full_chain_and_observes_mirostat(stories):
+    """The recorded path (stages one at a time, Mirostat observing the draw after it)
+    draws what the unrecorded inverse-CDF loop draws, with penalties counting only the
+    generated columns (prompt_width) and every new stage shown by name."""
+    settings = resolve_settings({"temperature": 0.9, "presence_penalty": 0.8,
+                                 "logit_bias": {"7": -2.0}, "mirostat": 2,
+                                 "mirostat_tau": 3.0, "seed": 5, "max_new_tokens": 12})
+    ids = stories.encode("Once upon a time")
+    plain = tokens_of(stories, ids, settings, Detail(record=False, inverse_cdf=True))
+    run = explain(stories, ids, settings, top=3)
+    assert run.ids == [t.token_id for t in plain]
+    names = [s.name for s in run.tokens[0].detail.stages]
+    assert names == ["raw", "logit_bias", "penalties", "temperature", "mirostat"]
+    # Mirostat's mu moves with what was drawn: later steps keep a different set.
+    kept = {t.detail.stages[-1].kept for t in run.tokens}
+    assert len(kept) > 1
