@@ -203,6 +203,7 @@ def console_for(exports_to_stdout: bool) -> Console:
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
+             crn: bool,
              console: Console) -> tuple[list[StrategyResult], bool]:
     """Run every strategy, redrawing the view as tokens arrive (on a terminal) or
     printing it once at the end (piped). Return the results and whether Ctrl-C hit."""
@@ -218,7 +219,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     if live is not None:
         live.start()
     try:
-        for index, event in stream_comparison(lm, prompt_ids, strategies):
+        for index, event in stream_comparison(lm, prompt_ids, strategies, crn):
             view.on_event(index, event)
             now = time.perf_counter()
             if live is not None and (isinstance(event, StrategyDone)
@@ -239,6 +240,12 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
 
 # --- exports ------------------------------------------------------------------------
 
+CRN_NOTE = ("common random numbers: every sampled strategy draws from the same uniform "
+            "per step (inverse CDF), so differences come from the settings (--no-crn: "
+            "independent draws)")
+NO_CRN_NOTE = "independent random draws per strategy (--no-crn): part of the differences is luck"
+
+
 def comparison_markdown(comparison: Comparison) -> str:
     """The whole comparison as Markdown: a metrics table (best in bold), then each
     strategy's settings and samples."""
@@ -249,7 +256,9 @@ def comparison_markdown(comparison: Comparison) -> str:
     lines = ["# genlab compare", "",
              f"- model: `{comparison.model}`",
              f"- prompt: `{_md_inline(comparison.prompt)}` ({comparison.prompt_tokens} tokens)",
-             f"- seed: {comparison.seed}", "",
+             f"- seed: {comparison.seed}",
+             f"- random draws: {'common to every strategy' if comparison.crn else 'independent'}",
+             "",
              "## Metrics", "",
              "| metric | " + " | ".join(_md_cell(r.strategy.label) for r in results) + " |",
              "| --- |" + " ---: |" * len(results)]
@@ -455,6 +464,11 @@ def compare(
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
+    crn: Annotated[bool, typer.Option(
+        "--crn/--no-crn", rich_help_panel=opt.DECODING_PANEL,
+        help="Common random numbers: every sampled strategy uses the same uniform draw "
+        "per step (inverse-CDF sampling), so columns differ by their settings, not by "
+        "luck; --no-crn draws independently.")] = True,
 ) -> None:
     """Run one prompt through several decoding strategies and show them side by side.
 
@@ -492,11 +506,12 @@ def compare(
         return
     model_flags.model = model_refs[0] if model_refs else model
     model_flags.quantize = quantizations[0]
-    run_strategies(text, strategies, model_flags, base_seed, json_path, markdown_path)
+    run_strategies(text, strategies, model_flags, base_seed, json_path, markdown_path, crn)
 
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
-                   seed: int, json_path: str | None, markdown_path: str | None) -> None:
+                   seed: int, json_path: str | None, markdown_path: str | None,
+                   crn: bool = True) -> None:
     from cli import render
     from cli.context import load
     from genlib.compare import Comparison
@@ -507,9 +522,11 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     lm.check_prompt_chars(text, least)
     ids = lm.encode(text)
     console = console_for("-" in (json_path, markdown_path))
-    results, interrupted = run_live(lm, text, ids, strategies, console)
+    if any(s.stochastic for s in strategies):
+        render.info(CRN_NOTE if crn else NO_CRN_NOTE)
+    results, interrupted = run_live(lm, text, ids, strategies, crn, console)
     comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
-                            results=results)
+                            results=results, crn=crn)
     for result in results:
         if result.error is not None:
             render.warn(f"{result.strategy.label}: {result.error}")

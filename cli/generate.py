@@ -2,25 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from cli import options as opt
+from cli import render_tokens
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, user_errors
+from cli.settings_view import show_settings_table
 from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
-    from genlib.events import Finish, Prefill
+    from genlib.events import Finish, Prefill, Token
     from genlib.models import LoadedModel
+    from genlib.stepdetail import Detail
 
 
 def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill: Prefill | None,
-                settings: GenerationSettings) -> dict[str, Any]:
+                settings: GenerationSettings, tokens: Sequence[Token] = ()
+                ) -> dict[str, Any]:
+    """One output as JSON; with `tokens` carrying details (--logprobs), a `logprobs`
+    object in the OpenAI/vLLM shape."""
     prefill_s = prefill.seconds if prefill is not None else 0.0
+    extra: dict[str, Any] = {}
+    if tokens and tokens[0].detail is not None:
+        from genlib.explain import logprobs_content
+
+        extra["logprobs"] = logprobs_content(lm, tokens)
     return {
         "model": lm.ref,
         "backend": {"name": prefill.backend if prefill else None,
@@ -40,11 +52,22 @@ def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill: Prefill |
         },
         "settings": settings.to_dict(),
         **({"score": finish.score} if finish.score is not None else {}),
+        **extra,
     }
 
 
+def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
+    """The per-step record --logprobs / --color-by ask for (None: none, at no cost)."""
+    from genlib.stepdetail import Detail
+
+    if not logprobs and color_by is None:
+        return None
+    return Detail(logprobs=logprobs or 0)
+
+
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
-                   settings: GenerationSettings, as_json: bool, show_stats: bool) -> int:
+                   settings: GenerationSettings, as_json: bool, show_stats: bool,
+                   logprobs: int | None = None, color_by: str | None = None) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
     output ended before its grammar was complete)."""
     from cli import render
@@ -55,29 +78,40 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     live = not as_json and settings.num_return_sequences == 1
     prefill: Prefill | None = None
     finished: list[Finish] = []
+    tokens: dict[int, list[Token]] = {}
+    if color_by is not None and live:
+        render_tokens.legend(color_by)
 
     def handle(event: Any) -> None:
         nonlocal prefill
         if isinstance(event, Prefill):
             prefill = event
-        elif isinstance(event, Token) and live:
-            render.stream_text(event.text)
+        elif isinstance(event, Token):
+            if event.detail is not None:
+                tokens.setdefault(event.row, []).append(event)
+            if live:
+                render_tokens.stream_token(event, color_by)
         elif isinstance(event, Finish):
             finished.append(event)
             if live:
                 render.stream_text(event.tail)
 
-    _, interrupted = collect(stream(lm, [ids], settings), handle)
+    detail = detail_for(logprobs, color_by)
+    _, interrupted = collect(stream(lm, [ids], settings, detail=detail), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
     for finish in sorted(finished, key=lambda f: f.row):
         if as_json:
-            render.json_line(result_json(lm, finish, prompt, prefill, settings))
-        elif not live:
+            render.json_line(result_json(lm, finish, prompt, prefill, settings,
+                                         tokens.get(finish.row, ())))
+            continue
+        if not live:
             if finish.row:
                 render.stream_text("\n")
             render.stream_text(finish.text + "\n")
+        if logprobs:
+            render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
         if show_stats:
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
                          backend_note(prefill))
@@ -139,6 +173,9 @@ def generate(
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
+    logprobs: opt.Logprobs = None,
+    color_by: opt.ColorBy = None,
+    show_settings: opt.ShowSettings = False,
     show_stats: Annotated[bool, typer.Option(
         "--stats", help="Print tokens, time to first token and tokens/s to stderr.")] = False,
     device: opt.Device = "auto",
@@ -197,7 +234,10 @@ def generate(
 
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--stats": show_stats,
-                               "--truncate-prompt": truncate_prompt},
+                               "--truncate-prompt": truncate_prompt,
+                               "--logprobs": bool(logprobs),
+                               "--color-by": color_by is not None,
+                               "--show-settings": show_settings},
                               {"--retry-errors": retry_errors, "--redo-changed": redo_changed},
                               engine_flags)
         if interactive:
@@ -207,11 +247,14 @@ def generate(
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
                              chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
                              engine_flags)
+    render_tokens.check_color_by(color_by)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
     lm = load(model_flags, loaded_preset, quick=True)
+    if show_settings:
+        show_settings_table(settings, flags, loaded_preset, lm)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    code = run_generation(lm, ids, text, settings, as_json, show_stats)
+    code = run_generation(lm, ids, text, settings, as_json, show_stats, logprobs, color_by)
     if code:
         raise typer.Exit(code)

@@ -12,6 +12,7 @@ import typer
 from cli import beam as beam_cmd
 from cli import bench as bench_cmd
 from cli import compare as compare_cmd
+from cli import explain as explain_cmd
 from cli import generate as generate_cmd
 from cli import presets as presets_cmd
 from cli import speculate as speculate_cmd
@@ -28,6 +29,7 @@ app.command("beam")(beam_cmd.beam)
 app.command("compare")(compare_cmd.compare)
 app.command("bench")(bench_cmd.bench)
 app.command("speculate")(speculate_cmd.speculate)
+app.command("explain")(explain_cmd.explain)
 app.add_typer(presets_cmd.app, name="presets")
 
 

@@ -155,6 +155,17 @@ TruncatePrompt = Annotated[bool, typer.Option(
     "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit in the "
     "model's context (default: refuse).")]
 
+Logprobs = Annotated[int | None, typer.Option(
+    "--logprobs", min=0, max=20, rich_help_panel=OUTPUT_PANEL,
+    help="Per token: its logprob under the raw model and the processed distribution, and "
+         "the N most probable alternatives (0-20; JSON: logprobs.content[i]).")]
+ColorBy = Annotated[str | None, typer.Option(
+    "--color-by", rich_help_panel=OUTPUT_PANEL,
+    help="Colour each streamed token by prob, entropy or rank (on a terminal; a legend "
+         "goes to stderr).")]
+ShowSettings = Annotated[bool, typer.Option(
+    "--show-settings", rich_help_panel=OUTPUT_PANEL,
+    help="List every effective setting and where it came from (stderr).")]
 Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
                                     help="Print JSON instead of text.")]
 

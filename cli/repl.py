@@ -38,7 +38,10 @@ Commands:
   /help                 this text
   /preset NAME|PATH     use a preset (your /set and command-line settings still win)
   /set KEY=VALUE ...    change settings, e.g. /set temperature=0.7 top_p=0.9
-  /show                 the resolved settings
+  /show                 every setting, where it came from, and the model's own defaults
+  /set logprobs=N       after each answer, each token's logprobs and N alternatives (0: off)
+  /branch STEP TOKEN    redo the last answer with TOKEN (text or #id) forced at STEP,
+                        the same random draws after it; both shown side by side
   /seed N               sampling seed for every turn (/seed off: a fresh one each turn)
   /chat on|off          conversation mode: keep the turns, apply the chat template
   /reset                forget the conversation's turns
@@ -62,6 +65,8 @@ class Session:
     chat: bool = False
     messages: list[dict[str, str]] = field(default_factory=list)
     turns: list[dict[str, Any]] = field(default_factory=list)
+    logprobs: int = 0  # /set logprobs=N (a view option, not a generation setting)
+    last: tuple[list[int], GenerationSettings] | None = None  # for /branch
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
@@ -294,6 +299,7 @@ def command(session: Session, text: str) -> bool:
                 "/preset": lambda: set_preset(session, args),
                 "/set": lambda: set_values(session, args),
                 "/show": lambda: show(session),
+                "/branch": lambda: branch(session, args),
                 "/seed": lambda: set_seed(session, args),
                 "/chat": lambda: set_chat(session, args),
                 "/reset": lambda: reset(session),
@@ -328,6 +334,18 @@ def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
 def set_values(session: Session, args: str) -> None:
     if not args:
         raise CommandError("/set needs KEY=VALUE pairs, e.g. /set temperature=0.7")
+    parts = args.split()
+    views = [p for p in parts if p.startswith("logprobs=")]
+    for part in views:
+        value = part.partition("=")[2]
+        if not value.isdigit() or int(value) > 20:
+            raise CommandError(f"/set {part}: logprobs takes 0-20")
+    args = " ".join(p for p in parts if p not in views)
+    if views:
+        session.logprobs = int(views[-1].partition("=")[2])
+        render.info(f"logprobs {session.logprobs}")
+        if not args:
+            return
     changes = parse_assignments(args, "/set")
     apply(session, {**session.flags, **changes}, session.preset, "/set")
     render.info("set " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
@@ -379,14 +397,49 @@ def reset(session: Session) -> None:
 
 
 def show(session: Session) -> None:
+    """The session's model, preset and chat state, then every setting with its source
+    when it is not genlab's default (set: the command line or /set; the preset file
+    that set it), the model's generation_config.json value where it differs (not
+    applied), and a warning for each given setting the strategy ignores."""
+    from genlib.provenance import CLI, DEFAULT, DERIVED, model_generation_config, sources
+
     preset_name = session.preset.name if session.preset else "none"
     lines = [f"model: {session.lm.ref}", f"preset: {preset_name}",
-             f"chat: {'on' if session.chat else 'off'} ({len(session.messages)} messages)"]
-    preset_keys = session.preset.settings if session.preset else {}
-    for key, value in session.settings.to_dict().items():
-        origin = "set" if key in session.flags else "preset" if key in preset_keys else ""
-        lines.append(f"  {key} = {json.dumps(value)}" + (f"   ({origin})" if origin else ""))
+             f"chat: {'on' if session.chat else 'off'} ({len(session.messages)} messages)",
+             f"logprobs: {session.logprobs}",
+             "settings (unmarked: genlab's default):"]
+    model_config = model_generation_config(session.lm.ref, lambda: session.lm.model)
+    rows = sources(session.settings, session.flags, session.preset, model_config)
+    values = session.settings.to_dict()
+    for row in rows:
+        notes = [] if row.source in (DEFAULT, DERIVED) else \
+            ["set" if row.source == CLI else row.source]
+        if row.model_value is not None and row.model_value != row.value:
+            notes.append(f"model's generation_config.json: {json.dumps(row.model_value)}, "
+                         "not applied")
+        if row.ignored:
+            notes.append(f"ignored: {row.ignored}")
+        note = f"   ({'; '.join(notes)})" if notes else ""
+        lines.append(f"  {row.name} = {json.dumps(values[row.name])}{note}")
     render.err.print("\n".join(lines), markup=False, highlight=False)
+
+
+def branch(session: Session, args: str) -> None:
+    """/branch STEP TOKEN: the last answer again with TOKEN forced at STEP (answers are
+    drawn by inverse CDF, so the rerun before STEP is the answer itself)."""
+    from cli import render_explain
+    from cli.explain import explain_record, parse_branch
+
+    if session.last is None:
+        raise CommandError("/branch needs an answer first: type a prompt")
+    step, _, token = args.partition(" ")
+    if not step or not token:
+        raise CommandError("/branch needs STEP TOKEN, e.g. /branch 3 dog or /branch 3 #421")
+    ids, settings = session.last
+    forced = parse_branch(session.lm, f"{step}:{token.strip()}", settings.max_new_tokens)
+    record = explain_record(session.lm, ids, "", settings, 1, forced)
+    render_explain.show_branch(record["original"], record["branch"],
+                               record["branch"]["diverges_at"])
 
 
 def save(session: Session, args: str) -> None:
@@ -429,7 +482,8 @@ def turn(session: Session, text: str) -> None:
         lm.check_prompt_chars(text, settings.max_new_tokens)
         ids = lm.encode(text)
     lm.check_fits(len(ids), settings.max_new_tokens)
-    finish = stream_answer(lm, ids, settings)
+    finish = stream_answer(lm, ids, settings, session.logprobs)
+    session.last = (ids, settings)
     if finish is None:
         return
     if session.chat:
@@ -441,25 +495,37 @@ def turn(session: Session, text: str) -> None:
         "settings": settings.to_dict()})
 
 
-def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings
-                  ) -> Finish | None:
-    """Print the answer as it arrives; Ctrl-C ends it early ("interrupted")."""
+def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
+                  logprobs: int = 0) -> Finish | None:
+    """Print the answer as it arrives; Ctrl-C ends it early ("interrupted"). Sampling
+    draws by inverse CDF (one uniform per step) so /branch can replay the answer with
+    the same draws; `logprobs` > 0 prints each token's logprobs after it."""
+    from cli import render_tokens
     from genlib.events import Finish, Token
     from genlib.generate import stream
     from genlib.step import collect
+    from genlib.stepdetail import Detail
 
     finish: Finish | None = None
+    tokens: list[Token] = []
+    detail = None
+    if settings.strategy != "beam":
+        detail = Detail(record=bool(logprobs), logprobs=logprobs,
+                        inverse_cdf=settings.do_sample)
 
     def handle(event: Any) -> None:
         nonlocal finish
         if isinstance(event, Token) and event.row == 0:
+            tokens.append(event)
             render.stream_text(event.text)
         elif isinstance(event, Finish) and event.row == 0:
             finish = event
             render.stream_text(event.tail)
 
-    collect(stream(lm, [ids], settings), handle)
+    collect(stream(lm, [ids], settings, detail=detail), handle)
     render.end_line()
+    if logprobs and tokens and tokens[0].detail is not None:
+        render_tokens.logprobs_table(lm, tokens)
     if finish is not None:
         render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
         render.warn_incomplete([finish.reason], settings.max_new_tokens)

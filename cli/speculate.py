@@ -4,6 +4,7 @@ and timing report (and, by default, the same prompt decoded plainly for the spee
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -16,7 +17,7 @@ from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
-    from genlib.events import Event, Finish
+    from genlib.events import Event, Finish, Token
     from genlib.models import LoadedModel
     from genlib.speculative import Summary
 
@@ -43,13 +44,14 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
                        draft: LoadedModel | None, prompt_lookup: int | None,
-                       num_draft_tokens: int | None, adaptive: bool, live: bool
-                       ) -> tuple[list[Event], bool]:
+                       num_draft_tokens: int | None, adaptive: bool, live: bool,
+                       logprobs: int = 0) -> tuple[list[Event], bool]:
     from cli import render
     from genlib.events import Finish, Token
     from genlib.generate import stream
     from genlib.speculative import Drafting
     from genlib.step import collect
+    from genlib.stepdetail import Detail
 
     def handle(event: Any) -> None:
         if not live:
@@ -63,7 +65,8 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
 
     drafting = Drafting(draft_lm=draft, prompt_lookup=prompt_lookup,
                         num_draft_tokens=num_draft_tokens, adaptive=adaptive)
-    events = stream(target, [ids], settings, drafter=drafting)
+    detail = Detail(logprobs=logprobs) if logprobs else None
+    events = stream(target, [ids], settings, drafter=drafting, detail=detail)
     return collect(events, handle)
 
 
@@ -140,7 +143,14 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
                 baseline: tuple[Finish, float] | None, settings: GenerationSettings,
-                num_draft_tokens: int | None, adaptive: bool) -> dict[str, Any]:
+                num_draft_tokens: int | None, adaptive: bool,
+                tokens: Sequence[Token] = ()) -> dict[str, Any]:
+    """The run as JSON; with --logprobs, each token's in the OpenAI/vLLM shape."""
+    extra: dict[str, Any] = {}
+    if tokens and tokens[0].detail is not None:
+        from genlib.explain import logprobs_content
+
+        extra["logprobs"] = logprobs_content(target, tokens)
     base_json = None
     speedup = None
     if baseline is not None:
@@ -160,6 +170,7 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, 
         "adaptive": adaptive, "speculation": summary_json(s), "baseline": base_json,
         "speedup": speedup, "predicted_speedup": round(s.predicted_speedup(), 4),
         "settings": settings.to_dict(),
+        **extra,
     }
 
 
@@ -224,6 +235,7 @@ def speculate(
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
+    logprobs: opt.Logprobs = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
@@ -257,7 +269,7 @@ def speculate(
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
     code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
-                  num_draft_tokens, adaptive, baseline, as_json)
+                  num_draft_tokens, adaptive, baseline, as_json, logprobs or 0)
     if code:
         raise typer.Exit(code)
 
@@ -279,17 +291,19 @@ def warm_up(lm: LoadedModel, ids: list[int]) -> None:
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
            text: str, settings: GenerationSettings, prompt_lookup: int | None,
-           num_draft_tokens: int | None, adaptive: bool, baseline: bool, as_json: bool) -> int:
+           num_draft_tokens: int | None, adaptive: bool, baseline: bool, as_json: bool,
+           logprobs: int = 0) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import render
-    from genlib.events import Finish
+    from genlib.events import Finish, Token
     from genlib.speculative import summarize
 
     for lm in (target, draft):
         if lm is not None:
             warm_up(lm, ids)
     events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
-                                             num_draft_tokens, adaptive, live=not as_json)
+                                             num_draft_tokens, adaptive, live=not as_json,
+                                             logprobs=logprobs)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
     summary = summarize(events)
@@ -297,8 +311,9 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     if plain is not None and plain[0].reason == "interrupted":
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
     if as_json:
+        tokens = [e for e in events if isinstance(e, Token)]
         render.json_line(result_json(target, drafter, text, finish, summary, plain, settings,
-                                     num_draft_tokens, adaptive))
+                                     num_draft_tokens, adaptive, tokens))
     else:
         render_report(summary, drafter, plain[1] if plain else None,
                       plain[0].token_ids == finish.token_ids if plain else None,

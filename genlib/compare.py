@@ -24,6 +24,7 @@ from genlib.events import Event, Finish
 
 if TYPE_CHECKING:
     from genlib.models import LoadedModel, ModelSpec
+    from genlib.stepdetail import Detail
 
 DEFAULT_STRATEGIES: tuple[tuple[str, str], ...] = (
     ("greedy", "strategy=greedy"),
@@ -98,6 +99,7 @@ class Comparison:
     prompt_tokens: int
     seed: int
     results: list[StrategyResult]
+    crn: bool = True  # common random numbers (see `crn_detail`)
 
     @property
     def interrupted(self) -> bool:
@@ -108,6 +110,7 @@ class Comparison:
         ok = [r.metrics for r in self.results if r.error is None]
         return {"model": self.model, "prompt": self.prompt,
                 "prompt_tokens": self.prompt_tokens, "seed": self.seed,
+                "random_draws": "common (inverse CDF)" if self.crn else "independent",
                 "metrics": [m.key for m in metrics.METRICS],
                 "best": metrics.best_values(ok),
                 "strategies": [r.to_dict() for r in self.results]}
@@ -193,9 +196,21 @@ def sample_seeds(seed: int, n: int) -> list[int]:
     return row_seeds(seed, n)
 
 
-def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy
-                 ) -> Iterator[Event | StrategyDone]:
-    """The strategy's decode events, then a StrategyDone with its result.
+def crn_detail(strategy: Strategy, crn: bool) -> Detail | None:
+    """Common random numbers: a sampled strategy (not beam sampling) draws by inverse
+    CDF from one uniform per row and step, the same stream for every strategy with the
+    same seed, so columns differ by their settings, not by luck."""
+    from genlib.stepdetail import Detail
+
+    if not crn or not strategy.stochastic or strategy.settings.strategy == "beam":
+        return None
+    return Detail(record=False, inverse_cdf=True)
+
+
+def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
+                 crn: bool = True) -> Iterator[Event | StrategyDone]:
+    """The strategy's decode events, then a StrategyDone with its result. `crn`: see
+    `crn_detail`.
 
     Every row of the batch is one sample. A GenlabError (e.g. a setting the decoder
     does not support) ends the strategy with `error` set instead of propagating.
@@ -209,7 +224,8 @@ def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy
     finished: list[Finish] = []
     start = time.perf_counter()
     try:
-        for event in stream(lm, [list(prompt_ids)], settings, seeds=seeds):
+        for event in stream(lm, [list(prompt_ids)], settings, seeds=seeds,
+                            detail=crn_detail(strategy, crn)):
             if isinstance(event, Finish):
                 finished.append(event)
             yield event
@@ -235,28 +251,28 @@ def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float
 
 
 def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
-                      strategies: Sequence[Strategy]
+                      strategies: Sequence[Strategy], crn: bool = True
                       ) -> Iterator[tuple[int, Event | StrategyDone]]:
     """(strategy index, event) for every strategy in turn, on the one loaded model.
     Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted",
     its StrategyDone says so), and the comparison stops there."""
     for index, strategy in enumerate(strategies):
-        for event in run_strategy(lm, prompt_ids, strategy):
+        for event in run_strategy(lm, prompt_ids, strategy, crn):
             yield index, event
             if isinstance(event, StrategyDone) and event.result.interrupted:
                 return
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Strategy],
-            *, prompt: str = "", seed: int = 0) -> Comparison:
+            *, prompt: str = "", seed: int = 0, crn: bool = True) -> Comparison:
     """Run every strategy to the end (no live display) and collect the Comparison.
 
     The strategies should already carry `seed` (see `with_seed`); it is recorded here.
     """
-    results = [e.result for _, e in stream_comparison(lm, prompt_ids, strategies)
+    results = [e.result for _, e in stream_comparison(lm, prompt_ids, strategies, crn)
                if isinstance(e, StrategyDone)]
     return Comparison(model=lm.ref, prompt=prompt, prompt_tokens=len(prompt_ids), seed=seed,
-                      results=results)
+                      results=results, crn=crn)
 
 
 # --- comparing models and quantizations ---------------------------------------------

@@ -26,12 +26,14 @@ from genlib.step import (
     Row,
     advance,
     choose_tokens,
+    choose_with_detail,
     context_of,
     expand_prompts,
     finish_row,
     make_plan,
     new_row,
 )
+from genlib.stepdetail import Detail
 
 
 def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
@@ -44,14 +46,17 @@ def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           backend: Backend, *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
+           backend: Backend, *, seeds: Sequence[int] | None = None,
+           detail: Detail | None = None) -> Iterator[Event]:
     """Generate for every prompt (`num_return_sequences` rows each) on `backend`; yield
     events. `seeds` gives each row its own sampling seed (default: derived from
-    settings.seed). On KeyboardInterrupt thrown into the generator (see
+    settings.seed); `detail` asks for per-step records on the Token events
+    (`genlib.stepdetail`). On KeyboardInterrupt thrown into the generator (see
     `step.interrupt`), the rows still running finish with reason "interrupted"."""
     check_prompts(lm, prompts, settings)
     expanded = expand_prompts(prompts, settings.num_return_sequences)
-    plan = make_plan(lm, settings, len(expanded), seeds, max(len(p) for p in prompts))
+    plan = make_plan(lm, settings, len(expanded), seeds, max(len(p) for p in prompts),
+                     detail)
     single_token_texts: dict[int, str] = {}
     rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
     yield from _decode_loop(lm, backend, plan, rows)
@@ -72,7 +77,11 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
         yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
                       time.perf_counter(), backend.name, backend.reason)
         for step in range(settings.max_new_tokens):
-            tokens, logprobs = choose_tokens(plan, context, logits, step)
+            details = None
+            if plan.records:
+                tokens, logprobs, details = choose_with_detail(plan, context, logits, step)
+            else:
+                tokens, logprobs = choose_tokens(plan, context, logits, step)
             now = time.perf_counter()
             done: list[int] = []
             # One host read per step for tokens and logprobs together (token ids < 2**24
@@ -80,7 +89,8 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
             picked = torch.stack([tokens.float(), logprobs.float()]).tolist()
             for pos, (tok, lp) in enumerate(zip(map(int, picked[0]), picked[1])):
                 row = rows[active[pos]]
-                event, reason = advance(lm, row, active[pos], tok, lp, step, now)
+                event, reason = advance(lm, row, active[pos], tok, lp, step, now,
+                                        details[pos] if details else None)
                 if event is not None:
                     yield event
                 if reason is None and deadline is not None and now >= deadline:

@@ -28,7 +28,9 @@ class Token:
     character or a possible stop string is pending); joined, the texts of a row equal
     its final text. `logprob` is the token's log-probability under the model before any
     processor. `draft` is None outside speculative decoding, else whether the draft
-    proposed this token (True) or the target produced it (False).
+    proposed this token (True) or the target produced it (False). `detail` is the
+    step's record (`genlib.stepdetail.StepDetail`: processed logprob, alternatives, the
+    chain's stages) when the caller asked for one, else None.
     """
 
     row: int
@@ -38,6 +40,7 @@ class Token:
     index: int
     time: float
     draft: bool | None = None
+    detail: Any = None
 
 
 @dataclass(frozen=True, slots=True)

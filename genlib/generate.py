@@ -13,22 +13,34 @@ from collections.abc import Iterator, Sequence
 from genlib import beam, decode, speculative
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
+from genlib.errors import ConfigError
 from genlib.events import Event, Finish
 from genlib.models import LoadedModel
 from genlib.speculative import Drafting
+from genlib.stepdetail import Detail
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            *, drafter: Drafting | None = None, backend: str | None = None,
-           seeds: Sequence[int] | None = None, record_tree: bool = False
-           ) -> Iterator[Event]:
+           seeds: Sequence[int] | None = None, record_tree: bool = False,
+           detail: Detail | None = None) -> Iterator[Event]:
     """Generate for `prompts` with `settings`; yield events. `drafter` decodes
     speculatively (one prompt); beam search runs for strategy beam (`record_tree` adds
     its tree to the BeamStep events); the plain loop otherwise. `backend` is the user's
     choice, default the model's (`LoadedModel.backend`, from --backend; auto: the fastest
-    exact one). `seeds`: one per output row."""
+    exact one). `seeds`: one per output row. `detail` (plain loop only) adds a
+    per-step record to each Token event and can ask for inverse-CDF sampling with common
+    random numbers or a branch's forced tokens (`genlib.stepdetail.Detail`)."""
+    if detail is not None and settings.strategy == "beam":
+        raise ConfigError("per-token detail (--logprobs, explain, --crn) needs strategy "
+                          "greedy or sample, not beam search")
+    if detail is not None and drafter is not None and (detail.inverse_cdf or detail.force
+                                                       or detail.stages):
+        raise ConfigError("speculative decoding records --logprobs only: its tokens come "
+                          "from the accept/reject step, not one draw per step")
     if drafter is not None:
-        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend)
+        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
+                                      detail)
     elif settings.strategy == "beam":
         request = beam.backend_request(prompts, settings, backend or lm.backend)
         beam.check_request(lm, prompts, settings)
@@ -39,7 +51,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
         request = Request(rows=len(prompts) * settings.num_return_sequences,
                           backend=backend or lm.backend)
         yield from decode.stream(lm, prompts, settings, choose_backend(lm, request),
-                                 seeds=seeds)
+                                 seeds=seeds, detail=detail)
 
 
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

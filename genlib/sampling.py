@@ -22,8 +22,39 @@ def multinomial(logits: torch.Tensor, generator: torch.Generator | None = None) 
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
 
-def pick_sampler(do_sample: bool) -> Sampler:
-    return multinomial if do_sample else greedy
+def uniform(generator: torch.Generator | None, shape: tuple[int, ...] = (),
+            device: torch.device | None = None) -> torch.Tensor:
+    """u ~ U[0, 1) drawn with `generator`: exactly one draw per element, whatever the
+    distribution, so two runs from one seed share their draws (common random numbers)."""
+    if generator is not None:
+        device = generator.device
+    return torch.rand(shape, generator=generator, device=device)
+
+
+def pick_by_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Inverse CDF: the first token (vocabulary order) whose cumulative probability
+    exceeds u * total; tokens of probability 0 have empty spans and are never picked."""
+    cdf = logits.float().softmax(dim=-1).cumsum(dim=-1)
+    target = (u.to(cdf.device) * cdf[..., -1]).unsqueeze(-1)
+    index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    # Rounding can put u * total past the last positive span: take the last token
+    # with positive probability (never a removed one).
+    last = (cdf < cdf[..., -1:]).sum(-1)
+    return torch.minimum(index, last)
+
+
+def inverse_cdf(logits: torch.Tensor, generator: torch.Generator | None = None
+                ) -> torch.Tensor:
+    """x ~ softmax(logits) by inverse-CDF sampling: one uniform draw per row."""
+    return pick_by_uniform(logits, uniform(generator, tuple(logits.shape[:-1]), logits.device))
+
+
+def pick_sampler(do_sample: bool, crn: bool = False) -> Sampler:
+    """The sampler: argmax without sampling; with it, multinomial, or inverse-CDF
+    sampling when `crn` (common random numbers) asks for one uniform per step."""
+    if not do_sample:
+        return greedy
+    return inverse_cdf if crn else multinomial
 
 
 def sample_rows(sampler: Sampler, logits: torch.Tensor,

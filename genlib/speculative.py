@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from genlib import grammar, processors
+from genlib import grammar, processors, stepdetail
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
@@ -46,6 +46,7 @@ from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
 from genlib.step import Plan, Row, advance, finish_row, make_plan, new_row, process_logits
+from genlib.stepdetail import RAW, Detail, StepDetail
 
 DEFAULT_DRAFT_TOKENS = 5  # draft model: transformers starts its heuristic higher (20)
 DEFAULT_LOOKUP_TOKENS = 10  # prompt lookup drafts for free: transformers' usual 10
@@ -93,6 +94,7 @@ class StepResult:
     draft_seconds: float
     target_seconds: float
     draft_forwards: int
+    details: list[StepDetail] | None = None  # per token, when the plan records them
 
 
 @dataclass
@@ -160,12 +162,25 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     tokens = [*draft.tokens[:accepted], last]
     logprobs = raw[:len(tokens)].log_softmax(dim=-1).gather(
         -1, torch.tensor(tokens, device=raw.device)[:, None]).squeeze(-1).tolist()
+    details = _details(plan, raw, p_logits, tokens) if plan.records else None
     spec.ids.extend(tokens)
     spec.backend.crop(len(spec.ids) - 1)
     target_seconds = time.perf_counter() - begin
     spec.drafter.commit(spec.ids)
     return StepResult(tokens, [True] * accepted + [False], logprobs, len(draft.tokens),
-                      accepted, draft.seconds, target_seconds, draft.forwards)
+                      accepted, draft.seconds, target_seconds, draft.forwards, details)
+
+
+def _details(plan: Plan, raw: torch.Tensor, p_logits: torch.Tensor, tokens: list[int]
+             ) -> list[StepDetail]:
+    """Per committed token: its record under the target's raw logits and `p`, the
+    processed distribution every committed token follows (speculative sampling's
+    guarantee), position by position."""
+    assert plan.detail is not None
+    n = len(tokens)
+    stages = [(RAW, raw[:n]), ("processed", p_logits[:n])]
+    chosen = torch.tensor(tokens, device=raw.device)
+    return stepdetail.details(stages, chosen, None, plan.detail, [False] * n)
 
 
 def _grammar_valid(plan: Plan, spec: Speculation, draft: Draft) -> Draft:
@@ -277,7 +292,8 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                        settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
                        prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-                       adaptive: bool = False, backend: str | None = None) -> Iterator[Event]:
+                       adaptive: bool = False, backend: str | None = None,
+                       detail: Detail | None = None) -> Iterator[Event]:
     """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
     Token events (draft=True for accepted draft tokens, False for the target's own),
     then Finish. Stopping, detokenization and processing are the core loop's.
@@ -296,21 +312,23 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                            backend=backend)
     target = choose_backend(target_lm, Request(rows=1, crop=True,
                                                backend=backend or target_lm.backend))
-    plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids))
+    plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids), detail=detail)
     row = new_row(target_lm, 0, prompt_ids, settings)
     yield from _speculative_loop(target_lm, target, plan, drafter, row,
                                  GammaSchedule(gamma, adaptive))
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           drafting: Drafting, backend: str | None = None) -> Iterator[Event]:
+           drafting: Drafting, backend: str | None = None, detail: Detail | None = None
+           ) -> Iterator[Event]:
     """`speculative_stream` for `genlib.generate.stream`: one prompt, `drafting`'s drafter."""
     if len(prompts) != 1:
         raise ConfigError(f"speculative decoding runs one prompt at a time, got {len(prompts)}")
     yield from speculative_stream(lm, prompts[0], settings, draft_lm=drafting.draft_lm,
                                   prompt_lookup=drafting.prompt_lookup,
                                   num_draft_tokens=drafting.num_draft_tokens,
-                                  adaptive=drafting.adaptive, backend=backend)
+                                  adaptive=drafting.adaptive, backend=backend,
+                                  detail=detail)
 
 
 def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter: Drafter,
@@ -345,9 +363,11 @@ def _emit(target: LoadedModel, row: Row, result: StepResult, max_new_tokens: int
     """Token events for one step's tokens, through the core loop's `advance` (end ids,
     stop strings); returns the finish reason, if the row ended inside this step."""
     now = time.perf_counter()
-    for token, drafted, logprob in zip(result.tokens, result.from_draft, result.logprobs):
+    details = result.details or [None] * len(result.tokens)
+    for token, drafted, logprob, detail in zip(result.tokens, result.from_draft,
+                                               result.logprobs, details):
         step = len(row.ids)
-        event, reason = advance(target, row, 0, token, logprob, step, now)
+        event, reason = advance(target, row, 0, token, logprob, step, now, detail)
         if event is not None:
             yield replace(event, draft=drafted)
         if reason is None and deadline is not None and now >= deadline:

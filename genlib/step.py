@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from genlib import config, grammar, processors, sampling
+from genlib import config, grammar, processors, sampling, stepdetail
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.events import Event, Finish, Token
@@ -46,6 +46,13 @@ class Plan:
     suppress_eos: processors.Processor | None
     needs_context: bool
     seeds: list[int]
+    detail: stepdetail.Detail | None = None
+
+    @property
+    def records(self) -> bool:
+        """Whether steps go through `choose_with_detail` (records or a branch)."""
+        d = self.detail
+        return d is not None and (d.record or bool(d.force))
 
 
 def new_row(lm: LoadedModel, prompt_index: int, prompt_ids: Sequence[int],
@@ -73,8 +80,11 @@ def row_seeds(settings: GenerationSettings, rows: int, seeds: Sequence[int] | No
 
 
 def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
-              seeds: Sequence[int] | None = None, prompt_width: int = 0) -> Plan:
-    """`prompt_width`: the context columns that hold the (left-padded) prompts."""
+              seeds: Sequence[int] | None = None, prompt_width: int = 0,
+              detail: stepdetail.Detail | None = None) -> Plan:
+    """The plan for `rows` rows. `prompt_width`: the context columns that hold the
+    (left-padded) prompts; `detail` asks for per-step records and/or inverse-CDF
+    sampling (see `stepdetail.Detail`)."""
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
     chain = processors.build_processors(settings, prompt_width=prompt_width,
                                         tokenizer=lm.tokenizer, constraint=constraint)
@@ -82,9 +92,11 @@ def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
     all_seeds = row_seeds(settings, rows, seeds)
     generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]
                   if settings.do_sample else None)
-    return Plan(settings=settings, chain=chain, sampler=sampling.pick_sampler(settings.do_sample),
+    crn = detail is not None and detail.inverse_cdf
+    return Plan(settings=settings, chain=chain,
+                sampler=sampling.pick_sampler(settings.do_sample, crn),
                 generators=generators, suppress_eos=suppress, needs_context=bool(chain),
-                seeds=all_seeds)
+                seeds=all_seeds, detail=detail)
 
 
 def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
@@ -118,8 +130,35 @@ def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor
     return tokens, logprobs
 
 
+def choose_with_detail(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor,
+                       step: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[stepdetail.StepDetail]]:
+    """`choose_tokens` with the plan's per-step record: the stages run one at a time
+    (the last one's output is what the sampler draws from), a branch's forced token
+    replaces the sampled one after the draw (so later draws are unchanged)."""
+    assert plan.detail is not None
+    suppress = plan.suppress_eos if plan.suppress_eos is not None and (
+        plan.settings.ignore_eos or step < plan.settings.min_new_tokens) else None
+    stages = stepdetail.run_stages(plan.chain, suppress, context, logits)
+    processed = stages[-1][1]
+    draws = None
+    if plan.sampler is sampling.inverse_cdf and plan.generators:
+        draws = torch.stack([sampling.uniform(g) for g in plan.generators])
+        tokens = sampling.pick_by_uniform(processed, draws)
+    else:
+        tokens = sampling.sample_rows(plan.sampler, processed, plan.generators)
+    forced_token = plan.detail.force.get(step)
+    forced = [forced_token is not None] * tokens.shape[0]
+    if forced_token is not None:
+        tokens = torch.full_like(tokens, forced_token)
+    processors.observe(plan.chain, processed, tokens)
+    logprobs = logits.log_softmax(dim=-1).gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, logprobs, stepdetail.details(stages, tokens, draws, plan.detail, forced)
+
+
 def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: float,
-             step: int, now: float) -> tuple[Token | None, str | None]:
+             step: int, now: float, detail: stepdetail.StepDetail | None = None
+             ) -> tuple[Token | None, str | None]:
     """Record one token for a row; return its event and a finish reason (or None)."""
     row.ids.append(token)
     row.logprobs.append(logprob)
@@ -127,7 +166,7 @@ def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: flo
         row.first_token = now
     is_eos = token in lm.eos_ids and not row.stops.stopped
     text = row.stops.feed(row.decoder.push(token))
-    event = Token(row_number, token, text, logprob, step, now)
+    event = Token(row_number, token, text, logprob, step, now, detail=detail)
     if row.stops.stopped:
         return event, "stop"
     if is_eos:

@@ -15,6 +15,8 @@ from cli.main import app
 from genlib import compare as cmp
 from genlib import metrics
 from genlib.errors import ConfigError
+from genlib.events import Finish
+from genlib.generate import stream
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K"
@@ -118,11 +120,24 @@ def test_metrics_are_those_of_the_samples(default_run):
 
 
 def test_samples_reproduce_generate_with_the_same_seed(stories, default_run):
+    """With common random numbers (compare's default) a sample is the generation with
+    the same seed drawn by inverse CDF; with --no-crn, plain `generate`'s."""
     from genlib.generate import generate
+    from genlib.stepdetail import Detail
 
     top_k = next(r for r in default_run.results if r.strategy.label == "top-k")
-    finishes = generate(stories, [stories.encode(PROMPT)], top_k.strategy.settings)
-    assert [f.token_ids for f in finishes] == [s.token_ids for s in top_k.samples]
+    settings = top_k.strategy.settings
+    seeds = cmp.sample_seeds(5, 2)
+    finishes = [e for e in stream(stories, [stories.encode(PROMPT)], settings, seeds=seeds,
+                                  detail=Detail(record=False, inverse_cdf=True))
+                if isinstance(e, Finish)]
+    assert [f.token_ids for f in sorted(finishes, key=lambda f: f.row)] == \
+        [s.token_ids for s in top_k.samples]
+    independent = cmp.compare(stories, stories.encode(PROMPT), [top_k.strategy], seed=5,
+                              crn=False)
+    finishes = generate(stories, [stories.encode(PROMPT)], settings)
+    assert [f.token_ids for f in finishes] == \
+        [s.token_ids for s in independent.results[0].samples]
 
 
 @pytest.mark.slow

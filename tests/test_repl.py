@@ -123,3 +123,27 @@ def test_history_persists_and_ctrl_d_and_ctrl_c_exit_cleanly(tmp_path: Path):
     child.expect(pexpect.EOF)
     child.close()
     assert child.exitstatus == 0
+
+
+@pytest.mark.slow
+def test_logprobs_branch_and_show_sources(tmp_path: Path):
+    child = spawn(tmp_path, "-n", "8", "--seed", "3", "-t", "0.9")
+    child.sendline("/set logprobs=2")
+    child.expect_exact("logprobs 2")
+    child.sendline("/set logprobs=99")
+    child.expect_exact("logprobs takes 0-20")
+    child.sendline("/branch 2 #370")
+    child.expect_exact("/branch needs an answer first")
+    child.sendline("Once upon a time")
+    child.expect_exact("logprobs (raw model / processed)")
+    child.expect_exact("processed")
+    child.expect_exact(PROMPT)
+    child.sendline("/branch 2 #370")
+    child.expect(r"original.*branch")
+    child.expect(r"diverge|no divergence")
+    child.expect_exact(PROMPT)
+    child.sendline("/show")
+    child.expect_exact("temperature = 0.9   (set)")
+    child.expect_exact("top_k = 0\r\n")
+    child.sendline("/quit")
+    child.expect(pexpect.EOF)

@@ -1,0 +1,170 @@
+"""`genlab explain`: step through one generation and show what every stage of the
+processor chain did at each step; `--branch STEP:TOKEN` adds a counterfactual."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
+
+import typer
+
+from cli import options as opt
+from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.errors import fail, user_errors
+from genlib.config import with_seed
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
+    from genlib.models import LoadedModel
+
+
+def parse_steps(text: str | None) -> tuple[int, int | None]:
+    """`--steps A:B` -> (A, B) (B exclusive, None = to the end); `A` alone is one step."""
+    if not text:
+        return 0, None
+    try:
+        if ":" not in text:
+            return int(text), int(text) + 1
+        a, b = text.split(":", 1)
+        first, last = (int(a) if a else 0), (int(b) if b else None)
+    except ValueError:
+        raise fail(f"--steps {text!r}: give A:B with step numbers (0-based), e.g. 0:10") from None
+    if first < 0 or (last is not None and last <= first):
+        raise fail(f"--steps {text!r}: need 0 <= A < B")
+    return first, last
+
+
+def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, int]:
+    """`--branch STEP:TOKEN` -> (step, token id)."""
+    from genlib.explain import parse_token
+
+    step_text, sep, token = text.partition(":")
+    if not sep or not step_text.isdigit() or not token:
+        raise fail(f"--branch {text!r}: give STEP:TOKEN, e.g. 3:dog or 3:#421 (a token id)")
+    step = int(step_text)
+    if step >= max_new_tokens:
+        raise fail(f"--branch step {step} is past --max-new-tokens ({max_new_tokens})")
+    return step, parse_token(lm, token)
+
+
+def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
+                   settings: GenerationSettings, top: int,
+                   branch: tuple[int, int] | None) -> dict[str, Any]:
+    """The whole `--json` record: the original run and, with a branch, the branch and
+    where the two diverge."""
+    from genlib.explain import divergence, explain, run_dict
+
+    original = explain(lm, ids, settings, top=top)
+    record: dict[str, Any] = {
+        "model": lm.ref, "prompt": prompt, "prompt_tokens": len(ids),
+        "settings": settings.to_dict(),
+        "sampler": "inverse_cdf" if settings.do_sample else "greedy",
+        "original": run_dict(lm, original),
+    }
+    if branch is not None:
+        forked = explain(lm, ids, settings, top=top, force={branch[0]: branch[1]})
+        record["branch"] = {"step": branch[0], "token_id": branch[1], **run_dict(lm, forked)}
+        record["branch"]["diverges_at"] = divergence(original.ids, forked.ids)
+    return record
+
+
+@user_errors
+def explain(
+    prompt: Annotated[str | None, typer.Argument(
+        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    model: opt.Model = None,
+    preset: opt.Preset = None,
+    strategy: opt.Strategy = None,
+    max_new_tokens: Annotated[int | None, typer.Option(
+        "--max-new-tokens", "-n", rich_help_panel=opt.DECODING_PANEL,
+        help="Tokens to generate at most (default 20 here).")] = None,
+    min_new_tokens: opt.MinNewTokens = None,
+    temperature: opt.Temperature = None,
+    top_k: opt.TopK = None,
+    top_p: opt.TopP = None,
+    min_p: opt.MinP = None,
+    typical_p: opt.TypicalP = None,
+    repetition_penalty: opt.RepetitionPenalty = None,
+    no_repeat_ngram_size: opt.NoRepeatNgram = None,
+    stop: opt.Stop = None,
+    seed: opt.Seed = None,
+    ignore_eos: opt.IgnoreEos = None,
+    logit_bias: opt.LogitBias = None,
+    presence_penalty: opt.PresencePenalty = None,
+    frequency_penalty: opt.FrequencyPenalty = None,
+    dry_multiplier: opt.DryMultiplier = None,
+    dry_base: opt.DryBase = None,
+    dry_allowed_length: opt.DryAllowedLength = None,
+    dry_penalty_last_n: opt.DryPenaltyLastN = None,
+    dry_sequence_breaker: opt.DrySequenceBreaker = None,
+    xtc_probability: opt.XtcProbability = None,
+    xtc_threshold: opt.XtcThreshold = None,
+    top_n_sigma: opt.TopNSigma = None,
+    epsilon_cutoff: opt.EpsilonCutoff = None,
+    eta_cutoff: opt.EtaCutoff = None,
+    mirostat: opt.Mirostat = None,
+    mirostat_tau: opt.MirostatTau = None,
+    mirostat_eta: opt.MirostatEta = None,
+    samplers: opt.Samplers = None,
+    json_schema: opt.JsonSchema = None,
+    regex: opt.Regex = None,
+    grammar: opt.Grammar = None,
+    chat: opt.Chat = False,
+    system: opt.System = None,
+    steps: Annotated[str | None, typer.Option(
+        "--steps", rich_help_panel=opt.OUTPUT_PANEL,
+        help="Steps to show, A:B (0-based, B excluded; default all).")] = None,
+    top: Annotated[int, typer.Option(
+        "--top", min=1, max=20, rich_help_panel=opt.OUTPUT_PANEL,
+        help="Candidates shown per step (the raw model's most probable).")] = 5,
+    branch: Annotated[str | None, typer.Option(
+        "--branch", help="STEP:TOKEN: force TOKEN (text, or #id) at STEP and continue with "
+        "the same random draws; shows both runs side by side.")] = None,
+    as_json: opt.Json = False,
+    html_file: Annotated[Path | None, typer.Option(
+        "--html", rich_help_panel=opt.OUTPUT_PANEL,
+        help="Write one self-contained page: tokens coloured by probability, click one "
+        "for its step.")] = None,
+    device: opt.Device = "auto",
+    dtype: opt.Dtype = "auto",
+    trust_remote_code: opt.TrustRemoteCode = False,
+    backend: opt.Backend = "auto",
+) -> None:
+    """Step through a generation: each step's top candidates, their probability after
+    each stage of the sampler chain, the mass each stage removed, the entropy, the
+    chosen token and where the random draw fell.
+
+    Examples:\n
+      genlab explain "Once upon a time" -t 0.8 --top-k 20 --seed 1 -n 10\n
+      genlab explain "Once upon a time" --seed 1 -t 0.8 --branch 2:dog\n
+      genlab explain "def add(a, b):" --html explain.html
+    """
+    from cli import render, render_explain
+
+    flags = opt.decoding_flags(locals())
+    flags.setdefault("max_new_tokens", 20)
+    first, last = parse_steps(steps)
+    settings, loaded_preset = settings_for(preset, flags)
+    if settings.strategy == "beam":
+        raise fail("explain steps through greedy or sampled decoding, not beam search "
+                   "(see `genlab beam --tree`)")
+    settings = with_seed(settings)
+    text = read_prompt(prompt)
+    lm = load(ModelFlags(model, device, dtype, "none", trust_remote_code, backend),
+              loaded_preset, quick=True)
+    ids = encode_prompt(lm, text, chat, system, False, settings.max_new_tokens)
+    forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
+    record = explain_record(lm, ids, text, settings, top, forced)
+    render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)
+    if html_file is not None:
+        from cli.explain_html import page
+
+        html_file.write_text(page(record), encoding="utf-8")
+        render.info(f"wrote {html_file}")
+    if as_json:
+        render.json_line(record)
+    elif html_file is None:
+        render_explain.show_steps(record["original"]["steps"], first, last)
+        if "branch" in record:
+            render_explain.show_branch(record["original"], record["branch"],
+                                       record["branch"]["diverges_at"])

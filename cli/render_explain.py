@@ -1,0 +1,90 @@
+"""Rich views of `genlab explain`: one panel per step (the top candidates' probability
+after each stage of the chain, which stage removed each, the mass each stage removed,
+the entropy, the chosen token and where the random draw fell), and a branch beside the
+original."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from cli.render import out
+
+CHOSEN_STYLE = "bold green"
+REMOVED_STYLE = "dim red"
+
+
+def _pct(p: float) -> str:
+    return "0" if p == 0 else f"{p * 100:.1f}%" if p >= 0.001 else f"{p * 100:.2g}%"
+
+
+def step_table(step: dict[str, Any]) -> Table:
+    """One step as a table: a row per candidate, a column per stage."""
+    names = [s["name"] for s in step["stages"]]
+    title = f"step {step['step']}: chose {step['chosen']['token']!r} (id {step['chosen']['id']})"
+    if step["forced"]:
+        title += " [forced: branch]"
+    table = Table(title=title, title_justify="left", show_edge=False)
+    table.add_column("token")
+    table.add_column("id", justify="right")
+    for name in names:
+        table.add_column(name, justify="right")
+    table.add_column("removed by")
+    chosen_id = step["chosen"]["id"]
+    rows = list(step["candidates"])
+    if all(c["id"] != chosen_id for c in rows):
+        rows.append(step["chosen"])
+    for c in rows:
+        style = CHOSEN_STYLE if c["id"] == chosen_id else (
+            REMOVED_STYLE if c.get("removed_by") else None)
+        probs = [_pct(c["stage_probs"][n]) for n in names]
+        table.add_row(repr(c["token"]), str(c["id"]), *probs, c.get("removed_by") or "",
+                      style=style)
+    table.add_row("mass removed", "", *[_pct(s["removed_mass"]) if s["removed_mass"] else ""
+                                       for s in step["stages"]], "", style="dim")
+    table.add_row("entropy (nats)", "", *[f"{abs(s['entropy']):.2f}" for s in step["stages"]], "",
+                  style="dim")
+    table.add_row("tokens left", "", *[str(s["kept"]) for s in step["stages"]], "",
+                  style="dim")
+    table.caption = draw_caption(step)
+    table.caption_justify = "left"
+    return table
+
+
+def draw_caption(step: dict[str, Any]) -> str:
+    """Where the random draw fell in the processed distribution's CDF."""
+    lo, hi = step["interval"]
+    if step["draw"] is None:
+        return "greedy: the most probable token after the chain"
+    note = " (ignored: the branch forced this token)" if step["forced"] else ""
+    return (f"draw u = {step['draw']:.4f}{note}; the chosen token spans "
+            f"[{lo:.4f}, {hi:.4f}) of the cumulative distribution (vocabulary order)")
+
+
+def show_steps(steps: Sequence[dict[str, Any]], first: int, last: int | None) -> None:
+    for step in steps:
+        if step["step"] >= first and (last is None or step["step"] < last):
+            out.print(step_table(step))
+            out.print()
+
+
+def show_branch(original: dict[str, Any], branch: dict[str, Any], at: int | None) -> None:
+    """The original and the branch side by side; tokens from the divergence on marked."""
+    table = Table(show_edge=False)
+    table.add_column("original")
+    table.add_column("branch")
+    table.add_row(_marked(original["steps"], at), _marked(branch["steps"], at))
+    out.print(table)
+    where = "no divergence" if at is None else f"they diverge at step {at}"
+    out.print(Text(f"{where} (marked); steps after it used the same random draws", style="dim"))
+
+
+def _marked(steps: Sequence[dict[str, Any]], at: int | None) -> Text:
+    text = Text()
+    for s in steps:
+        diverged = at is not None and s["step"] >= at
+        text.append(s["token"], style="reverse" if diverged else None)
+    return text

@@ -1,0 +1,89 @@
+"""Per-token views of `generate`: tokens coloured by probability, entropy or rank as
+they stream (--color-by, plain text when stdout is not a terminal), and the
+--logprobs table on stderr."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+from rich.text import Text
+
+from cli.errors import fail
+from cli.render import err, out, stream_text
+
+if TYPE_CHECKING:
+    from genlib.events import Token
+    from genlib.models import LoadedModel
+
+COLOR_BY = ("prob", "entropy", "rank")
+# Five bins, from "the model was sure of it" to "the model hardly expected it".
+PALETTE = ("green", "chartreuse3", "yellow", "dark_orange", "red")
+BINS: dict[str, tuple[tuple[float, str], ...]] = {
+    # (upper edge of the bin, its label); a value past the last edge takes the last bin.
+    "prob": ((0.9, "p ≥ 0.9"), (0.5, "≥ 0.5"), (0.2, "≥ 0.2"), (0.05, "≥ 0.05"),
+             (0.0, "< 0.05")),
+    "entropy": ((0.5, "H < 0.5"), (1.0, "< 1"), (2.0, "< 2"), (3.0, "< 3"),
+                (math.inf, "≥ 3 nats")),
+    "rank": ((0, "rank 1"), (1, "2"), (4, "3-5"), (9, "6-10"), (math.inf, "> 10")),
+}
+
+
+def check_color_by(value: str | None) -> None:
+    if value is not None and value not in COLOR_BY:
+        raise fail(f"--color-by {value!r}: choose prob, entropy or rank")
+
+
+def style_for(mode: str, detail: Any) -> str:
+    """The colour of a token under `mode`: prob (processed probability, high = green),
+    entropy of the distribution sampled from (low = green), rank under the raw model."""
+    bins = BINS[mode]
+    if mode == "prob":
+        value = math.exp(detail.chosen.processed_logprob)
+        index = next((i for i, (edge, _) in enumerate(bins) if value >= edge), len(bins) - 1)
+    else:
+        value = detail.entropy if mode == "entropy" else detail.chosen.rank
+        index = next((i for i, (edge, _) in enumerate(bins)
+                      if (value < edge if mode == "entropy" else value <= edge)),
+                     len(bins) - 1)
+    return PALETTE[index]
+
+
+def legend(mode: str) -> None:
+    """The colours' meaning, on stderr (only when the text itself is coloured)."""
+    if not out.is_terminal:
+        return
+    text = Text(f"--color-by {mode}: ")
+    for (_, label), colour in zip(BINS[mode], PALETTE):
+        text.append(f" {label} ", style=f"black on {colour}")
+    err.print(text)
+
+
+def stream_token(event: Token, mode: str | None) -> None:
+    """Print one token's text, coloured when asked for and stdout is a terminal."""
+    if mode is None or event.detail is None or not out.is_terminal:
+        stream_text(event.text)
+        return
+    stream_text(event.text, f"black on {style_for(mode, event.detail)}")
+
+
+def logprobs_table(lm: LoadedModel, tokens: Sequence[Token]) -> None:
+    """--logprobs in text mode: one line per token on stderr (raw and processed
+    logprob, then the alternatives)."""
+    from genlib.explain import token_text
+
+    table = Table(show_edge=False, title="logprobs (raw model / processed)",
+                  title_justify="left")
+    table.add_column("#", justify="right")
+    table.add_column("token")
+    table.add_column("logprob", justify="right")
+    table.add_column("processed", justify="right")
+    table.add_column("top alternatives (raw logprob)")
+    for t in tokens:
+        d = t.detail
+        alts = "  ".join(f"{token_text(lm, c.token_id)!r} {c.logprob:.2f}" for c in d.top)
+        table.add_row(str(t.index), repr(token_text(lm, t.token_id)), f"{d.chosen.logprob:.3f}",
+                      f"{d.chosen.processed_logprob:.3f}", alts)
+    err.print(table)

@@ -1,0 +1,43 @@
+"""`--show-settings` and the REPL's `/show`: every effective setting, its source, and
+the model's generation_config.json value where it differs (genlab does not apply it)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from rich.table import Table
+
+from cli.render import err, warn
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
+    from genlib.models import LoadedModel
+    from genlib.presets import Preset
+
+
+def show_settings_table(settings: GenerationSettings, cli: Mapping[str, Any],
+                        preset: Preset | None, lm: LoadedModel | None) -> None:
+    """Print the table on stderr, then a warning per ignored setting."""
+    from genlib.provenance import model_generation_config, sources
+
+    model_config = model_generation_config(lm.ref, lambda: lm.model) if lm is not None else {}
+    rows = sources(settings, cli, preset, model_config)
+    table = Table(title="effective settings", title_justify="left", show_edge=False)
+    for column in ("setting", "value", "source", "model's generation_config.json"):
+        table.add_column(column)
+    for r in rows:
+        model_note = ""
+        if r.model_value is not None and r.model_value != r.value:
+            model_note = f"{r.model_value!r} (not applied)"
+        elif r.model_value is not None:
+            model_note = f"{r.model_value!r} (same)"
+        table.add_row(r.name, repr(r.value), r.source, model_note,
+                      style="yellow" if r.ignored else None)
+    err.print(table)
+    if any(r.model_value is not None and r.model_value != r.value for r in rows):
+        err.print("[dim]genlab does not apply a model's generation_config.json; pass a "
+                  "value as a flag to use it.[/]")
+    for r in rows:
+        if r.ignored and r.name not in settings.unused:  # those were warned of already
+            warn(f"{r.name} is ignored: it {r.ignored}")

@@ -1,0 +1,146 @@
+"""`explain`: step through one generation and keep, per step, what the processor chain
+did (`genlib.stepdetail`), consuming the one event stream (`genlib.generate.stream`).
+
+Sampling runs by inverse CDF (one uniform draw per step, recorded), so the record says
+where the draw fell and a branch (`force`) can continue with the same draws after the
+forced step: a counterfactual whose only difference is the token put in its place.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from genlib.config import GenerationSettings
+from genlib.events import Finish, Token
+from genlib.models import LoadedModel
+from genlib.stepdetail import Candidate, Detail, StepDetail
+
+
+@dataclass(frozen=True)
+class Run:
+    """One explained generation: its Token events (each with its `detail`) and Finish."""
+
+    tokens: tuple[Token, ...]
+    finish: Finish | None
+
+    @property
+    def ids(self) -> list[int]:
+        return [t.token_id for t in self.tokens]
+
+
+def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
+            *, top: int = 5, force: Mapping[int, int] | None = None) -> Run:
+    """Generate for one prompt recording every step (top `top` alternatives, each
+    stage's distribution); `force` = {step: token id} makes a branch. Only the first
+    output row is explained (a preset's num_return_sequences is set to 1)."""
+    from genlib.generate import stream
+
+    detail = Detail(logprobs=top, stages=True, inverse_cdf=settings.do_sample,
+                    force=dict(force or {}))
+    tokens: list[Token] = []
+    finish: Finish | None = None
+    settings = settings.replace(num_return_sequences=1)
+    for event in stream(lm, [list(prompt_ids)], settings, detail=detail):
+        if isinstance(event, Token):
+            tokens.append(event)
+        elif isinstance(event, Finish):
+            finish = event
+    return Run(tuple(tokens), finish)
+
+
+def divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first step where two token sequences differ (None if equal)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def parse_token(lm: LoadedModel, text: str) -> int:
+    """A branch's TOKEN: an id (digits, or `#id`) or a text that is exactly one token
+    (tried as is and with a leading space, as a word inside a sentence)."""
+    from genlib.errors import ConfigError
+
+    raw = text[1:] if text.startswith("#") else text
+    if raw.isdigit():
+        tid = int(raw)
+        if tid >= lm.vocab_size:
+            raise ConfigError(f"token id {tid} is outside the vocabulary (0-{lm.vocab_size - 1})")
+        return tid
+    for candidate in (text, " " + text):
+        ids = lm.tokenizer.encode(candidate, add_special_tokens=False)
+        if len(ids) == 1:
+            return int(ids[0])
+        if len(ids) == 2 and candidate.startswith(" ") and \
+                lm.tokenizer.decode(ids[:1]).strip() == "":
+            return int(ids[1])
+    raise ConfigError(f"{text!r} is not one token of this model; give a token id "
+                      "instead (explain's --json lists each step's candidates with ids)")
+
+
+def _num(x: float) -> float | None:
+    """JSON has no -inf/nan: None stands for a probability of 0."""
+    return None if math.isinf(x) or math.isnan(x) else round(x, 6)
+
+
+def token_text(lm: LoadedModel, token_id: int) -> str:
+    """A token's text as it reads after other text (with its leading space, which
+    decoding a token alone drops for sentencepiece vocabularies): decode it after an
+    anchor token and strip the anchor's text."""
+    anchor = lm.tokenizer.encode("a", add_special_tokens=False)[-1:]
+    if not anchor:
+        return lm.tokenizer.decode([token_id])
+    before = lm.tokenizer.decode(anchor)
+    both = lm.tokenizer.decode(anchor + [token_id])
+    return both[len(before):] if both.startswith(before) else lm.tokenizer.decode([token_id])
+
+
+def candidate_dict(lm: LoadedModel, c: Candidate, stage_names: Sequence[str]
+                   ) -> dict[str, Any]:
+    """One candidate as JSON, in the OpenAI/vLLM logprobs shape plus genlab's keys."""
+    text = token_text(lm, c.token_id)
+    out: dict[str, Any] = {"token": text, "id": c.token_id,
+                           "bytes": list(text.encode("utf-8")),
+                           "logprob": _num(c.logprob),
+                           "processed_logprob": _num(c.processed_logprob), "rank": c.rank}
+    if c.stage_probs:
+        out["stage_probs"] = {n: round(p, 6) for n, p in zip(stage_names, c.stage_probs)}
+        out["removed_by"] = c.removed_by
+    return out
+
+
+def logprobs_content(lm: LoadedModel, tokens: Sequence[Token]) -> dict[str, Any]:
+    """The OpenAI/vLLM `logprobs` object for a row's Token events: `content[i]` has the
+    token, its raw `logprob`, its `processed_logprob` and `top_logprobs` (raw top-N)."""
+    content = []
+    for t in tokens:
+        d: StepDetail = t.detail
+        entry = candidate_dict(lm, d.chosen, ())
+        entry["top_logprobs"] = [candidate_dict(lm, c, ()) for c in d.top]
+        content.append(entry)
+    return {"content": content}
+
+
+def step_dict(lm: LoadedModel, t: Token) -> dict[str, Any]:
+    """One explained step as JSON."""
+    d: StepDetail = t.detail
+    names = [s.name for s in d.stages]
+    return {
+        "step": t.index, "token": t.text, **{"chosen": candidate_dict(lm, d.chosen, names)},
+        "forced": d.forced, "draw": d.draw,
+        "interval": [round(x, 6) for x in d.interval] if d.interval else None,
+        "stages": [{"name": s.name, "removed_mass": round(s.removed_mass, 6), "kept": s.kept,
+                    "entropy": round(s.entropy, 6)} for s in d.stages],
+        "candidates": [candidate_dict(lm, c, names) for c in d.top],
+    }
+
+
+def run_dict(lm: LoadedModel, run: Run) -> dict[str, Any]:
+    """A Run as the `explain --json` record's `steps` plus its text and finish."""
+    f = run.finish
+    return {"text": f.text if f else "".join(t.text for t in run.tokens),
+            "token_ids": run.ids, "finish_reason": f.reason if f else None,
+            "steps": [step_dict(lm, t) for t in run.tokens]}
