@@ -4,7 +4,6 @@ and timing report (and, by default, the same prompt decoded plainly for the spee
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -28,15 +27,14 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
                ) -> str | None:
     """The draft model to load (None for prompt lookup). Without either flag, the
     built-in draft pairs with the built-in target; any other target needs a flag."""
-    from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL
+    from genlib.models import DEFAULT_DRAFT, DEFAULT_DRAFT_NAME, DEFAULT_MODEL_NAME, display_name
 
     if draft_model is not None and prompt_lookup is not None:
         raise fail("give --draft-model or --prompt-lookup, not both")
     if draft_model is not None or prompt_lookup is not None:
         return draft_model
-    is_default = Path(target_ref).expanduser().resolve() == DEFAULT_MODEL.resolve()
-    if is_default and DEFAULT_DRAFT.is_dir():
-        return str(DEFAULT_DRAFT)
+    if display_name(target_ref) == DEFAULT_MODEL_NAME and DEFAULT_DRAFT.is_dir():
+        return DEFAULT_DRAFT_NAME
     raise fail(f"no drafter for {target_ref}: pass --draft-model PATH|ID (a small model with "
                f"the same tokenizer) or --prompt-lookup N (drafts from the context, no model)")
 

@@ -357,8 +357,10 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     `quick`: a local Llama-style checkpoint that qualifies is loaded without transformers
     (genlib.quickload: a second and a half faster to start), transformers' model and
     tokenizer following on first use of anything the lean path does not provide."""
-    device = pick_device(spec.device)
     ref = model_source(spec.ref)
+    # Before importing torch and transformers (seconds): an unreachable hub fails at once.
+    files_only = not _is_local_ref(spec.ref) and hub_files_only(ref)
+    device = pick_device(spec.device)
     spec = replace(spec, ref=display_name(spec.ref))
     if quick and _is_local_ref(spec.ref) and Path(ref).is_dir():
         from genlib.quickload import quick_load
@@ -370,7 +372,6 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-    files_only = not _is_local_ref(spec.ref) and hub_files_only(ref)
     config = _load_config(ref, spec, files_only)
     quant = _quantization_config(spec.quantize, device)
     _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
