@@ -11,10 +11,10 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
+from cli.output import Json, Jsonl, Sink, opened, sink
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
-    from genlib.events import Finish
     from genlib.models import LoadedModel
 
 
@@ -67,40 +67,20 @@ def with_seed(settings: GenerationSettings) -> GenerationSettings:
     return settings
 
 
-def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill_s: float,
-                settings: GenerationSettings) -> dict[str, Any]:
-    return {
-        "model": lm.ref,
-        "prompt": prompt,
-        "sequence": finish.row,
-        "text": finish.text,
-        "finish_reason": finish.reason,
-        "prompt_tokens": finish.prompt_tokens,
-        "new_tokens": finish.new_tokens,
-        "token_ids": list(finish.token_ids),
-        "timings": {
-            "prefill_s": round(prefill_s, 6),
-            "ttft_s": None if finish.ttft is None else round(finish.ttft, 6),
-            "total_s": round(finish.end - finish.start, 6),
-            "tokens_per_s": round(finish.tokens_per_second, 3),
-        },
-        "settings": settings.to_dict(),
-        **({"score": finish.score} if finish.score is not None else {}),
-    }
-
-
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
-                   settings: GenerationSettings, as_json: bool, show_stats: bool,
+                   settings: GenerationSettings, sink: Sink, show_stats: bool,
                    compile: bool = False) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted)."""
-    from cli import render
+    from cli import output, render
     from genlib.decode import collect, stream
     from genlib.events import Finish, Prefill, Token
 
     # beam search yields only Finish events (the best beams are known at the end)
-    live = not as_json and settings.num_return_sequences == 1 and settings.strategy != "beam"
+    live = not sink.machine and settings.num_return_sequences == 1 \
+        and settings.strategy != "beam"
     prefill_s = 0.0
     finished: list[Finish] = []
+    doc = output.run_document("generate", lm.ref, settings, prompt, len(ids), [])
 
     def handle(event: Any) -> None:
         nonlocal prefill_s
@@ -112,15 +92,19 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             finished.append(event)
             if live:
                 render.stream_text(event.tail)
+            sink.json_line(output.line(doc, output.finish_output(event, event.row + 1,
+                                                                 prefill_s)))
 
     _, interrupted = collect(stream(lm, [ids], settings, compile=compile), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
-    for finish in sorted(finished, key=lambda f: f.row):
-        if as_json:
-            render.json_line(result_json(lm, finish, prompt, prefill_s, settings))
-        elif not live:
+    ordered = sorted(finished, key=lambda f: f.row)
+    doc["outputs"] = [output.finish_output(f, f.row + 1, prefill_s) for f in ordered]
+    sink.json_document(doc)
+    sink.texts([f.text for f in ordered])
+    for finish in ordered:
+        if not live and not sink.machine:
             if finish.row:
                 render.stream_text("\n")
             render.stream_text(finish.text + "\n")
@@ -158,7 +142,12 @@ def generate(
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
-    as_json: opt.Json = False,
+    as_json: Json = False,
+    as_jsonl: Jsonl = False,
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", rich_help_panel=opt.OUTPUT_PANEL, metavar="FILE",
+        help="Write the text, --json or --jsonl to FILE instead of stdout; with --input, "
+        "the JSONL results file (`-` = stdout; rerunning resumes it).")] = None,
     show_stats: Annotated[bool, typer.Option(
         "--stats", help="Print tokens, time to first token and tokens/s to stderr.")] = False,
     device: opt.Device = "auto",
@@ -174,9 +163,6 @@ def generate(
     input_file: Annotated[Path | None, typer.Option(
         "--input", help="JSONL file of prompts to generate for in batches (`-` = stdin).")
     ] = None,
-    output: Annotated[str | None, typer.Option(
-        "--output", help="JSONL results file for --input (`-` = stdout); rerunning "
-        "resumes it.")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Rows per forward pass with --input (default 16).")] = None,
 ) -> None:
@@ -188,12 +174,12 @@ def generate(
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
     flags = opt.decoding_flags(locals())
-    if interactive or input_file is not None or output is not None or batch_size is not None:
+    if interactive or input_file is not None or batch_size is not None:
         from cli import batch as batch_cmd
 
         model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code)
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
-                              {"--json": as_json, "--stats": show_stats,
+                              {"--json": as_json, "--jsonl": as_jsonl, "--stats": show_stats,
                                "--truncate-prompt": truncate_prompt, "--compile": compile})
         if interactive:
             from cli import repl
@@ -201,12 +187,14 @@ def generate(
             return repl.run(flags, preset, model_flags, chat, system)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
                              chat, system)
+    sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code), loaded_preset,
               quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    code = run_generation(lm, ids, text, settings, as_json, show_stats, compile)
+    with opened(sink(as_json, as_jsonl, output)) as target:
+        code = run_generation(lm, ids, text, settings, target, show_stats, compile)
     if code:
         raise typer.Exit(code)

@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from cli import output
+
 MODEL_PANEL = "Model"
 DECODING_PANEL = "Decoding"
 OUTPUT_PANEL = "Output"
@@ -75,8 +77,8 @@ TruncatePrompt = Annotated[bool, typer.Option(
     "--truncate-prompt", help="Keep only the prompt's last tokens if it does not fit in the "
     "model's context (default: refuse).")]
 
-Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
-                                    help="Print JSON instead of text.")]
+# The output flags live with the output contract (cli/output.py); here for one import.
+Json, Jsonl, OutputFile = output.Json, output.Jsonl, output.OutputFile
 
 
 def unescape(text: str) -> str:
