@@ -12,6 +12,7 @@ from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
 from cli.generate import encode_prompt, read_prompt, with_seed
+from cli.output import Sink, opened, sink
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
@@ -77,6 +78,11 @@ def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettin
     return finish, (finish.new_tokens / seconds if seconds > 0 else 0.0)
 
 
+Strategy = Annotated[str | None, typer.Option(
+    "--strategy", "-s", rich_help_panel=opt.DECODING_PANEL,
+    help="greedy or sample (speculative decoding has no beam search).")]
+
+
 def summary_json(s: Summary) -> dict[str, Any]:
     return {
         "acceptance_rate": round(s.acceptance_rate, 4),
@@ -135,29 +141,31 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                   + ("[green]yes[/]" if identical else "[red]NO[/]"))
 
 
-def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
-                baseline: tuple[Finish, float] | None, settings: GenerationSettings,
-                num_draft_tokens: int | None, adaptive: bool) -> dict[str, Any]:
+def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
+                finish: Finish, s: Summary, baseline: tuple[Finish, float] | None,
+                settings: GenerationSettings, num_draft_tokens: int | None, adaptive: bool
+                ) -> dict[str, Any]:
+    from cli import output
+
     base_json = None
     speedup = None
     if baseline is not None:
         base_finish, base_tps = baseline
-        base_json = {"token_ids": list(base_finish.token_ids), "text": base_finish.text,
-                     "new_tokens": base_finish.new_tokens,
-                     "tokens_per_s": round(base_tps, 3),
-                     "identical": base_finish.token_ids == finish.token_ids}
+        base_json = output.finish_output(
+            base_finish, 1, tokens_per_s=round(base_tps, 3),
+            identical=base_finish.token_ids == finish.token_ids,
+            verify_cost=round(s.verify_cost(base_tps), 4),
+            predicted_speedup_with_verify_cost=round(
+                s.predicted_speedup(s.verify_cost(base_tps)), 4))
         speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
-        base_json["verify_cost"] = round(s.verify_cost(base_tps), 4)
-        base_json["predicted_speedup_with_verify_cost"] = round(
-            s.predicted_speedup(s.verify_cost(base_tps)), 4)
-    return {
-        "model": target.ref, "drafter": drafter, "prompt": prompt, "text": finish.text,
-        "finish_reason": finish.reason, "new_tokens": finish.new_tokens,
-        "token_ids": list(finish.token_ids), "num_draft_tokens": num_draft_tokens,
-        "adaptive": adaptive, "speculation": summary_json(s), "baseline": base_json,
-        "speedup": speedup, "predicted_speedup": round(s.predicted_speedup(), 4),
-        "settings": settings.to_dict(),
-    }
+    out = output.output(1, finish.text, finish.token_ids, finish.reason, output.timings(
+        total_s=finish.end - finish.start, prefill_s=s.prefill_seconds, ttft_s=finish.ttft,
+        tokens_per_s=s.tokens_per_second))
+    return output.run_document(
+        "speculate", target.ref, settings, prompt, prompt_tokens, [out], drafter=drafter,
+        num_draft_tokens=num_draft_tokens, adaptive=adaptive, speculation=summary_json(s),
+        baseline=base_json, speedup=speedup,
+        predicted_speedup=round(s.predicted_speedup(), 4))
 
 
 @user_errors
@@ -183,7 +191,7 @@ def speculate(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
     preset: opt.Preset = None,
-    strategy: opt.Strategy = None,
+    strategy: Strategy = None,
     max_new_tokens: opt.MaxNewTokens = None,
     min_new_tokens: opt.MinNewTokens = None,
     temperature: opt.Temperature = None,
@@ -201,6 +209,8 @@ def speculate(
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
+    as_jsonl: opt.Jsonl = False,
+    output: opt.OutputFile = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
@@ -219,6 +229,7 @@ def speculate(
     from genlib.models import resolve_model_ref
 
     flags = opt.decoding_flags(locals())
+    target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
         raise fail("speculative decoding does greedy or sampling, not beam search")
@@ -232,8 +243,9 @@ def speculate(
         if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
-    code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
-                  num_draft_tokens, adaptive, baseline, as_json)
+    with opened(target_sink) as out:
+        code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
+                      num_draft_tokens, adaptive, baseline, out)
     if code:
         raise typer.Exit(code)
 
@@ -253,9 +265,9 @@ def warm_up(lm: LoadedModel, ids: list[int]) -> None:
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
            text: str, settings: GenerationSettings, prompt_lookup: int | None,
-           num_draft_tokens: int | None, adaptive: bool, baseline: bool, as_json: bool) -> int:
+           num_draft_tokens: int | None, adaptive: bool, baseline: bool, sink: Sink) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
-    from cli import render
+    from cli import output
     from genlib.events import Finish
     from genlib.speculative import summarize
 
@@ -263,17 +275,20 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
         if lm is not None:
             warm_up(lm, ids)
     events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
-                                             num_draft_tokens, adaptive, live=not as_json)
+                                             num_draft_tokens, adaptive,
+                                             live=not sink.machine)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
     summary = summarize(events)
     plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
     if plain is not None and plain[0].reason == "interrupted":
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
-    if as_json:
-        render.json_line(result_json(target, drafter, text, finish, summary, plain, settings,
-                                     num_draft_tokens, adaptive))
-    else:
+    doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
+                      num_draft_tokens, adaptive)
+    sink.json_document(doc)
+    sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
+    sink.texts([finish.text])
+    if not sink.machine:
         render_report(summary, drafter, plain[1] if plain else None,
                       plain[0].token_ids == finish.token_ids if plain else None,
                       settings.do_sample)
