@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -38,6 +40,22 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
-    return load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
-                                quantize=flags.quantize,
-                                trust_remote_code=flags.trust_remote_code), quick=quick)
+    spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype, quantize=flags.quantize,
+                     trust_remote_code=flags.trust_remote_code)
+    with loading(ref):
+        return load_model(spec, quick=quick)
+
+
+@contextmanager
+def loading(ref: str) -> Iterator[None]:
+    """A "loading MODEL" spinner on stderr while a model loads (seconds), where stderr
+    is a terminal; nothing in pipes and logs."""
+    from cli.render import err
+
+    if not err.is_terminal:
+        yield
+        return
+    from rich.markup import escape
+
+    with err.status(f"loading {escape(ref)}", spinner="dots"):
+        yield
