@@ -104,8 +104,8 @@ def sweep_json():
     before = torch.get_num_threads()
     result = run_cli("--json", "--threads", "1", "--runs", "2", "--warmup", "0",
                      "--prompt-len", "8", "--new-tokens", "5,12", "--batch-size", "1,2",
-                     "--strategy", "greedy,creative", "--no-cache", "--baseline", "transformers",
-                     "--no-bandwidth")
+                     "--strategy", "greedy", "-p", "creative", "--no-cache", "--baseline",
+                     "transformers", "--no-bandwidth")
     torch.set_num_threads(before)
     assert result.exit_code == 0, result.output
     return json.loads(result.stdout)
@@ -163,7 +163,8 @@ def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread, 
     result = run_cli("--json", "--runs", "2", "--warmup", "0", "--prompt-len", "4",
                      "--new-tokens", "3,5")
     assert result.exit_code == 0, result.output
-    machine, results = json.loads(result.stdout).values()
+    doc = json.loads(result.stdout)
+    machine, results = doc["machine"], doc["results"]
     assert (machine["read_bandwidth_gbs"], machine["read_bandwidth_gbs_min"],
             machine["read_bandwidth_gbs_max"], machine["bandwidth_samples"]) == (45, 10, 80, 4)
     (weights,) = machine["weight_bytes"].values()
@@ -179,6 +180,9 @@ def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread, 
     (("--baseline", "vllm"), "--baseline: unknown value 'vllm'"),
     (("--quantize", "3bit"), "--quantize: unknown value '3bit'"),
     (("--strategy", "beam"), "beam search is not supported"),
+    (("--strategy", "creative"), "'creative' is not a strategy; use greedy, sample, or give "
+                                 "a preset with -p creative"),
+    (("-o", "out.json"), "-o/--output writes the --json or --jsonl output of bench"),
     (("--prompt-len", "500", "--new-tokens", "100"), "exceeds the model's 512 positions"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):
