@@ -370,7 +370,7 @@ TEXT_COLUMNS = ("strategy", "engine", "dtype/quant")
 DROP_ORDER = ("prefill tok/s", "e2e s", "ttft ms", "prompt/new/batch")
 SHORT_HEADERS = {"prompt/new/batch": "prompt/\nnew/batch", "prefill tok/s": "prefill\ntok/s",
                  "decode tok/s": "decode\ntok/s", "ttft ms": "ttft\nms", "e2e s": "e2e\ns",
-                 "% of bw bound": "% of bw\nbound"}
+                 "speedup": "speed-\nup", "% of bw bound": "% bw\nbound"}
 
 
 def bench_table(records: list[dict[str, Any]], wide: bool = False,
