@@ -55,7 +55,16 @@ def loading(ref: str) -> Iterator[None]:
     if not err.is_terminal:
         yield
         return
+    from rich.errors import LiveError
     from rich.markup import escape
 
-    with err.status(f"loading {escape(ref)}", spinner="dots"):
+    status = err.status(f"loading {escape(ref)}", spinner="dots")
+    try:
+        status.start()
+    except LiveError:  # Rich before 14 draws one live display at a time (bench's bar)
         yield
+        return
+    try:
+        yield
+    finally:
+        status.stop()
