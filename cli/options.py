@@ -18,8 +18,8 @@ OUTPUT_PANEL = "Output"
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
-    help="Hub id or local folder. Default: the preset's model, else $GENLAB_MODEL, else "
-         "genlab's built-in code model.")]
+    help="Hub id, local folder, or a built-in model: builtin:code-small, builtin:code-tiny. "
+         "Default: the preset's model, else $GENLAB_MODEL, else builtin:code-small.")]
 Device = Annotated[str, typer.Option(
     "--device", rich_help_panel=MODEL_PANEL, help="auto, cpu, cuda or mps.")]
 Dtype = Annotated[str, typer.Option(

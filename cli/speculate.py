@@ -175,8 +175,8 @@ def speculate(
     model: opt.Model = None,
     draft_model: Annotated[str | None, typer.Option(
         "--draft-model", "-d", rich_help_panel=SPEC_PANEL,
-        help="Draft model (hub id or folder) sharing the target's tokenizer. Default with "
-             "the built-in model: the built-in draft.")] = None,
+        help="Draft model (hub id, folder or builtin:NAME) sharing the target's tokenizer. "
+             "Default with builtin:code-small: builtin:code-tiny.")] = None,
     prompt_lookup: Annotated[int | None, typer.Option(
         "--prompt-lookup", rich_help_panel=SPEC_PANEL,
         help="Draft with no model: continue the latest earlier match of the last N-gram "
