@@ -4,7 +4,6 @@ stream is not a terminal or NO_COLOR is set."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -59,11 +58,6 @@ def stream_text(text: str, style: str = TEXT_STYLE) -> None:
 
 def end_line() -> None:
     stream_text("\n")
-
-
-def json_line(obj: Any) -> None:
-    sys.stdout.write(json.dumps(obj, ensure_ascii=False) + "\n")
-    sys.stdout.flush()
 
 
 def stats(new_tokens: int, ttft: float | None, tps: float, reason: str,
