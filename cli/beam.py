@@ -10,6 +10,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
+from cli.output import Sink, opened, sink
 from genlib.config import parse_value, resolve_settings, with_seed
 
 if TYPE_CHECKING:
@@ -42,6 +43,9 @@ Diversity = Annotated[float | None, typer.Option(
     help="Diverse beam search: penalty per earlier group that chose a token this step.")]
 Force = Annotated[list[str] | None, typer.Option(
     "--force", rich_help_panel=BEAM_PANEL, help="Phrase that must appear (repeatable).")]
+Temperature = Annotated[float | None, typer.Option(
+    "--temperature", "-t", rich_help_panel=opt.DECODING_PANEL,
+    help="Sampling temperature (> 0) for beam sampling (--sample).")]
 ForceAny = Annotated[list[str] | None, typer.Option(
     "--force-any", rich_help_panel=BEAM_PANEL,
     help="'A|B|C': one of these phrases must appear (repeatable).")]
@@ -55,40 +59,40 @@ def greedy_settings(settings: GenerationSettings) -> GenerationSettings:
     return resolve_settings({}, data)
 
 
-def hypothesis_json(rank: int, hyp: Hypothesis) -> dict[str, Any]:
-    return {"rank": rank, "text": hyp.text, "score": hyp.score, "sum_logprob": hyp.sum_logprob,
-            "finish_reason": hyp.finish_reason, "new_tokens": len(hyp.token_ids),
-            "token_ids": list(hyp.token_ids), "logprobs": list(hyp.logprobs),
-            "constraints_satisfied": hyp.constraints_satisfied}
+def hypothesis_output(rank: int, hyp: Hypothesis, seconds: float) -> dict[str, Any]:
+    """A hypothesis as an output of the JSON contract: `index` is its rank, from 1 as in
+    the table; its timings are the whole search's (the beams are found together)."""
+    from cli import output
+
+    return output.output(rank, hyp.text, hyp.token_ids, hyp.finish_reason,
+                         output.timings(total_s=seconds), score=hyp.score,
+                         sum_logprob=hyp.sum_logprob, logprobs=list(hyp.logprobs),
+                         constraints_satisfied=hyp.constraints_satisfied)
 
 
-def result_json(lm: LoadedModel, prompt: str, result: BeamResult, greedy: Finish | None,
-                settings: GenerationSettings, seconds: float, tree: bool, backend_name: str
-                ) -> dict[str, Any]:
+def result_json(lm: LoadedModel, prompt: str, prompt_tokens: int, result: BeamResult,
+                greedy: Finish | None, settings: GenerationSettings, seconds: float,
+                tree: bool, backend: dict[str, str]) -> dict[str, Any]:
+    from cli import output
     from cli.render_beam import tree_json
 
-    out: dict[str, Any] = {
-        "model": lm.ref, "backend": backend_name, "prompt": prompt, "steps": result.steps,
-        "seconds": round(seconds, 6),
-        "hypotheses": [hypothesis_json(r, h) for r, h in enumerate(result.hypotheses)],
-        "greedy": None if greedy is None else {
-            "text": greedy.text, "token_ids": list(greedy.token_ids),
-            "sum_logprob": sum(greedy.logprobs), "finish_reason": greedy.reason},
-        "settings": settings.to_dict(),
-    }
-    if tree:
-        out["tree"] = tree_json(result)
-    return out
+    outputs = [hypothesis_output(r, h, seconds) for r, h in enumerate(result.hypotheses, 1)]
+    greedy_out = None if greedy is None else output.finish_output(
+        greedy, 1, sum_logprob=sum(greedy.logprobs))
+    extra: dict[str, Any] = {"tree": tree_json(result)} if tree else {}
+    return output.run_document("beam", lm.ref, settings, prompt, prompt_tokens, outputs,
+                               steps=result.steps, greedy=greedy_out, backend=backend,
+                               **extra)
 
 
 def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationSettings,
-             *, as_json: bool, tree: bool, tree_steps: int, tree_width: int,
+             *, sink: Sink, tree: bool, tree_steps: int, tree_width: int,
              with_greedy: bool) -> bool:
     """Search, run the greedy contrast, show both; True when Ctrl-C cut the search short
     (its best beams so far are shown, marked "interrupted", and greedy is skipped)."""
     import time
 
-    from cli import render, render_beam
+    from cli import output, render, render_beam
     from genlib.backends.choose import choose_backend
     from genlib.beam import backend_request, search
     from genlib.generate import generate
@@ -96,16 +100,22 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     backend = choose_backend(lm, backend_request([ids], settings, lm.backend))
     start = time.perf_counter()
     run = search(lm, [ids], settings, record_tree=tree, backend=backend)
-    live = tree and not as_json and render.out.is_terminal
+    live = tree and not sink.machine and render.out.is_terminal
     result = (draw_live(run, prompt, tree_steps, tree_width) if live else finish(run))[0]
     seconds = time.perf_counter() - start
     greedy = generate(lm, [ids], greedy_settings(settings))[0] \
         if with_greedy and not result.interrupted else None
     # The greedy run's loop keeps a Ctrl-C too: its row ends "interrupted".
     interrupted = result.interrupted or (greedy is not None and greedy.reason == "interrupted")
-    if as_json:
-        render.json_line(result_json(lm, prompt, result, greedy, settings, seconds, tree,
-                                     backend.name))
+    doc = result_json(lm, prompt, len(ids), result, greedy, settings, seconds, tree,
+                      {"name": backend.name, "reason": backend.reason})
+    for out in doc["outputs"]:
+        sink.json_line(output.line(doc, out, role="beam"))
+    if doc["greedy"] is not None:
+        sink.json_line(output.line(doc, doc["greedy"], role="greedy"))
+    sink.json_document(doc)
+    sink.texts([h.text for h in result.hypotheses])
+    if sink.machine:
         return interrupted
     if tree and live:
         render_beam.tree_notes(result.tree or [], tree_steps, tree_width)
@@ -178,7 +188,7 @@ def beam(
     force_any: ForceAny = None,
     max_new_tokens: opt.MaxNewTokens = None,
     min_new_tokens: opt.MinNewTokens = None,
-    temperature: opt.Temperature = None,
+    temperature: Temperature = None,
     top_k: opt.TopK = None,
     top_p: opt.TopP = None,
     min_p: opt.MinP = None,
@@ -226,6 +236,8 @@ def beam(
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
+    as_jsonl: opt.Jsonl = False,
+    output: opt.OutputFile = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
@@ -246,6 +258,7 @@ def beam(
         do_sample=sample, num_beam_groups=num_beam_groups,
         diversity_penalty=diversity_penalty, force_words=force or None,
         force_any=force_any or None)
+    target = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     if settings.num_return_sequences == 1 and num_return_sequences is None:
@@ -254,8 +267,9 @@ def beam(
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
               loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    interrupted = run_beam(lm, ids, text, settings, as_json=as_json, tree=tree,
-                           tree_steps=tree_steps, tree_width=tree_width,
-                           with_greedy=not no_greedy)
+    with opened(target) as target:
+        interrupted = run_beam(lm, ids, text, settings, sink=target, tree=tree,
+                               tree_steps=tree_steps, tree_width=tree_width,
+                               with_greedy=not no_greedy)
     if interrupted:
         raise fail("interrupted: the results above are those so far", INTERRUPTED)

@@ -16,6 +16,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail, user_errors
+from cli.output import Sink, opened, sink
 from genlib.backends.choose import BACKENDS
 
 if TYPE_CHECKING:
@@ -50,12 +51,26 @@ def str_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> li
     return values
 
 
-def strategy_settings(names: list[str], seed: int) -> list[tuple[str, GenerationSettings]]:
+def measured(strategies: list[str], presets: list[str]) -> list[tuple[str, bool]]:
+    """What to measure, in order: (name, whether it is a preset). -s takes strategies
+    only and -p presets only, as in every other command."""
+    for name in strategies:
+        if name == "beam":
+            raise fail("beam: bench measures the greedy/sampling decode loop; beam search "
+                       "is not supported here yet")
+        if name not in STRATEGIES:
+            raise fail(f"--strategy: {name!r} is not a strategy; use {', '.join(STRATEGIES)}, "
+                       f"or give a preset with -p {name}")
+    return [(name, False) for name in strategies] + [(name, True) for name in presets]
+
+
+def strategy_settings(names: list[tuple[str, bool]], seed: int
+                      ) -> list[tuple[str, GenerationSettings]]:
     """Each name is a strategy (greedy, sample) or a preset; sampling runs get `seed`."""
     out = []
-    for name in names:
-        flags: dict[str, Any] = {"strategy": name} if name in STRATEGIES else {}
-        settings, _ = settings_for(None if name in STRATEGIES else name, flags)
+    for name, is_preset in names:
+        flags: dict[str, Any] = {} if is_preset else {"strategy": name}
+        settings, _ = settings_for(name if is_preset else None, flags)
         if settings.strategy == "beam":
             raise fail(f"{name}: bench measures the greedy/sampling decode loop; beam search "
                        f"is not supported here yet")
@@ -97,7 +112,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         case.new_tokens, "batch_size": case.batch_size,
         "backend": engine_result.backend, "backend_requested":
         case.backend if engine_result.engine == "genlab" else None,
-        "runs": runs, "warmup": warmup, **metrics,
+        "runs": runs, "warmup": warmup, "settings": case.settings.to_dict(), **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
         "read_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
@@ -108,10 +123,14 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
     return row
 
 
-def engine_label(r: dict[str, Any]) -> str:
-    """The engine, the backend it ran on, and what compiling took where it compiled."""
-    took = "" if r["compile_s"] is None else f", compile {r['compile_s']:.1f}s"
-    return f"{r['engine']} ({r['backend']}{took})"
+def engine_label(r: dict[str, Any], compile_time: bool = True) -> str:
+    """The engine, the backend it ran on (where they differ), and what compiling took
+    where it compiled."""
+    took = "" if r["compile_s"] is None or not compile_time else \
+        f", compile {r['compile_s']:.1f}s"
+    if r.get("backend") in (None, "", r["engine"]) and not took:
+        return r["engine"]
+    return f"{r['engine']} ({r.get('backend') or '-'}{took})"
 
 
 def check_plot_available(plot: str | None) -> None:
@@ -126,9 +145,11 @@ def check_plot_available(plot: str | None) -> None:
 @user_errors
 def bench(
     model: opt.Model = None,
-    strategy: Annotated[str, typer.Option(
-        "--strategy", "-s", help="Comma list of strategies (greedy, sample) or preset "
-        "names to measure.")] = "greedy",
+    strategy: Annotated[str | None, typer.Option(
+        "--strategy", "-s", help="Comma list of strategies to measure: greedy, sample "
+        "(default greedy, unless -p is given).")] = None,
+    preset: Annotated[list[str] | None, typer.Option(
+        "--preset", "-p", help="Preset to measure (repeatable, or a comma list).")] = None,
     prompt_len: Annotated[str, typer.Option(
         "--prompt-len", help="Comma list of prompt lengths in tokens (exact).")] = "128",
     new_tokens: Annotated[str, typer.Option(
@@ -160,6 +181,11 @@ def bench(
         = None,
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling strategies.")] = 0,
     as_json: opt.Json = False,
+    as_jsonl: opt.Jsonl = False,
+    output: opt.OutputFile = None,
+    wide: Annotated[bool, typer.Option(
+        "--wide", rich_help_panel=opt.OUTPUT_PANEL, help="Show every column of the table "
+        "(spreads, latency percentiles, memory, token identity), however wide.")] = False,
     csv_path: Annotated[str | None, typer.Option(
         "--csv", help="Also write the results as CSV to this file (`-` for stdout).")] = None,
     plot: Annotated[str | None, typer.Option(
@@ -179,7 +205,10 @@ def bench(
       genlab bench -m ../shared/models/code-target --batch-size 1,4 --json
     """
     opt.refuse_compile(compile)
-    names = str_list("--strategy", strategy)
+    target = sink(as_json, as_jsonl, output)
+    presets = [name for item in preset or [] for name in str_list("--preset", item)]
+    names = measured(str_list("--strategy", strategy) if strategy is not None
+                     else [] if presets else ["greedy"], presets)
     lengths = int_list("--prompt-len", prompt_len)
     counts = int_list("--new-tokens", new_tokens)
     batches = int_list("--batch-size", batch_size)
@@ -189,8 +218,11 @@ def bench(
     if baseline not in BASELINES:
         raise fail(f"--baseline: unknown value {baseline!r}; use {', '.join(BASELINES)}")
     check_plot_available(plot)
-    if as_json and csv_path == "-":
-        raise fail("--json and --csv - both write to stdout; send the CSV to a file")
+    if target.machine and target.to_stdout and csv_path == "-":
+        raise fail(f"--{target.mode} and --csv - both write to stdout; send the CSV to a file")
+    if not target.machine and output is not None:
+        raise fail("-o/--output writes the --json or --jsonl output of bench; add one of "
+                   "them, or use --csv FILE")
     if csv_path is not None and csv_path != "-":
         check_writable(Path(csv_path), "--csv")
     check_threads(threads)
@@ -198,7 +230,8 @@ def bench(
                          no_cache)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
                                  runs, warmup, baseline == "transformers", threads, bandwidth)
-    emit(records, machine, as_json, csv_path, plot)
+    with opened(target):
+        emit(records, machine, target, csv_path, plot, wide)
 
 
 def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],
@@ -266,19 +299,37 @@ class progress_bar:  # noqa: N801 - used as a context manager, like open()
 
 # --- Output -----------------------------------------------------------------------------
 
-def emit(records: list[dict[str, Any]], machine: dict[str, Any], as_json: bool,
-         csv_path: str | None, plot: str | None) -> None:
-    from cli import render
+def emit(records: list[dict[str, Any]], machine: dict[str, Any], target: Sink,
+         csv_path: str | None, plot: str | None, wide: bool) -> None:
+    from cli import output, render
 
-    if as_json:
-        render.json_line({"machine": machine, "results": records})
-    else:  # with the CSV on stdout, the table goes to stderr
-        print_table(records, machine, render.err if csv_path == "-" else render.out)
+    doc = bench_json(records, machine)
+    for record in doc["results"]:
+        target.json_line(output.line(doc, record))
+    target.json_document(doc)
+    if not target.machine or not target.to_stdout:  # the table stays off a JSON stdout
+        out = render.err if csv_path == "-" or target.machine else render.out
+        print_table(records, machine, out, wide)
     if csv_path is not None:
         write_csv(records, csv_path)
     if plot is not None:
         draw_plot(records, plot)
         render.info(f"plot written to {plot}")
+
+
+def bench_json(records: list[dict[str, Any]], machine: dict[str, Any]) -> dict[str, Any]:
+    """The document of the JSON contract: every record keeps its flat metrics (as in the
+    CSV) and gains the shared `timings` and its strategy's `settings`."""
+    from cli import output
+
+    results = []
+    for r in records:
+        results.append({**r, "timings": output.timings(
+            total_s=r["e2e_s"], prefill_s=r.get("prefill_s"), ttft_s=r["ttft_s"],
+            tokens_per_s=r["decode_tps"])})
+    models = list(dict.fromkeys(r["model"] for r in records))
+    return output.document("bench", models[0] if len(models) == 1 else None, machine=machine,
+                           results=results)
 
 
 def _ms(seconds: float | None) -> str:
@@ -289,32 +340,98 @@ def _spread(r: dict[str, Any], key: str, fmt: str = "{:,.0f}") -> str:
     return f"{fmt.format(r[key])} [{fmt.format(r[key + '_min'])}-{fmt.format(r[key + '_max'])}]"
 
 
-def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any) -> None:
+def _cells(r: dict[str, Any], wide: bool) -> dict[str, str]:
+    """A record's cells by column name, in table order (the wide table's columns)."""
+    cells = {
+        "strategy": r["strategy"], "engine": engine_label(r, compile_time=wide),
+        "dtype/quant": f"{r['torch_dtype']}/{r['quantize']}",
+        "prompt/new/batch": f"{r['prompt_tokens']}/{r['new_tokens']}/{r['rows']}",
+        "prefill tok/s": f"{r['prefill_tps']:,.0f}",
+        "decode tok/s": _spread(r, "decode_tps") if wide else f"{r['decode_tps']:,.0f}",
+        "ttft ms": _ms(r["ttft_s"]),
+        "itl p50/p90/p99 ms": "/".join(_ms(r[f"itl_p{p}_s"]) for p in (50, 90, 99)),
+        "e2e s": f"{r['e2e_s']:.3f}",
+        "peak RSS MiB": "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}",
+        "speedup": "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
+        "same tokens": {True: "yes", False: "NO", None: "-"}[r["identical_to_baseline"]],
+        "% of bw bound": "-" if r["bound_fraction"] is None
+        else f"{100 * r['bound_fraction']:.0f}%",
+    }
+    if wide:
+        cells["decode tok/s [min-max]"] = cells.pop("decode tok/s")
+        return {k: cells[k] for k in WIDE_COLUMNS}
+    return {k: cells[k] for k in COLUMNS}
+
+
+# The default table: what a reader compares first, narrow enough for 80 columns with the
+# usual labels (headers wrap, values never do). --wide adds the rest.
+COLUMNS = ("strategy", "engine", "prompt/new/batch", "prefill tok/s", "decode tok/s",
+           "ttft ms", "e2e s", "speedup", "% of bw bound")
+WIDE_COLUMNS = ("strategy", "engine", "dtype/quant", "prompt/new/batch", "prefill tok/s",
+                "decode tok/s [min-max]", "ttft ms", "itl p50/p90/p99 ms", "e2e s",
+                "peak RSS MiB", "speedup", "same tokens", "% of bw bound")
+TEXT_COLUMNS = ("strategy", "engine", "dtype/quant")
+DROP_ORDER = ("prefill tok/s", "e2e s", "ttft ms", "prompt/new/batch")
+SHORT_HEADERS = {"prompt/new/batch": "prompt/\nnew/batch", "prefill tok/s": "prefill\ntok/s",
+                 "decode tok/s": "decode\ntok/s", "ttft ms": "ttft\nms", "e2e s": "e2e\ns",
+                 "speedup": "speed-\nup", "% of bw bound": "% bw\nbound"}
+
+
+def bench_table(records: list[dict[str, Any]], wide: bool = False,
+                columns: tuple[str, ...] | None = None) -> Any:
+    """The results table: one line per record, values never wrapped or cut."""
+    from rich import box
     from rich.table import Table
 
-    table = Table(show_edge=False, title=None)
-    for name in ("strategy", "engine", "dtype/quant", "prompt/new/batch",
-                 "prefill tok/s", "decode tok/s [min-max]", "ttft ms", "itl p50/p90/p99 ms",
-                 "e2e s", "peak RSS MiB", "speedup", "same tokens", "% of bw bound"):
-        table.add_column(name, justify="left" if name in ("strategy", "engine") else "right")
-    for r in records:
-        table.add_row(
-            r["strategy"], engine_label(r),
-            f"{r['torch_dtype']}/{r['quantize']}",
-            f"{r['prompt_tokens']}/{r['new_tokens']}/{r['rows']}",
-            f"{r['prefill_tps']:,.0f}", _spread(r, "decode_tps"),
-            _ms(r["ttft_s"]),
-            "/".join(_ms(r[f"itl_p{p}_s"]) for p in (50, 90, 99)), f"{r['e2e_s']:.3f}",
-            "-" if r["peak_rss_mb"] is None else f"{r['peak_rss_mb']:,.0f}",
-            "-" if r["speedup"] is None else f"{r['speedup']:.2f}x",
-            {True: "yes", False: "NO", None: "-"}[r["identical_to_baseline"]],
-            "-" if r["bound_fraction"] is None else f"{100 * r['bound_fraction']:.0f}%")
-    width = out.width
-    out.width = max(width, 180)  # a report: never squeeze it into 80 columns when piped
-    try:
-        out.print(table)
-    finally:
-        out.width = width
+    rows = [_cells(r, wide) for r in records]
+    columns = columns or (WIDE_COLUMNS if wide else COLUMNS)
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
+    for name in columns:
+        width = max([len(row[name]) for row in rows], default=1)
+        header = name if wide else SHORT_HEADERS.get(name, name)
+        table.add_column(header, justify="left" if name in TEXT_COLUMNS else "right",
+                         no_wrap=True, min_width=width)
+    for row in rows:
+        table.add_row(*[row[name] for name in columns])
+    return table
+
+
+def natural_width(out: Any, renderable: Any) -> int:
+    from rich.measure import Measurement
+
+    return Measurement.get(out, out.options.update_width(10_000), renderable).maximum
+
+
+def fitted_table(records: list[dict[str, Any]], width: int, out: Any
+                 ) -> tuple[Any, list[str]]:
+    """The default table within `width` columns: where even its columns do not fit (long
+    labels, big numbers), the least telling ones go, named, rather than cut values."""
+    columns = list(COLUMNS)
+    dropped: list[str] = []
+    table = bench_table(records, columns=tuple(columns))
+    for name in DROP_ORDER:
+        if natural_width(out, table) <= width:
+            break
+        columns.remove(name)
+        dropped.append(name)
+        table = bench_table(records, columns=tuple(columns))
+    return table, dropped
+
+
+def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any,
+                wide: bool = False) -> None:
+    dropped: list[str] = []
+    if wide:  # a report: at its natural width, never squeezed into the terminal's
+        table = bench_table(records, wide=True)
+        width = out.width
+        out.width = max(width, natural_width(out, table))
+        try:
+            out.print(table, soft_wrap=False)
+        finally:
+            out.width = width
+    else:
+        table, dropped = fitted_table(records, out.width, out)
+        out.print(table, soft_wrap=False)
     notes = [f"torch threads: {machine['threads']}"]
     if machine.get("read_bandwidth_gbs"):
         notes.append(f"read bandwidth: {machine['read_bandwidth_gbs']:.1f} GB/s, median of "
@@ -326,7 +443,16 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
             notes.append(f"weights {key}: {weights / 1e6:.1f} MB read per step -> bound "
                          f"{bound:,.0f} tok/s at batch 1 at that median (each row's % uses "
                          f"its own configuration's samples)")
-    out.print("[dim]" + " · ".join(notes) + "[/]")
+    if dropped:
+        notes.append(f"too narrow for: {', '.join(dropped)}")
+    if not wide:
+        notes.append("--wide shows every column")
+    from rich.text import Text
+
+    out.print(Text(" · ".join(notes), style="dim", no_wrap=False), soft_wrap=False)
+
+
+CSV_SKIP = ("settings",)  # nested: the JSON has it; a CSV cell would hold a dict's repr
 
 
 # More torch threads than this many per logical CPU only contend, and each one costs
@@ -356,10 +482,10 @@ def check_writable(path: Path, flag: str) -> None:
 
 
 def write_csv(records: list[dict[str, Any]], path: str) -> None:
-    fields = list(records[0]) if records else []
+    fields = [k for k in records[0] if k not in CSV_SKIP] if records else []
     handle = sys.stdout if path == "-" else open(path, "w", newline="")  # noqa: SIM115
     try:
-        writer = csv.DictWriter(handle, fieldnames=fields)
+        writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()
         writer.writerows(records)
     finally:

@@ -8,7 +8,6 @@ or quantizations on one strategy instead.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags
 from cli.errors import INTERRUPTED, fail, user_errors
+from cli.output import Sink, opened, sink
 
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
@@ -49,6 +49,16 @@ def settings_summary(settings: GenerationSettings) -> str:
 
 def _default(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def wrapped(markup: str) -> Any:
+    """Rich markup as a Text that wraps: the consoles soft-wrap (for streamed text), which
+    would otherwise crop a long cell to one line of its column."""
+    from rich.text import Text
+
+    text = Text.from_markup(markup)
+    text.no_wrap, text.overflow = False, "fold"
+    return text
 
 
 def format_metric(key: str, value: float | None) -> str:
@@ -109,11 +119,13 @@ class View:
 
         result = self.results[index]
         if result is not None and result.error is not None:
-            return Text.from_markup(f"[red]error:[/] {escape(result.error)}")
+            return wrapped(f"[red]error:[/] {escape(result.error)}")
         texts = self.texts[index]
         if not texts:
             return Text("generating…" if self.running == index else "waiting…", style="dim")
-        body = Text()
+        # Wrapped in full: the console's soft_wrap (kept for streamed text) would crop
+        # each text to one line of its column.
+        body = Text(no_wrap=False, overflow="fold")
         for n, row in enumerate(sorted(texts)):
             if n:
                 body.append(f"\n── sample {n + 1} ──\n", style="dim")
@@ -147,7 +159,7 @@ class View:
         table = Table(expand=True, caption=self.caption(), caption_justify="left")
         table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
         for index in range(len(self.strategies)):
-            table.add_column(self.header(index), ratio=1, overflow="fold")
+            table.add_column(wrapped(self.header(index)), ratio=1, overflow="fold")
         table.add_row("output", *[self.body(i) for i in range(len(self.strategies))],
                       end_section=True)
         best = self.best()
@@ -189,17 +201,19 @@ class View:
                     grid.add_row(f"[dim]{metric.label}[/]",
                                  metric_cell(metric.key, result.metrics.get(metric.key), best))
                 parts.append(grid)
-            panels.append(Panel(Group(*parts), title=self.header(index).replace("\n", " "),
+            panels.append(Panel(Group(*parts),
+                                title=self.header(index).replace("\n", " · "),
                                 title_align="left"))
         caption = self.caption()
         return Group(*panels, caption) if caption else Group(*panels)
 
 
-def console_for(exports_to_stdout: bool) -> Console:
-    """The view goes to stdout, unless an export already uses stdout."""
+def console_for(target: Sink, markdown_path: str | None) -> Console:
+    """The view goes to stdout, unless JSON or the Markdown export uses stdout."""
     from cli import render
 
-    return render.err if exports_to_stdout else render.out
+    to_stdout = (target.machine and target.to_stdout) or markdown_path == "-"
+    return render.err if to_stdout else render.out
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
@@ -320,11 +334,65 @@ def write_export(path: str, text: str) -> None:
         raise fail(f"cannot write {path}: {exc.strerror}; pick a writable path") from None
 
 
-def export(data: dict[str, Any], markdown: str | None, json_path: str | None,
-           markdown_path: str | None) -> None:
-    if json_path:
-        write_export(json_path, json.dumps(data, ensure_ascii=False, indent=2) + "\n")
-    if markdown_path and markdown is not None:
+def sample_output(index: int, sample: Any) -> dict[str, Any]:
+    """A strategy's sample as an output of the JSON contract."""
+    from cli import output
+
+    tps = len(sample.token_ids) / sample.seconds if sample.seconds > 0 else None
+    return output.output(index, sample.text, sample.token_ids, sample.reason,
+                         output.timings(total_s=sample.seconds, tokens_per_s=tps),
+                         logprobs=[round(lp, 6) for lp in sample.logprobs],
+                         score=sample.score)
+
+
+def comparison_json(comparison: Comparison) -> dict[str, Any]:
+    """The strategies comparison as one document of the JSON contract."""
+    from cli import output
+
+    data = comparison.to_dict()
+    strategies = []
+    for result, entry in zip(comparison.results, data["strategies"]):
+        del entry["samples"]
+        entry["outputs"] = [sample_output(n, s) for n, s in enumerate(result.samples, 1)]
+        strategies.append(entry)
+    return output.document("compare", comparison.model, kind="strategies",
+                           prompt=comparison.prompt, prompt_tokens=comparison.prompt_tokens,
+                           seed=comparison.seed, metrics=data["metrics"], best=data["best"],
+                           strategies=strategies)
+
+
+def models_json(comparison: ModelComparison) -> dict[str, Any]:
+    """The models comparison as one document: each run with its model and output."""
+    from cli import output
+
+    data = comparison.to_dict()
+    runs = []
+    for run, entry in zip(comparison.runs, data["runs"]):
+        for key in ("text", "token_ids", "seconds", "tokens_per_s", "finish_reason"):
+            del entry[key]
+        entry["outputs"] = [] if run.error or run.finish_reason is None else [output.output(
+            1, run.text, run.token_ids, run.finish_reason,
+            output.timings(total_s=run.seconds, tokens_per_s=run.tokens_per_s))]
+        runs.append(entry)
+    return output.document("compare", None, kind="models", prompt=comparison.prompt,
+                           strategy=data["strategy"], settings=data["settings"],
+                           interrupted=data["interrupted"], runs=runs)
+
+
+def emit(doc: dict[str, Any], groups: str, target: Sink, markdown: str,
+         markdown_path: str | None) -> None:
+    """The document (--json), its outputs line by line (--jsonl, each with the settings
+    and label of its strategy, or the model of its run) and the Markdown export."""
+    from cli import output
+
+    for group in doc[groups]:
+        label = {"strategy": group["label"]} if "label" in group else {
+            "model": group["model"], "quantize": group["quantize"]}
+        settings = {"settings": group["settings"]} if "settings" in group else {}
+        for out in group["outputs"]:
+            target.json_line(output.line(doc, out, **label, **settings))
+    target.json_document(doc)
+    if markdown_path:
         write_export(markdown_path, markdown)
 
 
@@ -357,7 +425,8 @@ def models_table(comparison: ModelComparison) -> RenderableType:
     table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
     for run in comparison.runs:
         table.add_column(f"[bold]{escape(run.label)}[/]", ratio=1, overflow="fold")
-    table.add_row("output", *[output_cell(r) for r in comparison.runs], end_section=True)
+    table.add_row("output", *[wrapped(output_cell(r)) for r in comparison.runs],
+                  end_section=True)
     ok = [r for r in comparison.runs if not r.error]
     fastest = max((r.tokens_per_s or 0 for r in ok), default=None)
     smallest = min((r.weight_bytes for r in ok if r.weight_bytes), default=None)
@@ -390,7 +459,7 @@ def split_list(text: str | None) -> list[str]:
 
 
 def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
-               quantizations: list[str], flags: ModelFlags, json_path: str | None,
+               quantizations: list[str], flags: ModelFlags, target: Sink,
                markdown_path: str | None) -> None:
     from cli import render
     from genlib.compare import compare_models
@@ -404,10 +473,9 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
                        flags.backend) for ref in refs for q in quantizations]
     render.info(f"comparing {len(specs)} model runs, one at a time…")
     comparison = compare_models(specs, prompt, strategies[0])
-    to_stdout = "-" in (json_path, markdown_path)
-    console_for(to_stdout).print(models_table(comparison))
-    export({"kind": "models", **comparison.to_dict()}, models_markdown(comparison),
-           json_path, markdown_path)
+    console_for(target, markdown_path).print(models_table(comparison))
+    emit(models_json(comparison), "runs", target, models_markdown(comparison),
+         markdown_path)
     if comparison.interrupted:
         raise fail("interrupted: the table shows the runs so far", INTERRUPTED)
     if all(r.error for r in comparison.runs):
@@ -431,9 +499,6 @@ Models = Annotated[str | None, typer.Option(
 Quantizations = Annotated[str, typer.Option(
     "--quantize", rich_help_panel=opt.MODEL_PANEL,
     help="none, 8bit or 4bit; comma-separated to compare quantizations.")]
-JsonPath = Annotated[str | None, typer.Option(
-    "--json", rich_help_panel=opt.OUTPUT_PANEL, metavar="PATH",
-    help="Export the comparison as JSON to PATH (`-` for stdout).")]
 MarkdownPath = Annotated[str | None, typer.Option(
     "--markdown", rich_help_panel=opt.OUTPUT_PANEL, metavar="PATH",
     help="Export the comparison as Markdown to PATH (`-` for stdout).")]
@@ -458,7 +523,9 @@ def compare(
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",
-    json_path: JsonPath = None,
+    as_json: opt.Json = False,
+    as_jsonl: opt.Jsonl = False,
+    output: opt.OutputFile = None,
     markdown_path: MarkdownPath = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
@@ -477,15 +544,18 @@ def compare(
     Examples:\n
       genlab compare "Once upon a time" -m ../shared/models/stories260K -n 200\n
       genlab compare "Once upon a time" -p greedy -p creative --variant "repetition_penalty=1.3"\n
-      genlab compare "def add(a, b):" --samples 3 --seed 1 --json out.json\n
+      genlab compare "def add(a, b):" --samples 3 --seed 1 --json -o out.json\n
       genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
     from cli.context import read_prompt
     from genlib.compare import build_strategies, strategy_from_variant, with_seed
     from genlib.config import fresh_seed
 
-    if json_path == "-" and markdown_path == "-":
-        raise fail("--json - and --markdown - both want stdout; write one of them to a file")
+    target = sink(as_json, as_jsonl, output)
+    check_outputs(target, markdown_path)
+    if model is not None and models is not None:
+        raise fail("-m/--model and --models exclude each other: give every model to "
+                   "--models (comma-separated), or one with -m")
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
                               **opt.grammar_flags(json_schema, regex, grammar))
@@ -501,16 +571,28 @@ def compare(
             strategies = with_seed([greedy], base_seed)
         if samples > 1:
             raise fail("--samples applies to comparing strategies, not --models/--quantize")
-        run_models(text, strategies, model_refs, quantizations, model_flags, json_path,
-                   markdown_path)
+        with opened(target):
+            run_models(text, strategies, model_refs, quantizations, model_flags, target,
+                       markdown_path)
         return
     model_flags.model = model_refs[0] if model_refs else model
     model_flags.quantize = quantizations[0]
-    run_strategies(text, strategies, model_flags, base_seed, json_path, markdown_path, crn)
+    with opened(target):
+        run_strategies(text, strategies, model_flags, base_seed, target, markdown_path, crn)
+
+
+def check_outputs(target: Sink, markdown_path: str | None) -> None:
+    """Refuse outputs that collide or that -o cannot write."""
+    if not target.machine and target.path is not None:
+        raise fail("-o/--output writes the --json or --jsonl output of compare; add one of "
+                   "them, or use --markdown FILE for a readable export")
+    if target.machine and target.to_stdout and markdown_path == "-":
+        raise fail(f"--{target.mode} and --markdown - both want stdout; write one of them to "
+                   f"a file (-o FILE or --markdown FILE)")
 
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
-                   seed: int, json_path: str | None, markdown_path: str | None,
+                   seed: int, target: Sink, markdown_path: str | None,
                    crn: bool = True) -> None:
     from cli import render
     from cli.context import load
@@ -521,7 +603,7 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     least = min((s.settings.max_new_tokens for s in strategies), default=1)
     lm.check_prompt_chars(text, least)
     ids = lm.encode(text)
-    console = console_for("-" in (json_path, markdown_path))
+    console = console_for(target, markdown_path)
     if any(s.stochastic for s in strategies):
         render.info(CRN_NOTE if crn else NO_CRN_NOTE)
     results, interrupted = run_live(lm, text, ids, strategies, crn, console)
@@ -530,8 +612,8 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     for result in results:
         if result.error is not None:
             render.warn(f"{result.strategy.label}: {result.error}")
-    export({"kind": "strategies", **comparison.to_dict()}, comparison_markdown(comparison),
-           json_path, markdown_path)
+    emit(comparison_json(comparison), "strategies", target, comparison_markdown(comparison),
+         markdown_path)
     if interrupted:
         raise typer.Exit(INTERRUPTED)
     failed = [r for r in results if r.error is not None]

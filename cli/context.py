@@ -4,6 +4,8 @@ settings (flag > preset > defaults), load the model once and encode the prompt."
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -42,10 +44,10 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
-    lm = load_model(ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
-                              quantize=flags.quantize,
-                              trust_remote_code=flags.trust_remote_code,
-                              backend=check_name(flags.backend)), quick=quick)
+    spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype, quantize=flags.quantize,
+                     trust_remote_code=flags.trust_remote_code, backend=check_name(flags.backend))
+    with loading(ref):
+        lm = load_model(spec, quick=quick)
     build_native_kernel(lm)
     return lm
 
@@ -134,3 +136,27 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
             ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
                 else ids[len(ids) - room:]
     return ids
+
+
+@contextmanager
+def loading(ref: str) -> Iterator[None]:
+    """A "loading MODEL" spinner on stderr while a model loads (seconds), where stderr
+    is a terminal; nothing in pipes and logs."""
+    from cli.render import err
+
+    if not err.is_terminal:
+        yield
+        return
+    from rich.errors import LiveError
+    from rich.markup import escape
+
+    status = err.status(f"loading {escape(ref)}", spinner="dots")
+    try:
+        status.start()
+    except LiveError:  # Rich before 14 draws one live display at a time (bench's bar)
+        yield
+        return
+    try:
+        yield
+    finally:
+        status.stop()

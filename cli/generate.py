@@ -12,6 +12,7 @@ from cli import options as opt
 from cli import render_tokens
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, user_errors
+from cli.output import Json, Jsonl, Sink, opened, sink
 from cli.settings_view import show_settings_table
 from genlib.config import with_seed
 
@@ -22,38 +23,30 @@ if TYPE_CHECKING:
     from genlib.stepdetail import Detail
 
 
-def result_json(lm: LoadedModel, finish: Finish, prompt: str, prefill: Prefill | None,
-                settings: GenerationSettings, tokens: Sequence[Token] = ()
-                ) -> dict[str, Any]:
-    """One output as JSON; with `tokens` carrying details (--logprobs), a `logprobs`
-    object in the OpenAI/vLLM shape."""
+def run_document(lm: LoadedModel, prompt: str, ids: list[int],
+                 settings: GenerationSettings, prefill: Prefill | None) -> dict[str, Any]:
+    """The run's JSON document (docs/output.md), its outputs to be filled in: with the
+    backend that ran and why (the Prefill event's)."""
+    from cli import output
+
+    backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else None
+    return output.run_document("generate", lm.ref, settings, prompt, len(ids), [],
+                               backend=backend)
+
+
+def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,
+                tokens: Sequence[Token] = ()) -> dict[str, Any]:
+    """One output as JSON (docs/output.md); with `tokens` carrying details (--logprobs),
+    a `logprobs` object in the OpenAI/vLLM shape."""
+    from cli import output
+
     prefill_s = prefill.seconds if prefill is not None else 0.0
     extra: dict[str, Any] = {}
     if tokens and tokens[0].detail is not None:
         from genlib.explain import logprobs_content
 
         extra["logprobs"] = logprobs_content(lm, tokens)
-    return {
-        "model": lm.ref,
-        "backend": {"name": prefill.backend if prefill else None,
-                    "reason": prefill.backend_reason if prefill else None},
-        "prompt": prompt,
-        "sequence": finish.row,
-        "text": finish.text,
-        "finish_reason": finish.reason,
-        "prompt_tokens": finish.prompt_tokens,
-        "new_tokens": finish.new_tokens,
-        "token_ids": list(finish.token_ids),
-        "timings": {
-            "prefill_s": round(prefill_s, 6),
-            "ttft_s": None if finish.ttft is None else round(finish.ttft, 6),
-            "total_s": round(finish.end - finish.start, 6),
-            "tokens_per_s": round(finish.tokens_per_second, 3),
-        },
-        "settings": settings.to_dict(),
-        **({"score": finish.score} if finish.score is not None else {}),
-        **extra,
-    }
+    return output.finish_output(finish, finish.row + 1, prefill_s, **extra)
 
 
 def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
@@ -66,16 +59,16 @@ def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
 
 
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
-                   settings: GenerationSettings, as_json: bool, show_stats: bool,
+                   settings: GenerationSettings, sink: Sink, show_stats: bool,
                    logprobs: int | None = None, color_by: str | None = None) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
     output ended before its grammar was complete)."""
-    from cli import render
+    from cli import output, render
     from genlib.events import Finish, Prefill, Token
     from genlib.generate import stream
     from genlib.step import collect
 
-    live = not as_json and settings.num_return_sequences == 1
+    live = not sink.machine and settings.num_return_sequences == 1
     prefill: Prefill | None = None
     finished: list[Finish] = []
     tokens: dict[int, list[Token]] = {}
@@ -95,16 +88,22 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             finished.append(event)
             if live:
                 render.stream_text(event.tail)
+            sink.json_line(output.line(run_document(lm, prompt, ids, settings, prefill),
+                                       result_json(lm, event, prefill,
+                                                   tokens.get(event.row, ()))))
 
     detail = detail_for(logprobs, color_by)
     _, interrupted = collect(stream(lm, [ids], settings, detail=detail), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
-    for finish in sorted(finished, key=lambda f: f.row):
-        if as_json:
-            render.json_line(result_json(lm, finish, prompt, prefill, settings,
-                                         tokens.get(finish.row, ())))
+    ordered = sorted(finished, key=lambda f: f.row)
+    doc = run_document(lm, prompt, ids, settings, prefill)
+    doc["outputs"] = [result_json(lm, f, prefill, tokens.get(f.row, ())) for f in ordered]
+    sink.json_document(doc)
+    sink.texts([f.text for f in ordered])
+    for finish in ordered:
+        if sink.machine:
             continue
         if not live:
             if finish.row:
@@ -172,7 +171,12 @@ def generate(
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
-    as_json: opt.Json = False,
+    as_json: Json = False,
+    as_jsonl: Jsonl = False,
+    output: Annotated[str | None, typer.Option(
+        "--output", "-o", rich_help_panel=opt.OUTPUT_PANEL, metavar="FILE",
+        help="Write the text, --json or --jsonl to FILE instead of stdout; with --input, "
+        "the JSONL results file (`-` = stdout; rerunning resumes it).")] = None,
     logprobs: opt.Logprobs = None,
     color_by: opt.ColorBy = None,
     show_settings: opt.ShowSettings = False,
@@ -190,9 +194,6 @@ def generate(
     input_file: Annotated[Path | None, typer.Option(
         "--input", help="JSONL file of prompts to generate for in batches (`-` = stdin).")
     ] = None,
-    output: Annotated[str | None, typer.Option(
-        "--output", help="JSONL results file for --input (`-` = stdout); rerunning "
-        "resumes it.")] = None,
     batch_size: Annotated[int | None, typer.Option(
         "--batch-size", help="Rows per forward pass with --input (default 16).")] = None,
     retry_errors: Annotated[bool, typer.Option(
@@ -228,12 +229,12 @@ def generate(
     from cli.batch import EngineFlags
 
     engine_flags = EngineFlags(engine, ray_address, workers, batch_format)
-    if (interactive or input_file is not None or output is not None or batch_size is not None
+    if (interactive or input_file is not None or batch_size is not None
             or retry_errors or redo_changed or engine_flags.given()):
         from cli import batch as batch_cmd
 
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
-                              {"--json": as_json, "--stats": show_stats,
+                              {"--json": as_json, "--jsonl": as_jsonl, "--stats": show_stats,
                                "--truncate-prompt": truncate_prompt,
                                "--logprobs": bool(logprobs),
                                "--color-by": color_by is not None,
@@ -248,6 +249,7 @@ def generate(
                              chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
                              engine_flags)
     render_tokens.check_color_by(color_by)
+    sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
@@ -255,6 +257,7 @@ def generate(
     if show_settings:
         show_settings_table(settings, flags, loaded_preset, lm)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
-    code = run_generation(lm, ids, text, settings, as_json, show_stats, logprobs, color_by)
+    with opened(sink(as_json, as_jsonl, output)) as target:
+        code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by)
     if code:
         raise typer.Exit(code)

@@ -6,6 +6,7 @@ Nothing here imports torch or transformers; subcommands import them when they ru
 from __future__ import annotations
 
 import gc
+from typing import Annotated
 
 import typer
 
@@ -21,9 +22,28 @@ app = typer.Typer(
     name="genlab",
     help="Generate text with language models and see how decoding strategies behave.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion, Typer's own
     pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from cli.output import version
+
+        typer.echo(f"genlab {version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    version: Annotated[bool, typer.Option(
+        "--version", "-V", is_eager=True, callback=_print_version,
+        help="Print genlab's version and exit.")] = False,
+) -> None:
+    """Generate text with language models and see how decoding strategies behave."""
+
 app.command("generate")(generate_cmd.generate)
 app.command("beam")(beam_cmd.beam)
 app.command("compare")(compare_cmd.compare)

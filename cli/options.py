@@ -10,6 +10,8 @@ from typing import Annotated, Any
 
 import typer
 
+from cli import output
+
 MODEL_PANEL = "Model"
 DECODING_PANEL = "Decoding"
 OUTPUT_PANEL = "Output"
@@ -18,8 +20,8 @@ GRAMMAR_PANEL = "Constrained output (xgrammar)"
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
-    help="Hub id or local folder. Default: the preset's model, else $GENLAB_MODEL, else "
-         "genlab's built-in code model.")]
+    help="Hub id, local folder, or a built-in model: builtin:code-small, builtin:code-tiny. "
+         "Default: the preset's model, else $GENLAB_MODEL, else builtin:code-small.")]
 Device = Annotated[str, typer.Option(
     "--device", rich_help_panel=MODEL_PANEL, help="auto, cpu, cuda or mps.")]
 Dtype = Annotated[str, typer.Option(
@@ -166,8 +168,8 @@ ColorBy = Annotated[str | None, typer.Option(
 ShowSettings = Annotated[bool, typer.Option(
     "--show-settings", rich_help_panel=OUTPUT_PANEL,
     help="List every effective setting and where it came from (stderr).")]
-Json = Annotated[bool, typer.Option("--json", rich_help_panel=OUTPUT_PANEL,
-                                    help="Print JSON instead of text.")]
+# The output flags live with the output contract (cli/output.py); here for one import.
+Json, Jsonl, OutputFile = output.Json, output.Jsonl, output.OutputFile
 
 
 def refuse_compile(given: bool) -> None:

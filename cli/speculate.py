@@ -5,7 +5,6 @@ and timing report (and, by default, the same prompt decoded plainly for the spee
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
@@ -13,6 +12,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import INTERRUPTED, fail, user_errors
+from cli.output import Sink, opened, sink
 from genlib.config import with_seed
 
 if TYPE_CHECKING:
@@ -29,15 +29,14 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
                ) -> str | None:
     """The draft model to load (None for prompt lookup). Without either flag, the
     built-in draft pairs with the built-in target; any other target needs a flag."""
-    from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL
+    from genlib.models import DEFAULT_DRAFT, DEFAULT_DRAFT_NAME, DEFAULT_MODEL_NAME, display_name
 
     if draft_model is not None and prompt_lookup is not None:
         raise fail("give --draft-model or --prompt-lookup, not both")
     if draft_model is not None or prompt_lookup is not None:
         return draft_model
-    is_default = Path(target_ref).expanduser().resolve() == DEFAULT_MODEL.resolve()
-    if is_default and DEFAULT_DRAFT.is_dir():
-        return str(DEFAULT_DRAFT)
+    if display_name(target_ref) == DEFAULT_MODEL_NAME and DEFAULT_DRAFT.is_dir():
+        return DEFAULT_DRAFT_NAME
     raise fail(f"no drafter for {target_ref}: pass --draft-model PATH|ID (a small model with "
                f"the same tokenizer) or --prompt-lookup N (drafts from the context, no model)")
 
@@ -81,6 +80,11 @@ def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettin
     finish = next(e for e in events if isinstance(e, Finish))
     seconds = finish.end - prefill.time
     return finish, (finish.new_tokens / seconds if seconds > 0 else 0.0)
+
+
+Strategy = Annotated[str | None, typer.Option(
+    "--strategy", "-s", rich_help_panel=opt.DECODING_PANEL,
+    help="greedy or sample (speculative decoding has no beam search).")]
 
 
 def summary_json(s: Summary) -> dict[str, Any]:
@@ -141,11 +145,13 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                   + ("[green]yes[/]" if identical else "[red]NO[/]"))
 
 
-def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, s: Summary,
-                baseline: tuple[Finish, float] | None, settings: GenerationSettings,
-                num_draft_tokens: int | None, adaptive: bool,
-                tokens: Sequence[Token] = ()) -> dict[str, Any]:
+def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
+                finish: Finish, s: Summary, baseline: tuple[Finish, float] | None,
+                settings: GenerationSettings, num_draft_tokens: int | None, adaptive: bool,
+                backend: dict[str, str], tokens: Sequence[Token] = ()) -> dict[str, Any]:
     """The run as JSON; with --logprobs, each token's in the OpenAI/vLLM shape."""
+    from cli import output
+
     extra: dict[str, Any] = {}
     if tokens and tokens[0].detail is not None:
         from genlib.explain import logprobs_content
@@ -155,23 +161,21 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, finish: Finish, 
     speedup = None
     if baseline is not None:
         base_finish, base_tps = baseline
-        base_json = {"token_ids": list(base_finish.token_ids), "text": base_finish.text,
-                     "new_tokens": base_finish.new_tokens,
-                     "tokens_per_s": round(base_tps, 3),
-                     "identical": base_finish.token_ids == finish.token_ids}
+        base_json = output.finish_output(
+            base_finish, 1, tokens_per_s=round(base_tps, 3),
+            identical=base_finish.token_ids == finish.token_ids,
+            verify_cost=round(s.verify_cost(base_tps), 4),
+            predicted_speedup_with_verify_cost=round(
+                s.predicted_speedup(s.verify_cost(base_tps)), 4))
         speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
-        base_json["verify_cost"] = round(s.verify_cost(base_tps), 4)
-        base_json["predicted_speedup_with_verify_cost"] = round(
-            s.predicted_speedup(s.verify_cost(base_tps)), 4)
-    return {
-        "model": target.ref, "drafter": drafter, "prompt": prompt, "text": finish.text,
-        "finish_reason": finish.reason, "new_tokens": finish.new_tokens,
-        "token_ids": list(finish.token_ids), "num_draft_tokens": num_draft_tokens,
-        "adaptive": adaptive, "speculation": summary_json(s), "baseline": base_json,
-        "speedup": speedup, "predicted_speedup": round(s.predicted_speedup(), 4),
-        "settings": settings.to_dict(),
-        **extra,
-    }
+    out = output.output(1, finish.text, finish.token_ids, finish.reason, output.timings(
+        total_s=finish.end - finish.start, prefill_s=s.prefill_seconds, ttft_s=finish.ttft,
+        tokens_per_s=s.tokens_per_second))
+    return output.run_document(
+        "speculate", target.ref, settings, prompt, prompt_tokens, [out], drafter=drafter,
+        num_draft_tokens=num_draft_tokens, adaptive=adaptive, speculation=summary_json(s),
+        baseline=base_json, speedup=speedup,
+        predicted_speedup=round(s.predicted_speedup(), 4), backend=backend, **extra)
 
 
 @user_errors
@@ -181,8 +185,8 @@ def speculate(
     model: opt.Model = None,
     draft_model: Annotated[str | None, typer.Option(
         "--draft-model", "-d", rich_help_panel=SPEC_PANEL,
-        help="Draft model (hub id or folder) sharing the target's tokenizer. Default with "
-             "the built-in model: the built-in draft.")] = None,
+        help="Draft model (hub id, folder or builtin:NAME) sharing the target's tokenizer. "
+             "Default with builtin:code-small: builtin:code-tiny.")] = None,
     prompt_lookup: Annotated[int | None, typer.Option(
         "--prompt-lookup", rich_help_panel=SPEC_PANEL,
         help="Draft with no model: continue the latest earlier match of the last N-gram "
@@ -197,7 +201,7 @@ def speculate(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
     preset: opt.Preset = None,
-    strategy: opt.Strategy = None,
+    strategy: Strategy = None,
     max_new_tokens: opt.MaxNewTokens = None,
     min_new_tokens: opt.MinNewTokens = None,
     temperature: opt.Temperature = None,
@@ -236,6 +240,8 @@ def speculate(
     truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
     logprobs: opt.Logprobs = None,
+    as_jsonl: opt.Jsonl = False,
+    output: opt.OutputFile = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     quantize: opt.Quantize = "none",
@@ -255,6 +261,7 @@ def speculate(
     from genlib.models import resolve_model_ref
 
     flags = opt.decoding_flags(locals())
+    target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
         raise fail("speculative decoding does greedy or sampling, not beam search")
@@ -268,8 +275,9 @@ def speculate(
         if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
-    code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
-                  num_draft_tokens, adaptive, baseline, as_json, logprobs or 0)
+    with opened(target_sink) as out:
+        code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
+                      num_draft_tokens, adaptive, baseline, out, logprobs or 0)
     if code:
         raise typer.Exit(code)
 
@@ -291,10 +299,10 @@ def warm_up(lm: LoadedModel, ids: list[int]) -> None:
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
            text: str, settings: GenerationSettings, prompt_lookup: int | None,
-           num_draft_tokens: int | None, adaptive: bool, baseline: bool, as_json: bool,
+           num_draft_tokens: int | None, adaptive: bool, baseline: bool, sink: Sink,
            logprobs: int = 0) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
-    from cli import render
+    from cli import output, render
     from genlib.events import Finish, Token
     from genlib.speculative import summarize
 
@@ -302,19 +310,23 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
         if lm is not None:
             warm_up(lm, ids)
     events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
-                                             num_draft_tokens, adaptive, live=not as_json,
-                                             logprobs=logprobs)
+                                             num_draft_tokens, adaptive,
+                                             live=not sink.machine, logprobs=logprobs)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
     summary = summarize(events)
     plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
     if plain is not None and plain[0].reason == "interrupted":
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
-    if as_json:
-        tokens = [e for e in events if isinstance(e, Token)]
-        render.json_line(result_json(target, drafter, text, finish, summary, plain, settings,
-                                     num_draft_tokens, adaptive, tokens))
-    else:
+    tokens = [e for e in events if isinstance(e, Token)]
+    prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
+    backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
+    doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
+                      num_draft_tokens, adaptive, backend, tokens)
+    sink.json_document(doc)
+    sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
+    sink.texts([finish.text])
+    if not sink.machine:
         render_report(summary, drafter, plain[1] if plain else None,
                       plain[0].token_ids == finish.token_ids if plain else None,
                       settings.do_sample)

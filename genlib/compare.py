@@ -334,9 +334,9 @@ class ModelComparison:
 def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRun, Any]:
     """Load one model, generate once; return the run and the tokenizer (for divergence)."""
     from genlib.generate import generate
-    from genlib.models import load_model
+    from genlib.models import display_name, load_model
 
-    run = ModelRun(spec.ref, spec.quantize)
+    run = ModelRun(display_name(spec.ref), spec.quantize)
     try:
         lm = load_model(spec)
         _reset_peak_memory(lm)

@@ -6,6 +6,7 @@ dtype and bitsandbytes quantization. Every failure a user can cause becomes a
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -30,6 +31,13 @@ QUANTIZATIONS = ("none", "8bit", "4bit")
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "code-small"
 DEFAULT_DRAFT = ASSETS / "code-tiny"
+# The models shipped inside the package, by the name users give and see (a site-packages
+# path in banners and JSON says nothing and differs between installs).
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_MODELS = {"builtin:code-small": DEFAULT_MODEL, "builtin:code-tiny": DEFAULT_DRAFT}
+DEFAULT_MODEL_NAME = "builtin:code-small"
+DEFAULT_DRAFT_NAME = "builtin:code-tiny"
+HUB_PROBE_TIMEOUT_S = 2.0  # one request; huggingface_hub itself retries for ~30 s offline
 
 
 def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:
@@ -39,13 +47,37 @@ def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:
                              "--model out for the default model")
     for ref in (flag, preset_model, os.environ.get("GENLAB_MODEL")):
         if ref:
-            return ref
-    return str(DEFAULT_MODEL)
+            return display_name(ref)
+    return DEFAULT_MODEL_NAME
+
+
+def display_name(ref: str) -> str:
+    """How a model is shown: `builtin:NAME` for a built-in model (given by name or by
+    its folder), else the reference as given."""
+    if ref.startswith(BUILTIN_PREFIX) or not _is_local_ref(ref):
+        return ref
+    try:
+        path = Path(ref).expanduser().resolve()
+    except OSError:
+        return ref
+    return next((name for name, folder in BUILTIN_MODELS.items() if folder.resolve() == path),
+                ref)
+
+
+def model_source(ref: str) -> str:
+    """Where to load `ref` from: a built-in model's folder, a local folder with `~`
+    expanded, or the hub id itself."""
+    if ref.startswith(BUILTIN_PREFIX):
+        if ref not in BUILTIN_MODELS:
+            raise ModelLoadError(f"unknown built-in model {ref!r}; the built-in models are "
+                                 f"{', '.join(BUILTIN_MODELS)}")
+        return str(BUILTIN_MODELS[ref])
+    return str(Path(ref).expanduser()) if _is_local_ref(ref) else ref
 
 
 def _is_local_ref(ref: str) -> bool:
-    return (os.path.exists(ref) or ref.startswith((".", "/", "~")) or "\\" in ref
-            or ref.count("/") > 1)
+    return (ref.startswith(BUILTIN_PREFIX) or os.path.exists(ref)
+            or ref.startswith((".", "/", "~")) or "\\" in ref or ref.count("/") > 1)
 
 
 def _quantization_config(quantize: str, device: torch.device) -> Any:
@@ -96,7 +128,41 @@ def _check_quantizable(config: Any, quantize: str, device: torch.device,
                              f"or none")
 
 
-def _load_config(ref: str, spec: ModelSpec) -> Any:
+def hub_files_only(ref: str) -> bool:
+    """Whether a hub id must load from the local cache alone: the hub cannot be reached
+    (one request, HUB_PROBE_TIMEOUT_S) and the model is cached. ModelLoadError at once
+    when it is reachable by neither, instead of huggingface_hub's half-minute of retries."""
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE or _hub_reachable():
+        return False
+    from huggingface_hub import try_to_load_from_cache
+
+    if isinstance(try_to_load_from_cache(ref, "config.json"), str):
+        return True
+    raise ModelLoadError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}) to fetch "
+                         f"{ref}; set HF_HUB_OFFLINE=1 to use the local cache, or give a "
+                         f"local folder with --model")
+
+
+def _hub_reachable() -> bool:
+    """One request to the hub with a short timeout (proxies in the environment apply)."""
+    import urllib.error
+    import urllib.request
+
+    from huggingface_hub import constants
+
+    request = urllib.request.Request(constants.ENDPOINT, method="HEAD")
+    try:
+        with urllib.request.urlopen(request, timeout=HUB_PROBE_TIMEOUT_S):
+            return True
+    except urllib.error.HTTPError:
+        return True  # an answer, even an error status, means the hub is there
+    except (OSError, ValueError):  # URLError, timeouts, refused connections
+        return False
+
+
+def _load_config(ref: str, spec: ModelSpec, files_only: bool = False) -> Any:
     from transformers import AutoConfig
 
     local = _is_local_ref(ref)
@@ -110,7 +176,8 @@ def _load_config(ref: str, spec: ModelSpec) -> Any:
                                  f"point --model at the folder holding config.json")
     try:
         return AutoConfig.from_pretrained(ref if not local else str(Path(ref).expanduser()),
-                                          trust_remote_code=spec.trust_remote_code)
+                                          trust_remote_code=spec.trust_remote_code,
+                                          local_files_only=files_only)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(_load_message(ref, exc)) from None
 
@@ -175,8 +242,11 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     `quick`: a local Llama-style checkpoint that qualifies is loaded without transformers
     (genlib.quickload: a second and a half faster to start), transformers' model and
     tokenizer following on first use of anything the lean path does not provide."""
+    ref = model_source(spec.ref)
+    # Before importing torch and transformers (seconds): an unreachable hub fails at once.
+    files_only = not _is_local_ref(spec.ref) and hub_files_only(ref)
     device = pick_device(spec.device)
-    ref = str(Path(spec.ref).expanduser()) if _is_local_ref(spec.ref) else spec.ref
+    spec = replace(spec, ref=display_name(spec.ref))
     if quick and _is_local_ref(spec.ref) and Path(ref).is_dir():
         from genlib.quickload import quick_load
 
@@ -187,18 +257,20 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
-    config = _load_config(ref, spec)
+    config = _load_config(ref, spec, files_only)
     quant = _quantization_config(spec.quantize, device)
     _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
     dtype = torch.bfloat16 if spec.quantize == "4bit" and spec.dtype == "auto" else \
         pick_dtype(spec.dtype, device)
-    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": spec.trust_remote_code}
+    kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": spec.trust_remote_code,
+                              "local_files_only": files_only}
     if quant is not None:
         kwargs["quantization_config"] = quant
         if device.type != "cpu":
             kwargs["device_map"] = {"": str(device)}
     try:
-        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code,
+                                                  local_files_only=files_only)
         model = AutoModelForCausalLM.from_pretrained(ref, **kwargs)
     except (OSError, ValueError, ImportError, RuntimeError, KeyError) as exc:
         first = _first_line(exc)

@@ -288,9 +288,10 @@ def test_cli_beam_json_has_nbest_and_greedy():
                                  "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert len(data["hypotheses"]) == 3
+    assert len(data["outputs"]) == 3
+    assert [h["index"] for h in data["outputs"]] == [1, 2, 3]  # ranks, as in the table
     assert data["greedy"]["text"].startswith(", there was a little girl named Lily")
-    scores = [h["score"] for h in data["hypotheses"]]
+    scores = [h["score"] for h in data["outputs"]]
     assert scores == sorted(scores, reverse=True)
 
 
@@ -333,7 +334,7 @@ def test_generate_runs_beam_preset():
                                  "10", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["settings"]["strategy"] == "beam" and "score" in data
+    assert data["settings"]["strategy"] == "beam" and "score" in data["outputs"][0]
 
 
 def test_cli_sampling_preset_runs_beam_sampling():
@@ -346,7 +347,7 @@ def test_cli_sampling_preset_runs_beam_sampling():
     result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-p", "creative",
                                  "-s", "beam", "-n", "6", "--seed", "5", "--json"])
     assert result.exit_code == 0, result.output
-    settings = json.loads(result.stdout.splitlines()[0])["settings"]
+    settings = json.loads(result.stdout)["settings"]
     assert settings["strategy"] == "beam" and settings["do_sample"] is True
     assert "only apply when sampling" not in result.stderr  # temperature, top_p are used
 
@@ -397,7 +398,7 @@ def test_cli_ctrl_c_shows_the_beams_so_far_and_exits_130(ctrl_c_at):
     result = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-s", "beam",
                                  "-n", "20", "--json"])
     assert result.exit_code == 130, result.output
-    assert json.loads(result.stdout.splitlines()[0])["finish_reason"] == "interrupted"
+    assert json.loads(result.stdout)["outputs"][0]["finish_reason"] == "interrupted"
 
 
 def test_cli_ctrl_c_in_the_greedy_contrast_run_exits_130(ctrl_c_at, monkeypatch):

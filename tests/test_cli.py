@@ -35,15 +35,16 @@ def test_generate_reads_stdin_and_prints_json():
     result = invoke("generate", *MODEL, "-n", "12", "--json", "-t", "0.8", "--seed", "5",
                     input="Once upon a time\n")
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    assert record["prompt"] == "Once upon a time"
+    doc = json.loads(result.stdout)
+    (record,) = doc["outputs"]
+    assert doc["prompt"] == "Once upon a time"
     assert record["new_tokens"] == 12 and record["finish_reason"] == "length"
-    assert record["settings"]["temperature"] == 0.8 and record["settings"]["seed"] == 5
-    assert record["settings"]["strategy"] == "sample"
+    assert doc["settings"]["temperature"] == 0.8 and doc["settings"]["seed"] == 5
+    assert doc["settings"]["strategy"] == "sample"
     assert {"ttft_s", "tokens_per_s", "prefill_s", "total_s"} <= set(record["timings"])
     again = invoke("generate", "-", *MODEL, "-n", "12", "--json", "-t", "0.8", "--seed", "5",
                    input="Once upon a time")
-    assert json.loads(again.stdout)["text"] == record["text"]
+    assert json.loads(again.stdout)["outputs"][0]["text"] == record["text"]
 
 
 def test_preset_and_flag_precedence_in_json():
@@ -58,11 +59,15 @@ def test_num_return_sequences_prints_each_output():
     args = ["generate", "Once upon a time", *MODEL, "-n", "30", "-t", "1.0", "--seed", "2",
             "--json"]
     result = invoke(*args, "--num-return-sequences", "3")
-    records = [json.loads(line) for line in result.stdout.splitlines()]
-    assert [r["sequence"] for r in records] == [0, 1, 2]
+    records = json.loads(result.stdout)["outputs"]  # one document, whatever the count
+    assert [r["index"] for r in records] == [1, 2, 3]
     assert len({r["text"] for r in records}) == 3  # each row draws its own tokens
-    single = json.loads(invoke(*args).stdout)
+    single = json.loads(invoke(*args).stdout)["outputs"][0]
     assert single["token_ids"] == records[0]["token_ids"]  # row 0 uses --seed itself
+    lines = [json.loads(line) for line in invoke(*args[:-1], "--jsonl",
+                                                 "--num-return-sequences", "3"
+                                                 ).stdout.splitlines()]
+    assert [x["token_ids"] for x in lines] == [r["token_ids"] for r in records]
 
 
 def test_stop_string_not_printed():
@@ -167,12 +172,13 @@ def test_ctrl_c_outside_a_generation_loop_is_one_line_and_exit_130(monkeypatch):
 def test_stop_flag_understands_escapes():
     result = invoke("generate", "Once upon a time", *MODEL, "-n", "200", "--stop", "\\n",
                     "--json")
-    record = json.loads(result.stdout)
+    doc = json.loads(result.stdout)
+    record = doc["outputs"][0]
     assert record["finish_reason"] == "stop" and "\n" not in record["text"]
-    assert record["settings"]["stop_strings"] == ["\n"]
+    assert doc["settings"]["stop_strings"] == ["\n"]
 
 
-@pytest.mark.parametrize("flag", ["--json", "--stats", "--truncate-prompt"])
+@pytest.mark.parametrize("flag", ["--json", "--jsonl", "--stats", "--truncate-prompt"])
 def test_batch_and_interactive_refuse_single_prompt_flags(tmp_path, flag):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Once"}\n')
@@ -308,8 +314,9 @@ def test_no_model_named_uses_the_builtin_model_offline(monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     result = invoke("generate", "def fibonacci(n):", "-n", "24", "--json")
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    assert record["model"].endswith("code-small") and record["new_tokens"] >= 1
+    doc = json.loads(result.stdout)
+    record = doc["outputs"][0]
+    assert doc["model"] == "builtin:code-small" and record["new_tokens"] >= 1
     assert record["text"].strip()
 
 

@@ -244,14 +244,14 @@ def test_cli_exports_parse_back(tmp_path, stories):
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "8",
                                  "--seed", "3", "-p", "greedy", "--variant", "top_p=0.9",
                                  "--variant", "temperature=1.3", "--samples", "2",
-                                 "--json", str(out_json), "--markdown", str(out_md)])
+                                 "--json", "-o", str(out_json), "--markdown", str(out_md)])
     assert result.exit_code == 0, result.output
     data = json.loads(out_json.read_text())
     labels = ["greedy", "top_p=0.9", "temperature=1.3"]
     assert [s["label"] for s in data["strategies"]] == labels
     assert data["seed"] == 3 and data["prompt"] == PROMPT
-    assert [len(s["samples"]) for s in data["strategies"]] == [1, 2, 2]
-    assert data["strategies"][0]["samples"][0]["text"].startswith(", there was")
+    assert [len(s["outputs"]) for s in data["strategies"]] == [1, 2, 2]
+    assert data["strategies"][0]["outputs"][0]["text"].startswith(", there was")
     assert data["strategies"][1]["settings"]["top_p"] == 0.9
     assert set(data["metrics"]) <= set(data["strategies"][1]["metrics"])
     markdown = out_md.read_text()
@@ -260,7 +260,7 @@ def test_cli_exports_parse_back(tmp_path, stories):
 
 def test_cli_json_to_stdout_keeps_the_view_off_stdout(stories):
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
-                                 "--seed", "1", "-p", "greedy", "--json", "-"])
+                                 "--seed", "1", "-p", "greedy", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [s["label"] for s in data["strategies"]] == ["greedy"]
@@ -271,11 +271,11 @@ def test_cli_ctrl_c_shows_what_ran_and_exits_130(stories, ctrl_c_at):
     ctrl_c_at(7 + 2)  # the 2nd step of the second strategy (8 greedy tokens: 7 steps)
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "8",
                                  "-p", "greedy", "-p", "creative", "-p", "precise",
-                                 "--seed", "1", "--json", "-"])
+                                 "--seed", "1", "--json"])
     assert result.exit_code == 130, result.output
     data = json.loads(result.stdout)
     assert [s["label"] for s in data["strategies"]] == ["greedy", "creative"]
-    assert data["strategies"][1]["samples"][0]["finish_reason"] == "interrupted"
+    assert data["strategies"][1]["outputs"][0]["finish_reason"] == "interrupted"
     assert "creative (interrupted)" in result.stderr  # the view (on stderr) marks it
     markdown = comparison_markdown(cmp.Comparison(
         "m", PROMPT, 4, 1, [cmp.StrategyResult(cmp.build_strategies(["creative"], [], {})[0],
@@ -318,11 +318,15 @@ def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at, tmp_path)
 @pytest.mark.parametrize(("args", "message"), [
     (["--variant", "temperature"], "expected KEY=VALUE"),
     (["-p", "no-such-preset"], "no-such-preset"),
-    (["--json", "-", "--markdown", "-"], "both want stdout"),
+    (["--json", "--markdown", "-"], "both want stdout"),
+    (["--jsonl", "--markdown", "-"], "both want stdout"),
+    (["-o", "out.json"], "-o/--output writes the --json or --jsonl output"),
+    (["-m", str(STORIES), "--models", "a,b"], "-m/--model and --models exclude each other"),
     (["--models", "a,b", "-p", "greedy", "-p", "creative"], "one strategy"),
 ])
 def test_cli_user_errors(args, message):
-    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), *args])
+    model = [] if "--models" in args else ["-m", str(STORIES)]
+    result = runner.invoke(app, ["compare", PROMPT, *model, *args])
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
@@ -330,11 +334,12 @@ def test_cli_user_errors(args, message):
 
 def test_cli_quantize_comparison_keeps_a_failed_run_in_its_column(stories):
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
-                                 "--quantize", "none,4bit", "--json", "-"])
+                                 "--quantize", "none,4bit", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["kind"] == "models"
     none, four = data["runs"]
     assert (none["quantize"], none["error"], none["agreement"]) == ("none", None, 1.0)
-    assert none["text"].startswith(", there was")
+    assert none["outputs"][0]["text"].startswith(", there was")
+    assert four["outputs"] == []  # a failed run has no output
     assert four["quantize"] == "4bit" and "--quantize 8bit or none" in four["error"]

@@ -95,7 +95,7 @@ def test_cli_force_and_impossible_budget():
     ok = runner.invoke(app, ["beam", "Once upon a time", "-m", str(STORIES), "-k", "3", "-n",
                              "16", "--force", "dog", "--json", "--no-greedy"])
     assert ok.exit_code == 0, ok.output
-    hypotheses = json.loads(ok.stdout)["hypotheses"]
+    hypotheses = json.loads(ok.stdout)["outputs"]
     assert hypotheses and all("dog" in h["text"] and h["constraints_satisfied"]
                               for h in hypotheses)
     bad = runner.invoke(app, ["beam", "hi", "-m", str(STORIES), "-n", "2", "--force",

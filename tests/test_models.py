@@ -83,8 +83,62 @@ def test_model_ref_precedence(monkeypatch):
     assert resolve_model_ref(None, "preset/model") == "preset/model"
     assert resolve_model_ref(None, None) == "env/model"
     monkeypatch.delenv("GENLAB_MODEL")
-    assert resolve_model_ref(None, None).endswith("code-small")
+    assert resolve_model_ref(None, None) == "builtin:code-small"
 
 
 def test_trust_remote_code_is_off_by_default():
     assert ModelSpec("x").trust_remote_code is False
+
+
+def test_builtin_models_by_name():
+    from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL, display_name, model_source
+
+    assert display_name(str(DEFAULT_MODEL)) == "builtin:code-small"
+    assert display_name(str(DEFAULT_DRAFT) + "/") == "builtin:code-tiny"
+    assert display_name("org/name") == "org/name"
+    assert model_source("builtin:code-tiny") == str(DEFAULT_DRAFT)
+    assert resolve_model_ref(str(DEFAULT_MODEL)) == "builtin:code-small"
+    with pytest.raises(ModelLoadError, match="builtin:code-small, builtin:code-tiny"):
+        model_source("builtin:code-huge")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_builtin_model_loads_by_name_and_keeps_it(quick):
+    lm = load_model(ModelSpec("builtin:code-tiny"), quick=quick)
+    assert lm.ref == "builtin:code-tiny"
+    (finish,) = generate.generate(lm, [lm.encode("def f(")],
+                                  resolve_settings({"max_new_tokens": 2, "ignore_eos": True}))
+    assert finish.new_tokens == 2
+
+
+def test_an_unreachable_hub_fails_at_once_with_what_to_do(monkeypatch):
+    """A real request to a closed local port stands for a machine without network."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "ENDPOINT", "http://127.0.0.1:9")
+    start = time.perf_counter()
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ModelSpec("genlab-test/not-cached-anywhere"))
+    message = str(info.value)
+    assert "cannot reach the Hugging Face hub" in message
+    assert "HF_HUB_OFFLINE=1" in message and "local folder" in message
+    assert "\n" not in message
+    assert time.perf_counter() - start < 3  # not huggingface_hub's half-minute of retries
+
+
+def test_an_unreachable_hub_loads_a_cached_model_from_the_cache(monkeypatch):
+    import huggingface_hub
+
+    from genlib import models
+
+    monkeypatch.setattr(models, "_hub_reachable", lambda: False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache",
+                        lambda repo, name: f"/cache/{repo}/{name}")
+    assert models.hub_files_only("org/cached") is True
+    monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
+    with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE=1"):
+        models.hub_files_only("org/not-cached")

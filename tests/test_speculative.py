@@ -386,8 +386,10 @@ def test_cli_speculate_json_matches_baseline() -> None:
         "--draft-model", str(MODELS / "llama2xs"), "-n", "40", "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert data["token_ids"] == data["baseline"]["token_ids"]
-    assert data["text"].startswith(", there was a little girl named Lily")
+    (out,) = data["outputs"]
+    assert out["token_ids"] == data["baseline"]["token_ids"] and data["baseline"]["identical"]
+    assert out["text"].startswith(", there was a little girl named Lily")
+    assert data["prompt_tokens"] == 5
     stats = data["speculation"]
     assert 0 < stats["acceptance_rate"] < 1
     assert stats["proposed"] >= stats["accepted"] > 0

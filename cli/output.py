@@ -1,0 +1,186 @@
+"""The machine-readable output every command shares (docs/output.md,
+docs/output.schema.json): `--json` writes one JSON document, `--jsonl` one object per
+output as each is ready, `-o/--output FILE` sends either (or the text) to a file.
+
+The shared parts are built here only, so every command names the same thing alike:
+`model`, `settings`, `prompt`, `prompt_tokens`, and per output `index` (from 1, as the
+tables count), `text`, `token_ids`, `finish_reason`, `new_tokens` and `timings`.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, TYPE_CHECKING, Annotated, Any
+
+import typer
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
+    from genlib.events import Finish
+
+SCHEMA_VERSION = 1
+OUTPUT_PANEL = "Output"
+
+Json = Annotated[bool, typer.Option(
+    "--json", rich_help_panel=OUTPUT_PANEL,
+    help="Print one JSON document (docs/output.md) instead of the text.")]
+Jsonl = Annotated[bool, typer.Option(
+    "--jsonl", rich_help_panel=OUTPUT_PANEL,
+    help="Print one JSON object per output, each as soon as it is ready (for pipes).")]
+OutputFile = Annotated[str | None, typer.Option(
+    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
+    help="Write what would go to stdout (the text, --json or --jsonl) to FILE instead.")]
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as dist_version
+
+    try:
+        return dist_version("genlab")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "0+unknown"
+
+
+# --- the shared pieces ------------------------------------------------------------------
+
+def _round(value: float | None, digits: int = 6) -> float | None:
+    return None if value is None else round(value, digits)
+
+
+def timings(*, total_s: float, prefill_s: float | None = None, ttft_s: float | None = None,
+            tokens_per_s: float | None = None) -> dict[str, float | None]:
+    """Seconds spent, the same four keys everywhere (None where a command cannot know)."""
+    return {"prefill_s": _round(prefill_s), "ttft_s": _round(ttft_s),
+            "total_s": _round(total_s), "tokens_per_s": _round(tokens_per_s, 3)}
+
+
+def output(index: int, text: str, token_ids: Any, finish_reason: str,
+           timing: dict[str, float | None], **extra: Any) -> dict[str, Any]:
+    """One output: `index` counts from 1; `extra` holds a command's own facts."""
+    ids = [int(i) for i in token_ids]
+    return {"index": index, "text": text, "token_ids": ids, "finish_reason": finish_reason,
+            "new_tokens": len(ids), "timings": timing, **extra}
+
+
+def finish_output(finish: Finish, index: int, prefill_s: float | None = None,
+                  **extra: Any) -> dict[str, Any]:
+    """An output from a decode loop's Finish event."""
+    if finish.score is not None:
+        extra = {"score": finish.score, **extra}
+    return output(index, finish.text, finish.token_ids, finish.reason,
+                  timings(total_s=finish.end - finish.start, prefill_s=prefill_s,
+                          ttft_s=finish.ttft, tokens_per_s=finish.tokens_per_second),
+                  **extra)
+
+
+def document(command: str, model: str | None, **fields: Any) -> dict[str, Any]:
+    """A command's whole JSON document: what ran, then the command's fields."""
+    return {"schema_version": SCHEMA_VERSION, "genlab_version": version(),
+            "command": command, "model": model, **fields}
+
+
+def run_document(command: str, model: str, settings: GenerationSettings, prompt: str,
+                 prompt_tokens: int, outputs: list[dict[str, Any]], **fields: Any
+                 ) -> dict[str, Any]:
+    """The document of a command that runs one prompt through one set of settings."""
+    return document(command, model, settings=settings.to_dict(), prompt=prompt,
+                    prompt_tokens=prompt_tokens, outputs=outputs, **fields)
+
+
+def line(doc: dict[str, Any], out: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A --jsonl line: an output with the run facts of its document beside it."""
+    shared = {key: doc[key] for key in ("schema_version", "genlab_version", "command", "model",
+                                        "prompt", "prompt_tokens") if key in doc}
+    if "settings" in doc:
+        shared["settings"] = doc["settings"]
+    return shared | fields | out
+
+
+# --- where it goes ----------------------------------------------------------------------
+
+@dataclass
+class Sink:
+    """Where a command's stdout output goes and in which form: "text", "json" (one
+    document at the end) or "jsonl" (one line per output as it is ready)."""
+
+    mode: str = "text"
+    path: str | None = None
+    _handle: IO[str] | None = None
+
+    @property
+    def machine(self) -> bool:
+        """JSON of either kind: the human view stays off stdout."""
+        return self.mode != "text"
+
+    @property
+    def to_stdout(self) -> bool:
+        return self.path is None or self.path == "-"
+
+    def stream(self) -> IO[str]:
+        if self.to_stdout:
+            return sys.stdout
+        if self._handle is None:
+            try:
+                self._handle = Path(self.path or "").open("w", encoding="utf-8")
+            except OSError as exc:
+                from cli.errors import fail
+
+                raise fail(f"cannot write {self.path}: {exc.strerror}; pick a writable "
+                           f"path") from None
+        return self._handle
+
+    def write(self, text: str) -> None:
+        handle = self.stream()
+        handle.write(text)
+        handle.flush()
+
+    def json_document(self, doc: dict[str, Any]) -> None:
+        if self.mode == "json":
+            self.write(json.dumps(doc, ensure_ascii=self._ascii(), indent=2) + "\n")
+
+    def json_line(self, obj: dict[str, Any]) -> None:
+        if self.mode == "jsonl":
+            self.write(json.dumps(obj, ensure_ascii=self._ascii()) + "\n")
+
+    def _ascii(self) -> bool:
+        """\\u escapes (the same JSON) where stdout's encoding could not hold every
+        character (PYTHONIOENCODING=ascii, a latin-1 locale); readable UTF-8 otherwise."""
+        if not self.to_stdout:
+            return False
+        encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
+        return encoding != "utf8"
+
+    def texts(self, texts: list[str]) -> None:
+        """Without JSON, -o FILE gets the plain output texts, one after the other."""
+        if self.mode == "text" and not self.to_stdout:
+            self.write("\n".join(texts) + "\n")
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+            self._handle = None
+
+
+def sink(as_json: bool, as_jsonl: bool, path: str | None) -> Sink:
+    """The Sink for a command's --json, --jsonl and -o flags; refuses both JSON forms."""
+    if as_json and as_jsonl:
+        from cli.errors import fail
+
+        raise fail("--json and --jsonl exclude each other: --json writes one document, "
+                   "--jsonl one line per output; pick one")
+    return Sink("json" if as_json else "jsonl" if as_jsonl else "text", path)
+
+
+@contextmanager
+def opened(target: Sink) -> Iterator[Sink]:
+    """Close the sink's file at the end, whatever happens."""
+    try:
+        yield target
+    finally:
+        target.close()

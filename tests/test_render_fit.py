@@ -1,0 +1,181 @@
+"""Every Rich table at 80 and 140 columns: no line wider than the terminal, no number
+cut, no row of values wrapped, every text shown in full."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from rich.console import Console
+
+WIDTHS = (80, 140)
+LONG = ("She wanted to play with the big red ball, but her mom said it was time to go home "
+        "and eat dinner with the whole family. ") * 3
+
+
+def render(width: int, draw) -> str:
+    """What `draw(console)` prints on a terminal `width` columns wide (soft wrap on, as
+    genlab's own consoles have it)."""
+    console = Console(width=width, record=True, force_terminal=False, soft_wrap=True,
+                      highlight=False)
+    draw(console)
+    text = console.export_text()
+    for line in text.splitlines():
+        assert len(line) <= width, f"line wider than {width}: {line!r}"
+    return text
+
+
+def words_in_order(text: str, rendered: str) -> bool:
+    """Every word of `text`, in order, in the rendered view (however it was wrapped)."""
+    flat = re.sub(r"[\s│┃|]+", " ", rendered)
+    position = 0
+    for word in text.split():
+        position = flat.find(word, position)
+        if position < 0:
+            return False
+        position += len(word)
+    return True
+
+
+# --- bench ------------------------------------------------------------------------------
+
+def bench_record(**changes):
+    record = {
+        "strategy": "creative", "engine": "genlab", "backend": "compiled",
+        "backend_requested": "compiled", "compile_s": 12.5, "torch_dtype": "float32",
+        "quantize": "none", "prompt_tokens": 128, "new_tokens": 256, "rows": 1,
+        "prefill_tps": 5321.4, "decode_tps": 642.7, "decode_tps_min": 598.1,
+        "decode_tps_max": 671.9, "ttft_s": 0.0243, "itl_p50_s": 0.00152, "itl_p90_s": 0.00171,
+        "itl_p99_s": 0.00298, "e2e_s": 0.4231, "peak_rss_mb": 612.0, "speedup": 4.53,
+        "identical_to_baseline": True, "bound_fraction": 0.87}
+    return record | changes
+
+
+BENCH = [bench_record(), bench_record(engine="transformers", backend="transformers",
+                                      compile_s=None, speedup=None,
+                                      identical_to_baseline=None, decode_tps=141.9),
+         bench_record(strategy="greedy", engine="no-cache", backend="transformers",
+                      compile_s=None, speedup=0.31, prompt_tokens=1024, new_tokens=1024,
+                      rows=16)]
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("wide", [False, True])
+def test_bench_table_keeps_every_value_whole_on_one_line(width, wide):
+    from cli.bench import COLUMNS, WIDE_COLUMNS, _cells, print_table
+
+    text = render(width, lambda c: print_table(BENCH, {"threads": 2}, c, wide)) if not wide \
+        else _render_wide(width)
+    lines = text.splitlines()
+    for record in BENCH:
+        cells = _cells(record, wide)
+        row = [line for line in lines if cells["strategy"] in line and
+               cells["engine"] in line and cells["prompt/new/batch"] in line]
+        assert len(row) == 1, (record, text)  # one line per record: no row wraps
+        hidden = [] if wide else _dropped(text)
+        for name in WIDE_COLUMNS if wide else COLUMNS:
+            if name not in hidden:
+                assert cells[name] in row[0], (name, cells[name], row[0])  # never cut
+    if not wide and width >= 100:
+        assert not _dropped(text)  # the default table fits 100 columns whole
+
+
+def _render_wide(width: int) -> str:
+    """--wide prints at its natural width, whatever the terminal's."""
+    from cli.bench import print_table
+
+    console = Console(width=width, record=True, force_terminal=False, soft_wrap=True)
+    print_table(BENCH, {"threads": 2}, console, True)
+    return console.export_text()
+
+
+def _dropped(text: str) -> list[str]:
+    match = re.search(r"too narrow for: ([^·\n]+(?:\n[^·\n]+)?)", text)
+    return [] if match is None else [n.strip() for n in match.group(1).replace("\n", " ")
+                                     .split(",")]
+
+
+def test_bench_default_table_fits_80_columns_with_the_usual_labels():
+    from cli.bench import print_table
+
+    usual = [bench_record(engine="genlab", backend="native", compile_s=None),
+             bench_record(engine="transformers", backend="transformers", compile_s=None)]
+    assert "too narrow" not in render(80, lambda c: print_table(usual, {"threads": 2}, c))
+
+
+# --- compare ----------------------------------------------------------------------------
+
+def comparison_view(n_strategies: int):
+    from cli.compare import View
+    from genlib import compare as cmp
+    from genlib.metrics import METRICS
+
+    strategies = cmp.build_strategies([], [], {"max_new_tokens": 12}, samples=2)
+    strategies = (strategies * 2)[:n_strategies]
+    view = View(strategies, "Once upon a time")
+    for i, strategy in enumerate(strategies):
+        samples = [cmp.Sample(f"{LONG}#{i}.{n}", (1,) * 12, (-1.0,) * 12, "length", 0.1)
+                   for n in range(2 if strategy.stochastic else 1)]
+        metrics = {m.key: 1234.5678 for m in METRICS}
+        view.on_event(i, cmp.StrategyDone(cmp.StrategyResult(strategy, samples, metrics)))
+    return view
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("n_strategies", [2, 6])
+def test_compare_shows_every_text_in_full(width, n_strategies):
+    from cli.compare import format_metric
+    from genlib.metrics import METRICS
+
+    view = comparison_view(n_strategies)
+    text = render(width, lambda c: c.print(view.render(width)))
+    for index in range(n_strategies):
+        for row in view.texts[index].values():
+            assert words_in_order(row, text), (index, row[-20:])
+    for metric in METRICS:  # each metric row on one line, its values whole
+        value = format_metric(metric.key, 1234.5678)
+        rows = [line for line in text.splitlines() if metric.label in line]
+        assert rows and all(value in line for line in rows), (metric.label, rows)
+
+
+# --- beam -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_beam_table_shows_texts_in_full_and_scores_whole(width, monkeypatch):
+    from cli import render_beam
+    from genlib.beam import Hypothesis
+
+    hyps = [Hypothesis((1,) * 40, (-0.5,) * 40, -20.123, -0.5031 - r, f"{LONG}#{r}", "length")
+            for r in range(3)]
+    console = Console(width=width, record=True, force_terminal=False, soft_wrap=True)
+    monkeypatch.setattr(render_beam, "out", console)
+    render_beam.nbest_table("Once upon a time", hyps, None, 1.0)
+    text = console.export_text()
+    assert all(len(line) <= width for line in text.splitlines())
+    for hyp in hyps:
+        assert words_in_order(hyp.text, text)
+        assert f"{hyp.score:.4f}" in text and f"{hyp.sum_logprob:.3f}" in text
+
+
+# --- presets ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("command", ["list", "keys"])
+def test_presets_tables_fit(width, command, monkeypatch):
+    from typer.testing import CliRunner
+
+    from cli import render
+    from cli.main import app
+
+    console = Console(width=width, record=True, force_terminal=False, soft_wrap=True)
+    monkeypatch.setattr(render, "out", console)
+    result = CliRunner().invoke(app, ["presets", command])
+    assert result.exit_code == 0, result.output
+    text = console.export_text()
+    assert all(len(line) <= width for line in text.splitlines()), text
+    if command == "keys":
+        from genlib.config import SPECS
+
+        for key, spec in SPECS.items():  # each key and its default whole on one line
+            assert any(key in line and repr(spec.default) in line
+                       for line in text.splitlines()), key
