@@ -18,6 +18,7 @@ from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail, user_errors
 from cli.output import Sink, opened, sink
 from genlib.backends.choose import BACKENDS
+from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.bench import Case, Group, Result
@@ -74,9 +75,7 @@ def strategy_settings(names: list[tuple[str, bool]], seed: int
         if settings.strategy == "beam":
             raise fail(f"{name}: bench measures the greedy/sampling decode loop; beam search "
                        f"is not supported here yet")
-        if settings.do_sample and settings.seed is None:
-            settings = settings.replace(seed=seed)
-        out.append((name, settings))
+        out.append((name, with_seed(settings, seed)))
     return out
 
 
