@@ -40,10 +40,22 @@ class NativeBackend(Backend):
         self.caches: list[LeanCache] = []
 
     def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
+        """Each distinct prompt through the lean forward once; a row repeating an earlier
+        row's prompt (several outputs, samples of one prompt) takes a copy of its cache
+        and logits, the same bits."""
         slots = cache_capacity(capacity, self.lm.max_positions)
-        self.caches = [self.lean.new_cache(slots) for _ in rows]
-        logits = [self.lean.prefill(torch.tensor([list(row)], dtype=torch.long), cache)
-                  for row, cache in zip(rows, self.caches)]
+        seen: dict[tuple[int, ...], int] = {}
+        self.caches, logits = [], []
+        for row in rows:
+            key = tuple(row)
+            if key in seen:
+                self.caches.append(self.caches[seen[key]].clone())
+                logits.append(logits[seen[key]])
+                continue
+            seen[key] = len(self.caches)
+            cache = self.lean.new_cache(slots)
+            logits.append(self.lean.prefill(torch.tensor([list(row)], dtype=torch.long), cache))
+            self.caches.append(cache)
         self._update_length()
         if any(row_logits is None for row_logits in logits):
             if len(rows) > 1:
