@@ -24,8 +24,12 @@ def show_settings_table(settings: GenerationSettings, cli: Mapping[str, Any],
     model_config = model_generation_config(lm.ref, lambda: lm.model) if lm is not None else {}
     rows = sources(settings, cli, preset, model_config)
     table = Table(title="effective settings", title_justify="left", show_edge=False)
-    for column in ("setting", "value", "source", "model's generation_config.json"):
-        table.add_column(column)
+    # Long values (--samplers' order, DRY's breakers, a JSON schema) fold inside their
+    # own column rather than squeezing the source column onto several lines.
+    table.add_column("setting", no_wrap=True)
+    table.add_column("value", max_width=48, overflow="fold")
+    table.add_column("source", no_wrap=True)
+    table.add_column("model's generation_config.json")
     for r in rows:
         model_note = ""
         if r.model_value is not None and r.model_value != r.value:
