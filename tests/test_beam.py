@@ -323,7 +323,8 @@ def test_cli_beam_tree_is_drawn_as_the_search_runs_on_a_terminal(monkeypatch):
                                  "--tree", "--tree-steps", "3", "--no-greedy"])
     assert result.exit_code == 0, result.output
     frames = screen.getvalue().split("prompt 'Once upon a time'")[1:]
-    kept = [frame.split("beam search:")[0].count("kept") for frame in frames]
+    kept = [sum(line.rstrip().rsplit("  ", 1)[-1] == "kept"
+                for line in frame.split("beam search:")[0].splitlines()) for frame in frames]
     assert kept == [2, 4, 6, 6]  # one frame per step drawn, 2 beams kept at each, and the
     # last frame again as the view stops (it stays on the screen)
     assert "tree cut after 3 of 6 steps" in screen.getvalue()
