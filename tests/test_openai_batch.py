@@ -49,7 +49,7 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     items = gb.parse_lines([
         request("a", "/v1/embeddings", input="x"),
         request("b", ob.CHAT, prompt="x"),
-        request("c", prompt="x", presence_penalty=0.5),
+        request("c", prompt="x", best_of=3),
         request("d", prompt="x", n=2),
         request("e", prompt="x", stream=True),
         json.dumps({"custom_id": "f", "prompt": "x"}),
@@ -60,11 +60,21 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     assert all(isinstance(i, gb.LineError) for i in items)
     assert errors["a"].startswith("line 1: url '/v1/embeddings' is not supported")
     assert errors["b"] == 'line 2: a /v1/chat/completions request needs "messages" in its body'
-    assert errors["c"].startswith("line 3: unknown setting 'presence_penalty'")
+    assert errors["c"].startswith("line 3: unknown setting 'best_of'")
     assert errors["d"].startswith("line 4: num_return_sequences must be 1 in batch mode")
     assert errors["e"] == "line 5: stream must be false in a batch request"
     assert errors["f"].startswith('line 6: not an OpenAI batch request (no "body")')
     assert errors["g"].startswith("line 7: unknown request field 'extra'")
+
+
+def test_openai_sampling_fields_genlab_has_reach_its_settings():
+    """presence_penalty and frequency_penalty mean the same in OpenAI's API and genlab."""
+    [job] = gb.parse_lines([request("a", prompt="x", presence_penalty=0.5,
+                                    frequency_penalty=0.25, temperature=0.7)],
+                           RUN, ob.to_genlab_line)
+    assert isinstance(job, gb.Job), job
+    s = job.settings
+    assert (s.presence_penalty, s.frequency_penalty, s.temperature) == (0.5, 0.25, 0.7)
 
 
 def test_format_detection():
