@@ -64,8 +64,10 @@ def keys() -> None:
     from genlib.config import SPECS
 
     table = Table(show_edge=False)
-    for column in ("key", "default", "allowed", "meaning"):
-        table.add_column(column, overflow="fold")
+    for column in ("key", "default"):  # each key and its default stay whole on one line
+        table.add_column(column, no_wrap=True)
+    for column in ("allowed", "meaning"):
+        table.add_column(column, overflow="fold", ratio=1)
     for key, spec in SPECS.items():
         table.add_row(key, repr(spec.default), spec.allowed or spec.kind, spec.help)
     out.print(table)
