@@ -327,7 +327,7 @@ def test_cli_beam_tree_is_drawn_as_the_search_runs_on_a_terminal(monkeypatch):
                 for line in frame.split("beam search:")[0].splitlines()) for frame in frames]
     assert kept == [2, 4, 6, 6]  # one frame per step drawn, 2 beams kept at each, and the
     # last frame again as the view stops (it stays on the screen)
-    assert "tree cut after 3 of 6 steps" in screen.getvalue()
+    assert "tree cut after 3 of 6 steps" in screen.getvalue() + result.stdout
 
 
 def test_generate_runs_beam_preset():

@@ -68,7 +68,8 @@ def test_explain_terminal_view_and_errors(stories):
 
 
 def test_generate_logprobs_json_shape(stories):
-    out = run_json("generate", "Once upon a time", *MODEL, *SAMPLED, "--logprobs", "3")
+    doc = run_json("generate", "Once upon a time", *MODEL, *SAMPLED, "--logprobs", "3")
+    out = doc["outputs"][0]  # the JSON contract: per output (docs/output.md)
     content = out["logprobs"]["content"]
     assert len(content) == len(out["token_ids"]) == 8
     for entry, tid in zip(content, out["token_ids"]):
@@ -77,7 +78,7 @@ def test_generate_logprobs_json_shape(stories):
         raws = [t["logprob"] for t in entry["top_logprobs"]]
         assert raws == sorted(raws, reverse=True)
     assert "".join(e["token"] for e in content) == out["text"]
-    plain = run_json("generate", "Once upon a time", *MODEL, *SAMPLED)
+    plain = run_json("generate", "Once upon a time", *MODEL, *SAMPLED)["outputs"][0]
     assert "logprobs" not in plain and plain["token_ids"] == out["token_ids"]
 
 
