@@ -129,7 +129,9 @@ def engine_label(r: dict[str, Any], compile_time: bool = True) -> str:
         f", compile {r['compile_s']:.1f}s"
     if r.get("backend") in (None, "", r["engine"]) and not took:
         return r["engine"]
-    return f"{r['engine']} ({r.get('backend') or '-'}{took})"
+    if not took:
+        return f"{r['engine']}/{r['backend']}"
+    return f"{r['engine']}/{r.get('backend') or '-'} ({took.removeprefix(', ')})"
 
 
 def check_plot_available(plot: str | None) -> None:

@@ -251,6 +251,6 @@ def test_the_table_names_the_backend_and_its_compile_time():
     from cli.bench import engine_label
 
     plain = {"engine": "genlab", "backend": "native", "compile_s": None}
-    assert engine_label(plain) == "genlab (native)"
+    assert engine_label(plain) == "genlab/native"
     compiled = {"engine": "genlab", "backend": "compiled", "compile_s": 0.25}
-    assert engine_label(compiled) == "genlab (compiled, compile 0.2s)"
+    assert engine_label(compiled) == "genlab/compiled (compile 0.2s)"
