@@ -155,7 +155,7 @@ def test_cli_json_schema_from_stdin_file_and_errors(tmp_path):
     result = runner.invoke(app, ["generate", PROMPT, "--json-schema", str(path), "-n", "48",
                                  "--json"])
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
+    record = json.loads(result.stdout)["outputs"][0]  # the JSON contract (docs/output.md)
     assert record["finish_reason"] == "eos" and is_valid(record["text"])
     short = runner.invoke(app, ["generate", PROMPT, "--json-schema", str(path), "-n", "3"])
     assert short.exit_code == 1
@@ -187,10 +187,10 @@ def test_batch_lines_carry_their_own_json_schema(tmp_path):
 def test_compare_columns_all_follow_the_grammar(tmp_path):
     result = runner.invoke(app, ["compare", "x = ", "--regex", "[0-9]{2}", "-n", "8",
                                  "-p", "greedy", "--variant", "temperature=1.5", "--seed", "1",
-                                 "--json", "-"])
+                                 "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    samples = [x for strategy in data["strategies"] for x in strategy["samples"]]
+    samples = [x for strategy in data["strategies"] for x in strategy["outputs"]]
     assert len(samples) == 2
     for sample in samples:
         assert sample["finish_reason"] == "eos" and re.fullmatch("[0-9]{2}", sample["text"])

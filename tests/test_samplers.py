@@ -320,14 +320,15 @@ def test_cli_flags_reach_the_settings_and_the_output(stories_tokenizer):
             "--samplers", "logit_bias;penalties;dry;top_n_sigma;xtc;mirostat;temperature"]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
-    record = json.loads(result.stdout)
-    s = record["settings"]
+    document = json.loads(result.stdout)
+    record = document["outputs"][0]  # the JSON contract (docs/output.md)
+    s = document["settings"]
     assert s["strategy"] == "sample" and s["mirostat"] == 2 and s["top_n_sigma"] == 2.0
     assert s["logit_bias"] == {str(comma): -100.0, " girl": 2.0}
     assert s["dry_sequence_breakers"] == ["\n"]
     assert s["samplers"][-1] == "temperature"
     assert comma not in record["token_ids"]  # banned by its bias
     again = runner.invoke(app, args)
-    assert json.loads(again.stdout)["token_ids"] == record["token_ids"]  # seeded: repeatable
+    assert json.loads(again.stdout)["outputs"][0]["token_ids"] == record["token_ids"]  # seeded
     bad = runner.invoke(app, ["generate", "x", "-m", str(STORIES), "--mirostat", "1"])
     assert bad.exit_code == 2 and "mirostat must be 0 or 2" in bad.stderr
