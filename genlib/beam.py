@@ -37,12 +37,12 @@ from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
-from genlib.errors import ConfigError
 from genlib.events import BeamStep, Event, Prefill
 from genlib.models import LoadedModel
 from genlib.step import (
     Row,
     advance,
+    check_prompts,
     context_of,
     finish_row,
     new_row,
@@ -163,15 +163,6 @@ class _Plan:
     tree: dict[int, list[TreeStep]] = field(default_factory=dict)
 
 
-def check_request(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
-                  settings: GenerationSettings) -> None:
-    """ConfigError / ContextLengthError for a search that cannot run, before any work."""
-    if not prompts_ids or any(len(p) == 0 for p in prompts_ids):
-        raise ConfigError("every prompt needs at least one token")
-    for prompt in prompts_ids:
-        lm.check_fits(len(prompt), settings.max_new_tokens)
-
-
 def backend_request(prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
                     backend: str) -> Request:
     """What the search needs of its backend: every prompt's beams at once, reordered."""
@@ -204,7 +195,7 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     step (with the tree's candidates when `record_tree`), returns the results. Ctrl-C
     thrown into it (`.throw(KeyboardInterrupt)`) ends the search with the best beams so
     far, marked interrupted."""
-    check_request(lm, prompts_ids, settings)
+    check_prompts(lm, prompts_ids, settings)
     if backend is None:
         backend = choose_backend(lm, backend_request(prompts_ids, settings, lm.backend))
     return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
@@ -327,12 +318,7 @@ def _shared_prefix(sequences: list[list[int]]) -> int:
 
 def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
                prompt_width: int) -> _Plan:
-    if settings.num_beams % settings.num_beam_groups:
-        raise ConfigError(f"num_beams ({settings.num_beams}) must be divisible by "
-                          f"num_beam_groups ({settings.num_beam_groups})")
-    if settings.num_return_sequences > settings.num_beams:
-        raise ConfigError(f"num_return_sequences ({settings.num_return_sequences}) must be "
-                          f"<= num_beams ({settings.num_beams})")
+    # GenerationSettings has checked num_beams against groups and outputs already.
     group_size = settings.num_beams // settings.num_beam_groups
     eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
     constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,

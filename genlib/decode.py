@@ -18,13 +18,13 @@ import torch
 from genlib import grammar, processors
 from genlib.backends.base import Backend
 from genlib.config import GenerationSettings
-from genlib.errors import ConfigError
 from genlib.events import Event, Prefill
 from genlib.models import LoadedModel
 from genlib.step import (
     Plan,
     Row,
     advance,
+    check_prompts,
     choose_tokens,
     choose_with_detail,
     context_of,
@@ -34,15 +34,6 @@ from genlib.step import (
     new_row,
 )
 from genlib.stepdetail import Detail
-
-
-def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
-                  settings: GenerationSettings) -> None:
-    """ConfigError / ContextLengthError for prompts no loop can run, before any work."""
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("every prompt needs at least one token")
-    for prompt in prompts:
-        lm.check_fits(len(prompt), settings.max_new_tokens)
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

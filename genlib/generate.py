@@ -17,6 +17,7 @@ from genlib.errors import ConfigError
 from genlib.events import Event, Finish
 from genlib.models import LoadedModel
 from genlib.speculative import Drafting
+from genlib.step import check_prompts
 from genlib.stepdetail import Detail
 
 
@@ -43,11 +44,11 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                                       detail)
     elif settings.strategy == "beam":
         request = beam.backend_request(prompts, settings, backend or lm.backend)
-        beam.check_request(lm, prompts, settings)
+        check_prompts(lm, prompts, settings)
         yield from beam.stream(lm, prompts, settings, choose_backend(lm, request),
                                seeds=seeds, record_tree=record_tree)
     else:
-        decode.check_prompts(lm, prompts, settings)
+        check_prompts(lm, prompts, settings)
         request = Request(rows=len(prompts) * settings.num_return_sequences,
                           backend=backend or lm.backend)
         yield from decode.stream(lm, prompts, settings, choose_backend(lm, request),

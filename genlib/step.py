@@ -15,6 +15,7 @@ import torch
 from genlib import config, grammar, processors, sampling, stepdetail
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
+from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Token
 from genlib.models import LoadedModel
 from genlib.stopping import StopStrings
@@ -213,6 +214,15 @@ def collect(events: Iterator[Event], handle: Callable[[Event], None]
             handle(event)
         return seen, True
     return seen, False
+
+
+def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
+                  settings: GenerationSettings) -> None:
+    """ConfigError / ContextLengthError for prompts no loop can run, before any work."""
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ConfigError("every prompt needs at least one token")
+    for prompt in prompts:
+        lm.check_fits(len(prompt), settings.max_new_tokens)
 
 
 def context_of(prompts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
