@@ -257,65 +257,91 @@ ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float 
         for (int j = 0; j < 4; j++)
             put(out + i * ldo + j, _mm512_reduce_add_ps(a[i][j]), accumulate);
 }
+#define PASS_ROWS 4  /* weight rows a pass over several slots takes at once */
+#define tile_one(w0, n, x, out, accumulate) tile(w0, n, x, 0, out, 0, 1, accumulate)
 #else
-#define TILE 2  /* slots per pass: 4 x 2 accumulators + 4 weight vectors + 1 of 16 */
+#define TILE 6  /* slots per pass: 2 x 6 accumulators + 2 weight vectors + 1 of 16 */
+#define PASS_ROWS 2
 
-/* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...), the tail scalar. */
-ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
-                        long ldo, int m, int accumulate) {
+/* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...), the tail scalar,
+ * for `rows` weight rows (4 for one slot, which is bound by memory; 2 for several, so
+ * six slots' accumulators fit AVX2's 16 registers). While it reads a block of four rows
+ * it prefetches the next block, so the memory reads overlap the products: a pass over
+ * several slots is long enough for the hardware prefetcher alone to fall behind. */
+ALWAYS_INLINE void tile_rows(const float *w0, int n, const float *x, long ldx, float *out,
+                             long ldo, int rows, int m, int accumulate) {
     const float *w[4] = {w0, w0 + n, w0 + 2 * n, w0 + 3 * n};
     vec a[TILE][4];
     for (int i = 0; i < m; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = (vec){0};
+        for (int j = 0; j < rows; j++) a[i][j] = (vec){0};
     int k = 0;
     for (; k + LANES <= n; k += LANES) {
         vec v[4];
-        for (int j = 0; j < 4; j++) v[j] = *(const vec_u *)(w[j] + k);
+        for (int j = 0; j < rows; j++) __builtin_prefetch(w[j] + k + 4L * n, 0, 3);
+        for (int j = 0; j < rows; j++) v[j] = *(const vec_u *)(w[j] + k);
         for (int i = 0; i < m; i++) {
             vec xv = *(const vec_u *)(x + i * ldx + k);
-            for (int j = 0; j < 4; j++) a[i][j] += v[j] * xv;
+            for (int j = 0; j < rows; j++) a[i][j] += v[j] * xv;
         }
     }
     for (int i = 0; i < m; i++) {
         const float *xi = x + i * ldx;
-        for (int j = 0; j < 4; j++) {
+        for (int j = 0; j < rows; j++) {
             float s = hsum(a[i][j]);
             for (int t = k; t < n; t++) s += w[j][t] * xi[t];
             put(out + i * ldo + j, s, accumulate);
         }
     }
 }
+
+ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
+                        long ldo, int m, int accumulate) {
+    tile_rows(w0, n, x, ldx, out, ldo, PASS_ROWS, m, accumulate);
+}
+
+#define tile_one(w0, n, x, out, accumulate) tile_rows(w0, n, x, 0, out, 0, 4, 1, accumulate)
 #endif
+
+/* PASS_ROWS weight rows from w0 times m slots, TILE slots at a time. */
+ALWAYS_INLINE void pass(const float *w0, int n, const float *x, long ldx, float *out, long ldo,
+                        int m, int accumulate) {
+    int i = 0;
+    for (; i + TILE <= m; i += TILE)
+        tile(w0, n, x + i * ldx, ldx, out + i * ldo, ldo, TILE, accumulate);
+    switch (m - i) {  /* the rest, with a constant m for each inlined copy */
+#define REST(k) case k: tile(w0, n, x + i * ldx, ldx, out + i * ldo, ldo, k, accumulate); break;
+#if TILE > 5
+    REST(5)
+#endif
+#if TILE > 4
+    REST(4)
+#endif
+#if TILE > 3
+    REST(3)
+#endif
+#if TILE > 2
+    REST(2)
+#endif
+    REST(1)
+    default: break;
+    }
+}
 
 /* out[i * ldo + r] = dot(w[r], x[i]) (+ out[...] when accumulate) for rows [r0, r1) of w
  * (rows, n) and the m slots' inputs x[i] = x + i * ldx: a block of four weight rows at a
- * time, read from memory once and multiplied by TILE slots at a time while it stays in
- * L1; rows past the last block of four one by one. */
+ * time, read from memory once and multiplied by every slot while it stays in L1
+ * (PASS_ROWS rows by TILE slots at a time); rows past the last block of four one by one. */
 static void matmul(const float *w, int n, const float *x, long ldx, float *out, long ldo,
                    int r0, int r1, int m, int accumulate) {
     int r = r0;
     for (; r + 4 <= r1; r += 4) {
         const float *block = w + (long)r * n;
-        int i = 0;
-        for (; i + TILE <= m; i += TILE)
-            tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, TILE, accumulate);
-        switch (m - i) {  /* the rest, with a constant m for each inlined copy */
-#define REST(k) case k: tile(block, n, x + i * ldx, ldx, out + i * ldo + r, ldo, k, accumulate); break;
-#if TILE > 5
-        REST(5)
-#endif
-#if TILE > 4
-        REST(4)
-#endif
-#if TILE > 3
-        REST(3)
-#endif
-#if TILE > 2
-        REST(2)
-#endif
-        REST(1)
-        default: break;
+        if (m == 1) {
+            tile_one(block, n, x, out + r, accumulate);
+            continue;
         }
+        for (int part = 0; part < 4; part += PASS_ROWS)
+            pass(block + (long)part * n, n, x, ldx, out + r + part, ldo, m, accumulate);
     }
     for (; r < r1; r++)
         for (int i = 0; i < m; i++)
@@ -339,11 +365,42 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
 /* x * cos + roll(x, half) * sin, the sine table carrying rotate_half's sign. */
 static void rotary(const float *x, const float *cos, const float *sin, float *out, int d) {
     int half = d / 2;
-    for (int i = 0; i < d; i++) out[i] = x[i] * cos[i] + x[(i + half) % d] * sin[i];
+    for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
+    for (int i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
 }
 
 static void add_scaled(float *restrict out, const float *restrict row, float p, int d) {
     for (int i = 0; i < d; i++) out[i] += p * row[i];
+}
+
+#define MIX_VECS 8  /* output vectors a mix keeps in registers at once */
+
+/* out = sum over j < count of (scores[j] / total) * values[j] (rows of d), plus
+ * (last_score / total) * last, each output number summed in the order of j as
+ * add_scaled row by row sums it, but MIX_VECS vectors of out at a time held in
+ * registers: a row-by-row sum stores and reloads all of out for every row. */
+static void mix_values(float *out, const float *values, long count, const float *scores,
+                       float total, const float *last, float last_score, int d) {
+    int c = 0;
+    for (; c + MIX_VECS * LANES <= d; c += MIX_VECS * LANES) {
+        vec acc[MIX_VECS];
+        for (int v = 0; v < MIX_VECS; v++) acc[v] = (vec){0};
+        for (long j = 0; j < count; j++) {
+            float p = scores[j] / total;
+            for (int v = 0; v < MIX_VECS; v++)
+                acc[v] += p * *(const vec_u *)(values + j * d + c + v * LANES);
+        }
+        float p = last_score / total;
+        for (int v = 0; v < MIX_VECS; v++)
+            acc[v] += p * *(const vec_u *)(last + c + v * LANES);
+        for (int v = 0; v < MIX_VECS; v++) *(vec_u *)(out + c + v * LANES) = acc[v];
+    }
+    if (c < d) {  /* the rest of the columns, row by row */
+        memset(out + c, 0, sizeof(float) * (d - c));
+        for (long j = 0; j < count; j++)
+            add_scaled(out + c, values + j * d + c, scores[j] / total, d - c);
+        add_scaled(out + c, last + c, last_score / total, d - c);
+    }
 }
 
 /* One query over a KV head's `position` cached keys and values (rows of head_dim) and
@@ -360,9 +417,7 @@ static void attend(const Model *m, const float *q, const float *keys, const floa
         top = scores[j] > top ? scores[j] : top;
     }
     float total = exp_shifted(scores, position + 1, top);
-    memset(out, 0, sizeof(float) * d);
-    for (long j = 0; j < position; j++) add_scaled(out, values + j * d, scores[j] / total, d);
-    add_scaled(out, value, scores[position] / total, d);
+    mix_values(out, values, position, scores, total, value, scores[position], d);
 }
 
 /* One call's slots (see the header): slot s feeds tokens[s] at positions[s] of the cache
