@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
+from cli import output
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
 from cli.errors import fail, user_errors
 from genlib.config import with_seed
@@ -50,17 +51,16 @@ def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, 
 def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
                    settings: GenerationSettings, top: int,
                    branch: tuple[int, int] | None) -> dict[str, Any]:
-    """The whole `--json` record: the original run and, with a branch, the branch and
-    where the two diverge."""
+    """The whole `--json` document (docs/output.md): the original run and, with a
+    branch, the branch and where the two diverge."""
     from genlib.explain import divergence, explain, run_dict
 
     original = explain(lm, ids, settings, top=top)
-    record: dict[str, Any] = {
-        "model": lm.ref, "prompt": prompt, "prompt_tokens": len(ids),
-        "settings": settings.to_dict(),
-        "sampler": "inverse_cdf" if settings.do_sample else "greedy",
-        "original": run_dict(lm, original),
-    }
+    record = output.document(
+        "explain", lm.ref, prompt=prompt, prompt_tokens=len(ids),
+        settings=settings.to_dict(),
+        sampler="inverse_cdf" if settings.do_sample else "greedy",
+        original=run_dict(lm, original))
     if branch is not None:
         forked = explain(lm, ids, settings, top=top, force={branch[0]: branch[1]})
         record["branch"] = {"step": branch[0], "token_id": branch[1], **run_dict(lm, forked)}
@@ -121,6 +121,7 @@ def explain(
         "--branch", help="STEP:TOKEN: force TOKEN (text, or #id) at STEP and continue with "
         "the same random draws; shows both runs side by side.")] = None,
     as_json: opt.Json = False,
+    output_file: opt.JsonOutputFile = None,
     html_file: Annotated[Path | None, typer.Option(
         "--html", rich_help_panel=opt.OUTPUT_PANEL,
         help="Write one self-contained page: tokens coloured by probability, click one "
@@ -143,6 +144,10 @@ def explain(
 
     flags = opt.decoding_flags(locals())
     flags.setdefault("max_new_tokens", 20)
+    target = output.sink(as_json, False, output_file)
+    if not target.machine and not target.to_stdout:
+        raise fail("-o/--output writes the --json output of explain; add --json, or use "
+                   "--html FILE for a readable export")
     first, last = parse_steps(steps)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
@@ -161,8 +166,9 @@ def explain(
 
         html_file.write_text(page(record), encoding="utf-8")
         render.info(f"wrote {html_file}")
-    if as_json:
-        render.json_line(record)
+    if target.machine:
+        with output.opened(target):
+            target.json_document(record)
     elif html_file is None:
         render_explain.show_steps(record["original"]["steps"], first, last)
         if "branch" in record:

@@ -1,63 +1,171 @@
-"""`genlab presets`: list the presets and show one fully resolved."""
+"""`genlab presets`: list the presets, show one fully resolved, list the keys a preset
+may hold; each as a table (YAML for `show`) or, with --json, one document of the JSON
+contract (docs/output.md)."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from cli.errors import user_errors
+from cli import output
+from cli.errors import fail, user_errors
+from cli.output import OUTPUT_PANEL, Json, JsonOutputFile, Sink, opened, sink
+
+if TYPE_CHECKING:
+    from genlib.errors import PresetError
+    from genlib.presets import Preset
 
 app = typer.Typer(help="List and inspect decoding presets.", no_args_is_help=True)
+ShowOutputFile = Annotated[str | None, typer.Option(
+    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
+    help="Write the YAML (or the --json document) to FILE instead of stdout.")]
 
 
-@app.command("list")
-@user_errors
-def list_() -> None:
-    """Name, strategy and description of every preset (built-in and yours)."""
+def source_of(path: Path) -> str:
+    """Where a preset file lives: `built-in`, `user` (your presets folder) or `file`
+    (a path given on the command line)."""
+    from genlib.presets import builtin_dir, user_dir
+
+    if path.parent == builtin_dir().resolve():
+        return "built-in"
+    if path.parent == user_dir().expanduser().resolve():
+        return "user"
+    return "file"
+
+
+def refuse_table_file(target: Sink, command: str) -> None:
+    """-o FILE carries the --json document; the tables are for the terminal."""
+    if not target.machine and not target.to_stdout:
+        raise fail(f"-o/--output writes the --json output of presets {command}; add --json")
+
+
+# --- list -------------------------------------------------------------------------------
+
+def list_row(name: str, preset: Preset | PresetError) -> dict[str, Any]:
+    """One preset of `presets list --json`; one that cannot be loaded has its `error`."""
+    from genlib.config import resolve_settings
+    from genlib.errors import PresetError
+
+    if isinstance(preset, PresetError):
+        return {"name": name, "description": None, "strategy": None, "model": None,
+                "source": None, "path": None, "error": str(preset)}
+    return {"name": preset.name, "description": preset.description,
+            "strategy": resolve_settings(None, preset.settings).strategy,
+            "model": preset.model, "source": source_of(preset.path),
+            "path": str(preset.path), "error": None}
+
+
+def list_document(presets: list[tuple[str, Preset | PresetError]]) -> dict[str, Any]:
+    from genlib.presets import user_dir
+
+    return output.document("presets list", None, user_dir=str(user_dir()),
+                           presets=[list_row(name, p) for name, p in presets])
+
+
+def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
     from rich.markup import escape
     from rich.table import Table
 
     from cli.render import out
     from genlib.config import resolve_settings
     from genlib.errors import PresetError
-    from genlib.presets import builtin_dir, list_presets, user_dir
+    from genlib.presets import user_dir
 
     table = Table(title=None, show_edge=False)
     for column in ("name", "strategy", "description", "source"):
         table.add_column(column, overflow="fold")
-    for name, preset in list_presets():
+    for name, preset in presets:
         if isinstance(preset, PresetError):
             table.add_row(name, "[red]error[/]", escape(str(preset)), "")
             continue
         strategy = resolve_settings(None, preset.settings).strategy
-        source = "built-in" if preset.path.parent == builtin_dir().resolve() else str(preset.path)
+        source = "built-in" if source_of(preset.path) == "built-in" else str(preset.path)
         table.add_row(preset.name, strategy, preset.description, source)
     out.print(table)
     out.print(f"[dim]your presets folder: {user_dir()}[/]")
 
 
-@app.command("show")
+@app.command("list")
 @user_errors
-def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yaml file.")]
-         ) -> None:
-    """The fully resolved settings of a preset (defaults filled in), as YAML."""
+def list_(as_json: Json = False, output_file: JsonOutputFile = None) -> None:
+    """Name, strategy and description of every preset (built-in and yours)."""
+    from genlib.presets import list_presets
+
+    target = sink(as_json, False, output_file)
+    refuse_table_file(target, "list")
+    presets = list_presets()
+    if not target.machine:
+        show_list(presets)
+        return
+    with opened(target):
+        target.json_document(list_document(presets))
+
+
+# --- show -------------------------------------------------------------------------------
+
+def show_document(preset: Preset) -> dict[str, Any]:
+    """`presets show --json`: the preset, its resolved settings, and which file along
+    its `extends` chain set each setting it holds (the others are genlab's defaults)."""
+    from genlib.config import resolve_settings
+    from genlib.provenance import preset_files
+
+    described = {"name": preset.name, "description": preset.description,
+                 "source": source_of(preset.path), "path": str(preset.path)}
+    return output.document(
+        "presets show", preset.model, preset=described,
+        settings=resolve_settings(None, preset.settings).to_dict(),
+        set_by={key: str(path) for key, path in preset_files(preset).items()})
+
+
+def show_yaml(preset: Preset) -> str:
     import yaml
 
     from genlib.config import resolve_settings
-    from genlib.presets import load_preset
 
-    preset = load_preset(name)
     resolved = {"name": preset.name, "description": preset.description}
     if preset.model:
         resolved["model"] = preset.model
     resolved.update(resolve_settings(None, preset.settings).to_dict())
-    typer.echo(yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True), nl=False)
+    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
 
 
-@app.command("keys")
-def keys() -> None:
-    """Every setting a preset (or a flag, a JSONL line, /set) may hold."""
+@app.command("show")
+@user_errors
+def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yaml file.")],
+         as_json: Json = False, output_file: ShowOutputFile = None) -> None:
+    """The fully resolved settings of a preset (defaults filled in), as YAML."""
+    from genlib.presets import load_preset
+
+    target = sink(as_json, False, output_file)
+    preset = load_preset(name)
+    with opened(target):
+        if target.machine:
+            target.json_document(show_document(preset))
+        elif target.to_stdout:
+            typer.echo(show_yaml(preset), nl=False)
+        else:
+            target.write(show_yaml(preset))
+
+
+# --- keys -------------------------------------------------------------------------------
+
+def keys_document() -> dict[str, Any]:
+    """`presets keys --json`: every setting with its type, default (as `settings` holds
+    it; null where it has none or is inferred), range and meaning."""
+    from genlib.config import SPECS, GenerationSettings
+
+    defaults = GenerationSettings().to_dict()
+    keys = [{"key": key, "type": spec.kind,
+             "default": None if spec.default is None else defaults[key],
+             "nullable": spec.optional, "allowed": spec.allowed or None,
+             "choices": list(spec.choices), "meaning": spec.help}
+            for key, spec in SPECS.items()]
+    return output.document("presets keys", None, keys=keys)
+
+
+def show_keys() -> None:
     from rich.table import Table
 
     from cli.render import out
@@ -71,3 +179,16 @@ def keys() -> None:
     for key, spec in SPECS.items():
         table.add_row(key, repr(spec.default), spec.allowed or spec.kind, spec.help)
     out.print(table)
+
+
+@app.command("keys")
+@user_errors
+def keys(as_json: Json = False, output_file: JsonOutputFile = None) -> None:
+    """Every setting a preset (or a flag, a JSONL line, /set) may hold."""
+    target = sink(as_json, False, output_file)
+    refuse_table_file(target, "keys")
+    if not target.machine:
+        show_keys()
+        return
+    with opened(target):
+        target.json_document(keys_document())

@@ -4,7 +4,6 @@ stream is not a terminal or NO_COLOR is set."""
 
 from __future__ import annotations
 
-import json
 import sys
 from typing import Any
 
@@ -93,14 +92,6 @@ def stream_text(text: str, style: str = TEXT_STYLE) -> None:
 
 def end_line() -> None:
     stream_text("\n")
-
-
-def json_line(obj: Any) -> None:
-    # Readable UTF-8 where stdout takes it; \u escapes (the same JSON) where its
-    # encoding could not hold every character (PYTHONIOENCODING=ascii, a latin-1 locale).
-    utf8 = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "") == "utf8"
-    sys.stdout.write(json.dumps(obj, ensure_ascii=not utf8) + "\n")
-    sys.stdout.flush()
 
 
 def stats(new_tokens: int, ttft: float | None, tps: float, reason: str,

@@ -28,6 +28,12 @@ COMMANDS = {
     "bench": ["bench", *M, "--runs", "1", "--warmup", "0", "--prompt-len", "4",
               "--new-tokens", "3", "--no-bandwidth", "-p", "creative"],
 }
+# Commands with --json only (one document; no --jsonl).
+DOCUMENTS = {
+    **COMMANDS,
+    "explain": ["explain", PROMPT, *M, "-n", "4", "-t", "0.8", "--seed", "1", "--top", "3",
+                "--branch", "1:#370"],
+}
 
 
 def run(*args: str):
@@ -45,10 +51,10 @@ def errors(obj) -> list[str]:
 def documents():
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
-    return {name: json.loads(run(*args, "--json").stdout) for name, args in COMMANDS.items()}
+    return {name: json.loads(run(*args, "--json").stdout) for name, args in DOCUMENTS.items()}
 
 
-@pytest.mark.parametrize("name", list(COMMANDS))
+@pytest.mark.parametrize("name", list(DOCUMENTS))
 def test_every_document_validates(documents, name):
     doc = documents[name]
     assert errors(doc) == []
@@ -90,7 +96,8 @@ def test_shared_facts_are_named_alike(documents):
             assert out["new_tokens"] == len(out["token_ids"])
     assert [o["index"] for o in documents["generate"]["outputs"]] == [1, 2]
     assert [o["index"] for o in documents["beam"]["outputs"]] == [1, 2]  # as the table
-    assert documents["generate"]["model"] == str(STORIES)
+    assert documents["generate"]["model"] == documents["explain"]["model"] == str(STORIES)
+    assert documents["explain"]["prompt_tokens"] == 5  # explain's runs are not outputs
     assert documents["bench"]["results"][0]["settings"]["strategy"] == "sample"  # creative
 
 
@@ -140,3 +147,176 @@ def test_json_and_jsonl_together_are_refused(command):
                                       "--json", "--jsonl"])
     assert result.exit_code == 2
     assert "--json and --jsonl exclude each other" in result.stderr
+
+
+# --- explain ----------------------------------------------------------------------------
+
+def test_explain_document_holds_both_runs_step_by_step(documents):
+    doc = documents["explain"]
+    assert doc["sampler"] == "inverse_cdf" and doc["settings"]["temperature"] == 0.8
+    original, branch = doc["original"], doc["branch"]
+    assert original["text"] == ", there was a" and original["finish_reason"] == "length"
+    assert [s["token"] for s in original["steps"]] == [",", " there", " was", " a"]
+    assert original["token_ids"] == [s["chosen"]["id"] for s in original["steps"]]
+    assert (branch["step"], branch["token_id"], branch["diverges_at"]) == (1, 370, 1)
+    assert branch["token_ids"][:2] == [432, 370]
+    assert [s["forced"] for s in branch["steps"]] == [False, True, False, False]
+    for step in original["steps"]:
+        assert [s["name"] for s in step["stages"]] == ["raw", "temperature"]
+        assert len(step["candidates"]) == 3  # --top 3
+
+
+def test_the_schema_rejects_a_broken_explain_document(documents):
+    doc = json.loads(json.dumps(documents["explain"]))
+    del doc["original"]["steps"][0]["draw"]
+    assert errors(doc)
+    doc = json.loads(json.dumps(documents["explain"]))
+    doc["original"]["steps"][0]["chosen"]["stage_probs"]["raw"] = 1.5  # not a probability
+    assert errors(doc)
+    doc = json.loads(json.dumps(documents["explain"]))
+    doc["sampler"] = "multinomial"
+    assert errors(doc)
+
+
+def test_explain_output_file_needs_json(tmp_path):
+    result = CliRunner().invoke(app, ["explain", PROMPT, "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2
+    assert "-o/--output writes the --json output of explain" in result.stderr
+    assert not (tmp_path / "x.json").exists()
+
+
+# --- presets ----------------------------------------------------------------------------
+
+PRESETS = {"presets list": ["presets", "list"], "presets show": ["presets", "show", "warm"],
+           "presets keys": ["presets", "keys"]}
+
+
+@pytest.fixture
+def user_presets(tmp_path, monkeypatch):
+    """A presets folder with a preset that extends a built-in and one that is broken."""
+    folder = tmp_path / "presets"
+    folder.mkdir()
+    monkeypatch.setenv("GENLAB_PRESETS_DIR", str(folder))
+    (folder / "warm.yaml").write_text(
+        "name: warm\ndescription: creative, warmer\nextends: creative\ntemperature: 1.2\n"
+        "model: ../shared/models/stories260K\n")
+    (folder / "broken.yaml").write_text("temprature: 0.7\n")
+    return folder.resolve()
+
+
+@pytest.mark.parametrize("command", list(PRESETS))
+def test_every_presets_document_validates(user_presets, command):
+    doc = json.loads(run(*PRESETS[command], "--json").stdout)
+    assert errors(doc) == []
+    assert doc["command"] == command
+
+
+def test_presets_list_document(user_presets):
+    from genlib.presets import builtin_dir
+
+    doc = json.loads(run("presets", "list", "--json").stdout)
+    rows = {row["name"]: row for row in doc["presets"]}
+    assert {"greedy", "creative", "precise", "topk", "beam", "llamacpp", "warm",
+            "broken"} <= set(rows)
+    assert rows["creative"] == {
+        "name": "creative", "strategy": "sample", "model": None, "source": "built-in",
+        "description": "Nucleus (top-p) sampling at a warm temperature, for varied "
+                       "open-ended text.",
+        "path": str(builtin_dir().resolve() / "creative.yaml"), "error": None}
+    assert rows["beam"]["strategy"] == "beam" and rows["greedy"]["strategy"] == "greedy"
+    warm = rows["warm"]
+    assert (warm["source"], warm["strategy"], warm["model"], warm["path"]) == (
+        "user", "sample", "../shared/models/stories260K", str(user_presets / "warm.yaml"))
+    broken = rows["broken"]
+    assert "'temprature'" in broken["error"] and broken["strategy"] is None
+    assert doc["user_dir"] == str(user_presets) and doc["model"] is None
+
+
+def test_presets_show_document_says_where_each_setting_came_from(user_presets):
+    from genlib.presets import builtin_dir
+
+    doc = json.loads(run("presets", "show", "warm", "--json").stdout)
+    assert doc["model"] == "../shared/models/stories260K"
+    assert doc["preset"] == {"name": "warm", "description": "creative, warmer",
+                             "source": "user", "path": str(user_presets / "warm.yaml")}
+    settings = doc["settings"]
+    assert (settings["temperature"], settings["top_p"], settings["strategy"]) == (
+        1.2, 0.92, "sample")
+    assert settings["top_k"] == 0 and settings["seed"] is None  # genlab's defaults
+    creative = str(builtin_dir().resolve() / "creative.yaml")
+    assert doc["set_by"] == {"strategy": creative, "top_p": creative,
+                             "max_new_tokens": creative,
+                             "temperature": str(user_presets / "warm.yaml")}
+
+
+def test_presets_show_by_path_is_a_file(user_presets, tmp_path):
+    path = tmp_path / "mine.yaml"
+    path.write_text("top_k: 7\n")
+    doc = json.loads(run("presets", "show", str(path), "--json").stdout)
+    assert errors(doc) == []
+    assert doc["preset"]["source"] == "file" and doc["preset"]["name"] == "mine"
+    assert doc["model"] is None and doc["settings"]["top_k"] == 7
+    assert doc["settings"]["strategy"] == "sample"  # top_k > 0 implies sampling
+    assert doc["set_by"] == {"top_k": str(path.resolve())}
+
+
+def test_presets_keys_document_lists_every_setting(user_presets):
+    from genlib.config import SPECS
+
+    doc = json.loads(run("presets", "keys", "--json").stdout)
+    keys = {key["key"]: key for key in doc["keys"]}
+    assert list(keys) == list(SPECS)
+    assert keys["top_p"] == {"key": "top_p", "type": "float", "default": 1.0,
+                             "nullable": False, "allowed": "0 < top_p <= 1", "choices": [],
+                             "meaning": SPECS["top_p"].help}
+    assert keys["strategy"]["choices"] == ["greedy", "sample", "beam"]
+    assert keys["strategy"]["default"] is None and keys["strategy"]["nullable"] is True
+    assert keys["max_new_tokens"]["default"] == 128
+    assert keys["dry_sequence_breakers"]["default"] == ["\n", ":", "\"", "*"]
+    assert keys["logit_bias"]["default"] == {}  # as `settings` holds it
+
+
+def test_the_schema_rejects_broken_presets_documents(user_presets):
+    doc = json.loads(run("presets", "list", "--json").stdout)
+    doc["presets"][0]["source"] = "somewhere"
+    assert errors(doc)
+    doc = json.loads(run("presets", "show", "creative", "--json").stdout)
+    del doc["settings"]["strategy"]
+    assert errors(doc)
+    doc = json.loads(run("presets", "keys", "--json").stdout)
+    doc["keys"][0]["type"] = "number"
+    assert errors(doc)
+
+
+def test_presets_output_file(user_presets, tmp_path):
+    target = tmp_path / "keys.json"
+    assert run("presets", "keys", "--json", "-o", str(target)).stdout == ""
+    assert errors(json.loads(target.read_text())) == []
+    shown = tmp_path / "creative.yaml"  # without --json, show writes its YAML there
+    assert run("presets", "show", "creative", "-o", str(shown)).stdout == ""
+    assert "top_p: 0.92" in shown.read_text().splitlines()
+    for command in ("list", "keys"):  # the tables are for the terminal
+        result = CliRunner().invoke(app, ["presets", command, "-o", str(tmp_path / "t")])
+        assert result.exit_code == 2
+        assert f"-o/--output writes the --json output of presets {command}" in result.stderr
+
+
+# --- every command --------------------------------------------------------------------
+
+def leaf_commands(command, prefix=()):
+    """(name, its option strings) of every command the user can run, subcommands too."""
+    if hasattr(command, "commands"):
+        for name, sub in command.commands.items():
+            yield from leaf_commands(sub, (*prefix, name))
+    else:
+        yield " ".join(prefix), {o for p in command.params for o in getattr(p, "opts", ())}
+
+
+def test_every_command_takes_json_and_its_document_is_validated_here():
+    import typer.main
+
+    commands = dict(leaf_commands(typer.main.get_command(app)))
+    assert {name for name, opts in commands.items() if "--json" not in opts} == set()
+    assert {name for name, opts in commands.items() if "-o" not in opts} == set()
+    validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS)
+    assert set(commands) == validated
