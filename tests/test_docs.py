@@ -1,5 +1,6 @@
-"""The docs match the program: every command's page holds its current `--help`, and
-the README's links lead to pages that exist."""
+"""The docs match the program: every command's page holds its current `--help` (a
+group's page each subcommand's too), the flags its prose names exist, and the README's
+links lead to pages that exist."""
 
 from __future__ import annotations
 
@@ -14,15 +15,81 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 import gen_docs  # noqa: E402
 
+USAGE_BLOCK = re.compile(r"<!-- usage.*?<!-- /usage -->", re.S)
+FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])(?![\w-])")
 
-@pytest.mark.parametrize("command", gen_docs.COMMANDS)
+
+def flags_in(text: str) -> set[str]:
+    return set(FLAG.findall(text))
+
+
+@pytest.mark.parametrize("command", gen_docs.documented_commands())
 def test_each_command_page_holds_its_current_help(command):
     block = gen_docs.usage_block(command)
     if block is None:
         pytest.skip(f"no {command} command")
-    page = (gen_docs.PAGES / f"{command}.md").read_text()
-    assert block in page, f"docs/commands/{command}.md is out of date: run " \
-                          f"python scripts/gen_docs.py"
+    page = gen_docs.page_path(command).read_text()
+    assert block in page, f"docs/commands/{gen_docs.page_path(command).name} is out of " \
+                          f"date for genlab {command}: run python scripts/gen_docs.py"
+
+
+def test_the_presets_group_documents_each_subcommand():
+    assert gen_docs.subcommands("presets") == ("presets list", "presets show", "presets keys")
+    assert gen_docs.subcommands("generate") == ()
+    page = gen_docs.page_path("presets list").read_text()
+    for name in ("list", "show", "keys"):
+        assert f"## genlab presets {name}\n" in page
+        assert gen_docs.begin_marker(f"presets {name}") in page
+    assert gen_docs.gone_subcommands("presets", page) == []
+
+
+def test_the_check_fails_when_a_subcommands_help_changes(monkeypatch, capsys):
+    real = gen_docs.help_text
+
+    def changed(command):
+        text = real(command)
+        return text + "a new line\n" if command == "presets show" else text
+
+    monkeypatch.setattr(gen_docs, "help_text", changed)
+    assert gen_docs.main(["--check"]) == 1
+    assert "out of date: presets.md" in capsys.readouterr().out
+
+
+def test_regenerating_keeps_the_prose_around_subcommand_sections(monkeypatch):
+    monkeypatch.setattr(gen_docs, "help_text", lambda command: f"help of {command}\n")
+    monkeypatch.setattr(gen_docs, "subcommands",
+                        lambda command: ("g a", "g b") if command == "g" else ())
+    old_a = gen_docs.begin_marker("g a") + "\n```text\nold help\n```\n" + gen_docs.END
+    page = ("# genlab g\n\nIntro.\n\n## Usage\n\n" + gen_docs.BEGIN + "\nold\n"
+            + gen_docs.END + "\n\n## genlab g a\n\nHow a is used.\n\n" + old_a
+            + "\n\nAfter a.\n")
+    new = gen_docs.refreshed("g", page)
+    assert new == ("# genlab g\n\nIntro.\n\n## Usage\n\n" + gen_docs.usage_block("g")
+                   + "\n\n## genlab g a\n\nHow a is used.\n\n" + gen_docs.usage_block("g a")
+                   + "\n\nAfter a.\n\n## genlab g b\n\n" + gen_docs.usage_block("g b") + "\n")
+    assert gen_docs.refreshed("g", new) == new
+
+
+def test_a_subcommand_genlab_no_longer_has_is_reported(monkeypatch):
+    monkeypatch.setattr(gen_docs, "subcommands", lambda command: ("g a",))
+    page = gen_docs.begin_marker("g a") + gen_docs.begin_marker("g gone")
+    assert gen_docs.gone_subcommands("g", page) == ["g gone"]
+
+
+def test_flags_named_on_the_presets_page_exist_in_its_usage():
+    page = gen_docs.page_path("presets").read_text()
+    usage = "".join(USAGE_BLOCK.findall(page))
+    named = flags_in(USAGE_BLOCK.sub("", page))
+    assert {"--json", "-o"} <= named
+    assert sorted(named - flags_in(usage)) == []
+
+
+def test_the_docs_name_only_presets_subcommands_genlab_has():
+    subcommands = {name.split()[1] for name in gen_docs.subcommands("presets")}
+    texts = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
+    named = {word for path in texts
+             for word in re.findall(r"genlab presets ([a-z][a-z-]*)", path.read_text())}
+    assert named and named <= subcommands, sorted(named - subcommands)
 
 
 def test_the_readme_links_lead_somewhere_and_it_stays_short():
