@@ -3,6 +3,7 @@ the row's xgrammar matcher, fill the bitmask, apply it) against the whole step o
 decoding (forward pass, processing, sampling), same model, measured in the same run.
 
     python benchmarks/bench_grammar.py [--model ../shared/models/code-target] [--reps 7]
+        [--backend auto|transformers|lean|compiled|native]
 
 Each rep runs, one after the other (interleaved, so load on a shared machine hits both
 alike): a plain greedy run of --steps tokens (end tokens ignored) for the step time, and
@@ -62,21 +63,26 @@ def timed_mask_fn(samples: list[float], cpu: list[float]):
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from genlib.backends.choose import BACKENDS
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))
     parser.add_argument("--steps", type=int, default=96)
     parser.add_argument("--reps", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--compile", action="store_true",
-                        help="decode with the compiled step (genlab generate --compile)")
+    parser.add_argument("--backend", default="auto", choices=BACKENDS,
+                        help="the backend both runs decode on, as genlab's --backend "
+                             "(default auto: the native kernel for a float32 Llama-style "
+                             "model on a CPU with a C compiler)")
     args = parser.parse_args()
 
     import torch
 
-    sys.path.insert(0, str(ROOT))
-    from genlib import decode, grammar
+    from genlib import grammar
     from genlib.config import resolve_settings
-    from genlib.events import Finish
+    from genlib.events import Finish, Prefill
+    from genlib.generate import stream
     from genlib.models import ModelSpec, load_model
 
     torch.set_num_threads(args.threads)
@@ -88,11 +94,17 @@ def main() -> None:
     mask_cpu: list[float] = []
     grammar.mask_fn = timed_mask_fn(masks, mask_cpu)  # the stage, timed; decode builds it per run
 
-    def run(settings):
-        events = decode.stream(lm, [ids], settings, compile=args.compile)
-        return next(e for e in events if isinstance(e, Finish))
+    ran: set[str] = set()
 
-    run(plain)  # warm-up: first-run costs (compilation) stay out of the figures
+    def run(settings):
+        for event in stream(lm, [ids], settings, backend=args.backend):
+            if isinstance(event, Prefill):
+                ran.add(event.backend)
+            elif isinstance(event, Finish):
+                return event
+        raise RuntimeError("the generation ended without a Finish event")
+
+    run(plain)  # warm-up: first-run costs (compilation, the kernel's build) stay out
     run(constrained)
     masks.clear()
     step_medians, mask_medians, mask_all, produced = [], [], [], []
@@ -116,12 +128,12 @@ def main() -> None:
     print(f"# bench_grammar  {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC  "
           f"{platform.processor() or platform.machine()}  torch threads {args.threads}")
     print(f"# command: python benchmarks/bench_grammar.py --model {Path(args.model).name} "
-          f"--steps {args.steps} --reps {args.reps} --threads {args.threads}"
-          + (" --compile" if args.compile else ""))
+          f"--steps {args.steps} --reps {args.reps} --threads {args.threads} "
+          f"--backend {args.backend}")
     print(f"model {Path(args.model).name}, vocab {lm.vocab_size}, {args.reps} interleaved "
           f"reps, constrained runs of {min(produced)}-{max(produced)} tokens")
-    label = " (--compile)" if args.compile else ""
-    print(f"plain decode step{label} (median of rep medians): {step * 1e3:.3f} ms")
+    print(f"backend {', '.join(sorted(ran))} (--backend {args.backend})")
+    print(f"plain decode step (median of rep medians): {step * 1e3:.3f} ms")
     print(f"grammar mask per step (median of rep medians): {mask * 1e3:.3f} ms "
           f"(p90 over all steps {p90 * 1e3:.3f} ms)")
     print(f"mask / step, wall clock: {mask / step:.1%} (per-rep: "
