@@ -1,6 +1,6 @@
 """The docs match the program: every command's page holds its current `--help` (a
-group's page each subcommand's too), the flags its prose names exist, and the README's
-links lead to pages that exist."""
+group's page each subcommand's too), the flags its prose and its options tables name
+exist (and none is a retired one), and the README's links lead to pages that exist."""
 
 from __future__ import annotations
 
@@ -17,10 +17,55 @@ import gen_docs  # noqa: E402
 
 USAGE_BLOCK = re.compile(r"<!-- usage.*?<!-- /usage -->", re.S)
 FLAG = re.compile(r"(?<![\w-])(--[a-z][a-z0-9-]*|-[a-zA-Z])(?![\w-])")
+FENCED = re.compile(r"```.*?```", re.S)
+CELL_BORDER = re.compile(r"(?<!\\)\|")  # a `|` that is not escaped as `\|` in a cell
 
 
 def flags_in(text: str) -> set[str]:
     return set(FLAG.findall(text))
+
+
+def table_flags(page: str) -> set[str]:
+    """The flags in the first column of a page's hand-written tables (rows like
+    "| `--flag` | ... |"; code blocks and the generated usage left out)."""
+    found: set[str] = set()
+    for line in FENCED.sub("", USAGE_BLOCK.sub("", page)).splitlines():
+        cells = CELL_BORDER.split(line.strip())
+        if line.strip().startswith("|") and len(cells) >= 3:
+            found |= flags_in(cells[1])
+    return found
+
+
+def click_command(command: str):
+    from typer.main import get_command
+
+    found = get_command(gen_docs.cli_app())
+    for name in command.split():
+        found = found.commands[name]
+    return found
+
+
+def help_flags(page_command: str) -> set[str]:
+    """The flags `--help` lists for a page's command (and a group's subcommands)."""
+    return {flag for name in gen_docs.documented_commands()
+            if gen_docs.page_path(name) == gen_docs.page_path(page_command)
+            for flag in flags_in(gen_docs.help_text(name) or "")}
+
+
+def retired_flags(page_command: str) -> set[str]:
+    """The hidden options of a page's command: retired flags kept only to name their
+    replacement (`--compile`)."""
+    return {flag for name in gen_docs.documented_commands()
+            if gen_docs.page_path(name) == gen_docs.page_path(page_command)
+            for param in click_command(name).params if getattr(param, "hidden", False)
+            for flag in param.opts}
+
+
+def table_flag_problems(command: str, page: str) -> list[str]:
+    """What a page's options tables name that its command's `--help` does not offer."""
+    named, offered, retired = table_flags(page), help_flags(command), retired_flags(command)
+    return [f"{flag}: retired" if flag in retired else f"{flag}: not in genlab {command} --help"
+            for flag in sorted(named - offered)]
 
 
 @pytest.mark.parametrize("command", gen_docs.documented_commands())
@@ -82,6 +127,32 @@ def test_flags_named_on_the_presets_page_exist_in_its_usage():
     named = flags_in(USAGE_BLOCK.sub("", page))
     assert {"--json", "-o"} <= named
     assert sorted(named - flags_in(usage)) == []
+
+
+@pytest.mark.parametrize("command", gen_docs.COMMANDS)
+def test_each_pages_options_tables_name_only_flags_its_help_has(command):
+    page = gen_docs.page_path(command).read_text()
+    assert table_flag_problems(command, page) == []
+
+
+def test_the_options_tables_are_read_and_compile_is_retired():
+    bench = table_flags(gen_docs.page_path("bench").read_text())
+    generate = table_flags(gen_docs.page_path("generate").read_text())
+    assert {"--backend", "--baseline", "-s", "--strategy", "--no-bandwidth"} <= bench
+    assert {"--backend", "-m", "--model", "--device", "--samplers", "--json-schema"} <= generate
+    assert "--compile" in retired_flags("bench") and "--compile" in retired_flags("generate")
+    assert "--compile" not in bench | generate
+
+
+def test_a_table_row_naming_a_flag_genlab_lacks_or_retired_fails():
+    page = gen_docs.page_path("bench").read_text()
+    row = "| `--no-cache` |"
+    assert row in page
+    fake = page.replace(row, "| `--compile`, `--no-such-flag N` | made up |\n" + row)
+    assert table_flag_problems("bench", fake) == [
+        "--compile: retired", "--no-such-flag: not in genlab bench --help"]
+    escaped = page.replace(row, "| `--dtype auto\\|float8`, `--made-up` | x |\n" + row)
+    assert table_flag_problems("bench", escaped) == ["--made-up: not in genlab bench --help"]
 
 
 def test_the_docs_name_only_presets_subcommands_genlab_has():
