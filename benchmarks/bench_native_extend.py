@@ -4,7 +4,8 @@
   tokens), as a multiple of one one-token step at the same position;
 - step_rows: one token each of B rows with their own caches, tokens/s against B = 1;
 - optionally the one-token step against another build of the kernel (`--baseline-source`,
-  e.g. the file from an earlier commit), to see it kept its speed.
+  e.g. the file from an earlier commit that packs its weights the same way), to see it
+  kept its speed.
 
 Every configuration is timed once per round, the rounds interleaved, and the medians of
 the rounds reported (the machine is shared: a configuration never gets a quiet spell the
@@ -139,6 +140,10 @@ def bench_baseline(name: str, lean: LeanLlama, step: native.NativeStep, source: 
     library = native.build(native.FLAGS, source).library
     if library is None:
         raise SystemExit(f"the baseline {source} does not build")
+    if not hasattr(library, "genlab_panel_rows"):
+        raise SystemExit(f"the baseline {source} reads row-major weights (a kernel before "
+                         "the packed panels): time it against this one with "
+                         "benchmarks/bench_vs_revision.py")
     old = native.NativeStep(lean, step.threads, library)
     cache = prefix(lean, step, args.position, args.position + 16)
     median = run_rounds({"baseline": step_at(old, cache, args.position),

@@ -305,6 +305,50 @@ def test_extend_gives_the_bits_of_one_token_steps(any_library, make, threads):
 
 
 @pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+def test_the_thread_count_does_not_change_the_bits(any_library, make):
+    """Each (weight row, token) sum runs over one panel column after another, whichever
+    thread owns the panel: one thread and two give the same logits and KV slots."""
+    lean = LeanLlama.from_model(make())
+    one, two = (kernel.NativeStep(lean, threads, any_library) for threads in (1, 2))
+    caches = [lean.new_cache(32) for _ in range(2)]
+    got = [step.extend(IDS[:9], cache) for step, cache in zip((one, two), caches)]
+    assert torch.equal(got[0], got[1])
+    assert_same_kv(caches[0], caches[1], 9)
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+@pytest.mark.parametrize("cut", [256, 5])
+def test_prefill_rows_gives_each_rows_bits(any_library, make, cut, monkeypatch):
+    """Prompts of several rows in calls of at most `cut` tokens (5: calls that end inside
+    a row): each row's last logits and KV slots are the bits of its own one-token calls,
+    whatever its batch-mates."""
+    monkeypatch.setattr(kernel, "PREFILL_SLOTS", cut)
+    lean = LeanLlama.from_model(make())
+    step = kernel.NativeStep(lean, 2, any_library)
+    rows = [IDS[:7], IDS[3:4], IDS[:13], IDS[5:16]]
+    caches = [lean.new_cache(32) for _ in rows]
+    got = step.prefill_rows(rows, caches)
+    assert got.shape == (len(rows), lean.lm_head.w.shape[1])
+    for row, cache, logits in zip(rows, caches, got):
+        alone = lean.new_cache(32)
+        expected = native_steps(step, row, alone)[-1]
+        assert torch.equal(logits, expected)
+        assert cache.length == len(row)
+        assert_same_kv(cache, alone, len(row))
+
+
+def test_prefill_rows_refuses_an_empty_row_and_a_shared_cache(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 1, library)
+    cache = lean.new_cache(8)
+    with pytest.raises(ValueError, match="at least one token"):
+        step.prefill_rows([[1, 2], []], [cache, lean.new_cache(8)])
+    with pytest.raises(ValueError, match="each cache once"):
+        step.prefill_rows([[1], [2]], [cache, cache])
+    assert cache.length == 0
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
 def test_chunked_prefill_through_extend_matches_the_lean_prefill(any_library, make):
     """A prompt from position 0, whole or in chunks, last logits only: lean.prefill's
     logits and KV to float32 rounding; the chunks give the whole's bits."""

@@ -15,7 +15,10 @@ compiler and CPU, and called through ctypes, which releases the GIL.
 
 Every weight is read once per call however many tokens it feeds, so verifying k drafted
 tokens, or stepping B rows, costs one pass over the weights plus the tokens' arithmetic
-(each token's sums run as a one-token call runs them: the same bits). `ensure_built(notify)`
+(each token's sums run as a one-token call runs them: the same bits). The kernel reads
+its own copy of the weight matrices, packed in panels of rows (`pack`), so a NativeStep
+takes as much memory again as the model's float32 weights (the lean forward, which runs
+the prompts, keeps reading the originals). `ensure_built(notify)`
 tells its caller before the first build compiles (one to a few seconds).
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
@@ -40,6 +43,7 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 BUILDING = "building genlab's native kernel, once"
+PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 
 _float_p = ctypes.POINTER(ctypes.c_float)
 _float_pp = ctypes.POINTER(_float_p)
@@ -53,7 +57,7 @@ class _Model(ctypes.Structure):
         "threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, _float_p) for name in ("embed", "norm", "lm_head", "cos", "sin")] + [
         (name, _float_pp) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
-                                       "gate_up", "down")]
+                                       "gate", "up", "down")]
 
 
 @dataclass(frozen=True)
@@ -168,6 +172,17 @@ def _pointers(tensors: list[Any]) -> Any:
     return (_float_p * len(tensors))(*[_pointer(t) for t in tensors])
 
 
+def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
+    """`weight` (out, in) as the kernel's products read it: panels of `panel` rows, each
+    stored column by column ((in, panel) blocks), the last panel's missing rows zero. A
+    copy: the kernel holds its weights beside the lean forward's."""
+    rows, columns = weight.shape
+    padded = -(-rows // panel) * panel
+    if padded != rows:
+        weight = torch.cat([weight, weight.new_zeros(padded - rows, columns)])
+    return weight.reshape(padded // panel, panel, columns).transpose(1, 2).contiguous()
+
+
 def applies(lean: Any) -> str | None:
     """Why the kernel does not apply to `lean`, or None when it does."""
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
@@ -178,30 +193,36 @@ def applies(lean: Any) -> str | None:
 
 
 class NativeStep:
-    """The kernel over one LeanLlama's weights (held by reference, as the lean forward
-    holds them: they must not be replaced). Calls on different caches may run at once
-    from several Python threads; calls on one cache must not."""
+    """The kernel over one LeanLlama's weights: the norms and tables held by reference,
+    as the lean forward holds them (they must not be replaced), the matrices packed.
+    Calls on different caches may run at once from several Python threads; calls on one
+    cache must not."""
 
     def __init__(self, lean: Any, threads: int, library: ctypes.CDLL | None = None) -> None:
         """Over `lean`'s weights, on `threads` threads, with `library` (default: `build()`'s)."""
-        def matrix(w: torch.Tensor) -> torch.Tensor:
-            return self._keep(w.t().contiguous())  # (out, in): a view of nn.Linear's weight
-
         layers = lean.layers
         self._kept: list[torch.Tensor] = []
         self.vocab = lean.lm_head.w.shape[1]
         self.threads = threads
         library = library or build().library
+        panel = library.genlab_panel_rows()  # type: ignore[union-attr]
+
+        def matrix(w: torch.Tensor) -> torch.Tensor:  # w: (in, out), as the lean forward's
+            return self._keep(pack(w.t(), panel))
+
+        def halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [gate | up]
+            gate, up = w.chunk(2, dim=1)
+            return matrix(gate), matrix(up)
+
+        gate_up = [halves(la.gate_up.w) for la in layers]
         self._step = library.genlab_step  # type: ignore[union-attr]
         self._step.restype = None
         self._scratch_floats = library.genlab_scratch_floats  # type: ignore[union-attr]
         self._scratch_floats.restype = ctypes.c_long
-        # A library built before the many-token kernel has the one-token step alone.
-        self._forward = getattr(library, "genlab_forward", None)
-        self._forward_floats = getattr(library, "genlab_forward_scratch_floats", None)
-        if self._forward is not None and self._forward_floats is not None:
-            self._forward.restype = None
-            self._forward_floats.restype = ctypes.c_long
+        self._forward = library.genlab_forward  # type: ignore[union-attr]
+        self._forward.restype = None
+        self._forward_floats = library.genlab_forward_scratch_floats  # type: ignore[union-attr]
+        self._forward_floats.restype = ctypes.c_long
         self.tokens = lean.embed.shape[0]
         self.model = _Model(
             hidden=lean.embed.shape[1], heads=lean.heads, kv_heads=lean.kv_heads,
@@ -216,7 +237,8 @@ class NativeStep:
             qkv_bias=self._array([la.qkv_bias for la in layers]),
             o=self._array([matrix(la.o.w) for la in layers]),
             post_norm=self._array([la.post_norm for la in layers]),
-            gate_up=self._array([matrix(la.gate_up.w) for la in layers]),
+            gate=self._array([gate for gate, _ in gate_up]),
+            up=self._array([up for _, up in gate_up]),
             down=self._array([matrix(la.down.w) for la in layers]))
 
     @classmethod
@@ -283,8 +305,38 @@ class NativeStep:
         self._check_room(cache, len(tokens))
         k = len(tokens)
         logits = self._run(tokens, [cache] * k, range(cache.length, cache.length + k),
-                           first=0 if all_logits else k - 1)
+                           picks=range(k) if all_logits else [k - 1])
         cache.length += k
+        return logits
+
+    def prefill_rows(self, rows: Sequence[Sequence[int]], caches: Sequence[Any]
+                     ) -> torch.Tensor:
+        """Feed each row's tokens after its own cache's `length` tokens (prompts: rows of
+        any lengths, no padding), all rows in calls of at most PREFILL_SLOTS tokens, so
+        each weight is read once a call for every row; advances each cache's length by
+        its row's length. The logits of each row's last token, (B, vocab) float32: the
+        bits of one-token calls, whatever the other rows or where a call's cut falls."""
+        rows, caches = [list(row) for row in rows], list(caches)
+        if len(rows) != len(caches) or len({id(cache) for cache in caches}) != len(caches):
+            raise ValueError("prefill_rows takes one row per cache, each cache once")
+        if not all(rows):
+            raise ValueError("every row of a prefill needs at least one token")
+        for row, cache in zip(rows, caches):
+            self._check_tokens(row)
+            self._check_room(cache, len(row))
+        slots = [(b, position) for b, row in enumerate(rows)
+                 for position in range(caches[b].length, caches[b].length + len(row))]
+        logits = torch.empty(len(rows), self.vocab, dtype=torch.float32)
+        for start in range(0, len(slots), PREFILL_SLOTS):
+            chunk = slots[start:start + PREFILL_SLOTS]
+            tokens = [rows[b][p - caches[b].length] for b, p in chunk]
+            ends = [s for s, (b, p) in enumerate(chunk)
+                    if p == caches[b].length + len(rows[b]) - 1]
+            out = self._run(tokens, [caches[b] for b, _ in chunk], [p for _, p in chunk],
+                            picks=ends)
+            logits[[chunk[s][0] for s in ends]] = out
+        for row, cache in zip(rows, caches):
+            cache.length += len(row)
         return logits
 
     def step_rows(self, tokens: Sequence[int], caches: Sequence[Any]) -> torch.Tensor:
@@ -302,29 +354,29 @@ class NativeStep:
         self._check_tokens(tokens)
         for cache in caches:
             self._check_room(cache, 1)
-        logits = self._run(tokens, caches, [cache.length for cache in caches], first=0)
+        logits = self._run(tokens, caches, [cache.length for cache in caches],
+                           picks=range(len(tokens)))
         for cache in caches:
             cache.length += 1
         return logits
 
     def _run(self, tokens: list[int], caches: list[Any], positions: Sequence[int],
-             first: int) -> torch.Tensor:
+             picks: Sequence[int]) -> torch.Tensor:
         """genlab_forward over slots (tokens[s] at positions[s] of caches[s]); the logits
-        of slots [first, n)."""
-        if self._forward is None:
-            raise RuntimeError("this build of the native kernel feeds one token at a time")
-        n = len(tokens)
+        of the slots in `picks`, in that order."""
+        n, picks = len(tokens), list(picks)
         views = [self._kv(cache) for cache in caches]
         longs = ctypes.c_long * n
         capacities = [cache.capacity for cache in caches]
         # Per call, not per cache: its size follows n; the allocator reuses the memory.
         scratch = torch.empty(self._forward_floats(ctypes.byref(self.model), n,
                                                    max(capacities)))
-        logits = torch.empty(n - first, self.vocab, dtype=torch.float32)
+        logits = torch.empty(len(picks), self.vocab, dtype=torch.float32)
         self._forward(ctypes.byref(self.model), ctypes.c_int(n), longs(*tokens),
                       longs(*positions), (_float_pp * n)(*[v.keys_p for v in views]),
                       (_float_pp * n)(*[v.values_p for v in views]), longs(*capacities),
-                      ctypes.c_int(first), _pointer(scratch), _pointer(logits))
+                      ctypes.c_int(len(picks)), (ctypes.c_int * len(picks))(*picks),
+                      _pointer(scratch), _pointer(logits))
         return logits
 
 

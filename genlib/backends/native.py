@@ -4,10 +4,10 @@
 Each row has a KV cache of its own (`LeanCache`, no padding): a step feeds one token to
 every row in one kernel call that reads each weight once for all of them
 (`NativeStep.step_rows`), and a row's k new tokens go through in one call too
-(`NativeStep.extend`: speculative verification). Every row's logits are the bits of a
-one-token call on its cache, so a row's tokens do not depend on its batch-mates. Prompts
-run through the lean forward in torch (one matrix product per weight for the whole
-prompt); reordering rows (beam search) moves caches and copies the duplicated ones.
+(`NativeStep.extend`: speculative verification), and the prompts of every row together
+(`NativeStep.prefill_rows`). Every row's logits are the bits of a one-token call on its
+cache, so a row's tokens do not depend on its batch-mates. Reordering rows (beam search)
+moves caches and copies the duplicated ones.
 """
 
 from __future__ import annotations
@@ -40,28 +40,27 @@ class NativeBackend(Backend):
         self.caches: list[LeanCache] = []
 
     def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
-        """Each distinct prompt through the lean forward once; a row repeating an earlier
-        row's prompt (several outputs, samples of one prompt) takes a copy of its cache
-        and logits, the same bits."""
+        """Every distinct prompt through the kernel at once (`NativeStep.prefill_rows`:
+        each weight read once for all of them); a row repeating an earlier row's prompt
+        (several outputs, samples of one prompt) takes a copy of its cache and logits,
+        the same bits."""
         slots = cache_capacity(capacity, self.lm.max_positions)
-        seen: dict[tuple[int, ...], int] = {}
-        self.caches, logits = [], []
-        for row in rows:
-            key = tuple(row)
-            if key in seen:
-                self.caches.append(self.caches[seen[key]].clone())
-                logits.append(logits[seen[key]])
-                continue
-            seen[key] = len(self.caches)
-            cache = self.lean.new_cache(slots)
-            logits.append(self.lean.prefill(torch.tensor([list(row)], dtype=torch.long), cache))
-            self.caches.append(cache)
-        self._update_length()
-        if any(row_logits is None for row_logits in logits):
+        if any(len(row) == 0 for row in rows):
             if len(rows) > 1:
                 raise ValueError("every row of a batch needs at least one token")
+            self.caches = [self.lean.new_cache(slots)]
+            self._update_length()
             return None
-        return torch.cat(logits)  # type: ignore[arg-type]
+        first: dict[tuple[int, ...], int] = {}
+        for i, row in enumerate(rows):
+            first.setdefault(tuple(row), i)
+        fresh = {i: self.lean.new_cache(slots) for i in first.values()}
+        logits = self.kernel.prefill_rows([rows[i] for i in fresh], list(fresh.values()))
+        row_of = {i: n for n, i in enumerate(fresh)}
+        self.caches = [fresh[i] if i in fresh else fresh[first[tuple(row)]].clone()
+                       for i, row in enumerate(rows)]
+        self._update_length()
+        return logits[[row_of[first[tuple(row)]] for row in rows]]
 
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         ids = tokens.tolist()

@@ -11,9 +11,10 @@
  * "run"). The one-token step (`genlab_step`) is the case of one slot.
  *
  * A decode step reads every weight once and does two multiply-adds per weight per slot,
- * so at a few slots it is bound by memory bandwidth: each product reads a block of four
+ * so at a few slots it is bound by memory bandwidth: each product reads a panel of
  * weight rows once and multiplies it by every slot's input while it is in registers and
- * L1 (`matmul`), so k slots cost little more than one. What else keeps a step from that
+ * L1 (`matmul`), prefetching the next panel meanwhile, so k slots cost little more than
+ * one. What else keeps a step from that
  * bound is everything between the weight reads: a torch.compile'd step runs each of its
  * ~100 kernels as a parallel region of its own, with a barrier after each. Here the
  * threads stay in one region for the whole call and meet five times a layer, where a
@@ -27,20 +28,19 @@
  *   down  rows split, added to the residual                         | barrier
  *
  * and the norms are computed by every thread for itself (a few hundred numbers a slot).
- * The products read four weight rows at a time into vector accumulators, and softmax
- * and SiLU take a vectorized exp: AVX-512 intrinsics where -march=native gives AVX-512;
- * elsewhere GCC's vector extensions (8 lanes) for the products, and for exp AVX2
- * intrinsics where there is AVX2, libm's expf on other CPUs (NEON, ...).
+ * The products run on GCC's vector extensions (16 lanes where -march=native gives
+ * AVX-512, 8 elsewhere: one AVX2 register, two SSE or NEON ones), a panel's column of
+ * weights times a broadcast input; softmax and SiLU take a vectorized exp: AVX-512
+ * intrinsics with AVX-512, AVX2 intrinsics with AVX2, libm's expf on other CPUs.
  *
  * Every slot's numbers are computed exactly as a one-slot call computes them: each
  * (weight row, slot) sum runs in the same order whatever the number of slots, and a
  * slot's attention reads the cache (now holding the run's earlier slots) as a one-token
  * step at its position would. So k slots give the bits of k one-token steps, and B rows
- * the bits of B one-row steps, at the same thread count (the split of rows across
- * threads decides which rows take the four-row path).
+ * the bits of B one-row steps (and the same bits at any thread count).
  *
- * Weights are row-major (out, in), as nn.Linear holds them; the q/k/v and gate/up
- * matrices are stacked ([q; k; v], [gate; up]). KV buffers are (kv_heads, capacity,
+ * Weights are packed in panels of PANEL rows, each panel column by column (see
+ * `matmul`); the q/k/v matrices are stacked ([q; k; v]). KV buffers are (kv_heads, capacity,
  * head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run in another order
  * than PyTorch's, so logits differ from the lean forward's in the last bits (the tests
  * bound the difference and check the tokens).
@@ -52,7 +52,7 @@
 #endif
 
 /* The products' vectors: 16 lanes with AVX-512; 8 elsewhere, one AVX2 register (two SSE
- * or NEON ones), so four rows' accumulators for two slots fit AVX2's 16 registers. */
+ * or NEON ones). */
 #ifdef __AVX512F__
 #define LANES 16
 #else
@@ -67,7 +67,7 @@ typedef struct {
     const float *embed, *norm, *lm_head, *cos, *sin;  /* tables: (positions, head_dim) */
     /* per layer */
     const float *const *input_norm, *const *qkv, *const *qkv_bias, *const *o;
-    const float *const *post_norm, *const *gate_up, *const *down;
+    const float *const *post_norm, *const *gate, *const *up, *const *down;
 } Model;
 
 #ifdef __AVX512F__
@@ -214,143 +214,115 @@ static void put(float *out, float s, int accumulate) { *out = accumulate ? *out 
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
-#ifdef __AVX512F__
-#define TILE 6  /* slots per pass over a row block: 4 x 6 accumulators + 5 of 32 registers */
-
-/* Rows w0..w3 (n columns) times the m slots' inputs x (row stride ldx): out[i * ldo + j]
- * for row j of the four, set or accumulated. 16 lanes, the last n % 16 columns through
- * a masked load; every (row, slot) sum in the same order whatever m is. Inlined with m
- * a constant, so the accumulators stay in registers. */
-ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
-                        long ldo, int m, int accumulate) {
-    const float *w1 = w0 + n, *w2 = w1 + n, *w3 = w2 + n;
-    int full = n / LANES * LANES;
-    __mmask16 tail = (__mmask16)((1u << (n - full)) - 1);
-    __m512 a[TILE][4];
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < 4; j++) a[i][j] = _mm512_setzero_ps();
-    for (int k = 0; k < full; k += LANES) {
-        __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k);
-        __m512 v2 = _mm512_loadu_ps(w2 + k), v3 = _mm512_loadu_ps(w3 + k);
-        for (int i = 0; i < m; i++) {
-            __m512 xv = _mm512_loadu_ps(x + i * ldx + k);
-            a[i][0] = _mm512_fmadd_ps(v0, xv, a[i][0]);
-            a[i][1] = _mm512_fmadd_ps(v1, xv, a[i][1]);
-            a[i][2] = _mm512_fmadd_ps(v2, xv, a[i][2]);
-            a[i][3] = _mm512_fmadd_ps(v3, xv, a[i][3]);
-        }
-    }
-    if (tail) {
-        __m512 v0 = _mm512_maskz_loadu_ps(tail, w0 + full);
-        __m512 v1 = _mm512_maskz_loadu_ps(tail, w1 + full);
-        __m512 v2 = _mm512_maskz_loadu_ps(tail, w2 + full);
-        __m512 v3 = _mm512_maskz_loadu_ps(tail, w3 + full);
-        for (int i = 0; i < m; i++) {
-            __m512 xv = _mm512_maskz_loadu_ps(tail, x + i * ldx + full);
-            a[i][0] = _mm512_fmadd_ps(v0, xv, a[i][0]);
-            a[i][1] = _mm512_fmadd_ps(v1, xv, a[i][1]);
-            a[i][2] = _mm512_fmadd_ps(v2, xv, a[i][2]);
-            a[i][3] = _mm512_fmadd_ps(v3, xv, a[i][3]);
-        }
-    }
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < 4; j++)
-            put(out + i * ldo + j, _mm512_reduce_add_ps(a[i][j]), accumulate);
-}
-#define PASS_ROWS 4  /* weight rows a pass over several slots takes at once */
-#define tile_one(w0, n, x, out, accumulate) tile(w0, n, x, 0, out, 0, 1, accumulate)
-#else
-#define TILE 6  /* slots per pass: 2 x 6 accumulators + 2 weight vectors + 1 of 16 */
-#define PASS_ROWS 2
-
-/* Elsewhere: the same with GCC's vector extensions (AVX2, NEON, ...), the tail scalar,
- * for `rows` weight rows (4 for one slot, which is bound by memory; 2 for several, so
- * six slots' accumulators fit AVX2's 16 registers). While it reads a block of four rows
- * it prefetches the next block, so the memory reads overlap the products: a pass over
- * several slots is long enough for the hardware prefetcher alone to fall behind. */
-ALWAYS_INLINE void tile_rows(const float *w0, int n, const float *x, long ldx, float *out,
-                             long ldo, int rows, int m, int accumulate) {
+/* Rows w0..w3 (row-major, n columns) times one input x: out[j] = dot(w_j, x), each sum
+ * as dot() orders it (lanes, then hsum). For the attention's keys, which the cache holds
+ * row by row; while it reads four rows it prefetches the next four. */
+ALWAYS_INLINE void four_rows(const float *w0, int n, const float *x, float *out) {
     const float *w[4] = {w0, w0 + n, w0 + 2 * n, w0 + 3 * n};
-    vec a[TILE][4];
-    for (int i = 0; i < m; i++)
-        for (int j = 0; j < rows; j++) a[i][j] = (vec){0};
+    vec a[4] = {{0}, {0}, {0}, {0}};
     int k = 0;
     for (; k + LANES <= n; k += LANES) {
-        vec v[4];
-        for (int j = 0; j < rows; j++) __builtin_prefetch(w[j] + k + 4L * n, 0, 3);
-        for (int j = 0; j < rows; j++) v[j] = *(const vec_u *)(w[j] + k);
+        vec xv = *(const vec_u *)(x + k);
+        for (int j = 0; j < 4; j++) {
+            __builtin_prefetch(w[j] + k + 4L * n, 0, 3);
+            a[j] += *(const vec_u *)(w[j] + k) * xv;
+        }
+    }
+    for (int j = 0; j < 4; j++) {
+        float s = hsum(a[j]);
+        for (int t = k; t < n; t++) s += w[j][t] * x[t];
+        out[j] = s;
+    }
+}
+
+/* out[j] = dot(rows[j], x) for j < count: the attention's scores over cached keys. */
+static void rows_times(const float *rows, int n, const float *x, long count, float *out) {
+    long j = 0;
+    for (; j + 4 <= count; j += 4) four_rows(rows + j * n, n, x, out + j);
+    for (; j < count; j++) out[j] = dot(rows + j * n, x, n);
+}
+
+/* The weight matrices are packed in panels of PANEL rows (genlib/backends/kernel.py
+ * packs them): panel p holds rows [p * PANEL, (p + 1) * PANEL) column by column, an
+ * (n, PANEL) block, its rows past the matrix's last zero. One vector load takes LANES
+ * rows' weights of one column, which multiply a slot's input broadcast, so a panel times
+ * a slot needs no horizontal sum, and every (row, slot) sum runs over the columns in
+ * order, one multiply-add each, whatever the number of slots: k slots give the bits of
+ * k one-slot calls. */
+#define PANEL (2 * LANES)
+#define TILE 6  /* slots per pass over a panel: 2 x 6 accumulators + 3 of AVX2's 16 */
+
+int genlab_panel_rows(void) { return PANEL; }
+
+/* One panel (`valid` of its rows real) times m <= TILE slots' inputs x (row stride ldx):
+ * out[i * ldo + j] set or accumulated. While it reads the panel, it prefetches the next
+ * one, so the memory reads overlap the products. */
+ALWAYS_INLINE void panel_tile(const float *p, int n, const float *x, long ldx, float *out,
+                              long ldo, int m, int valid, int accumulate) {
+    vec a[TILE][2];
+    for (int i = 0; i < m; i++) a[i][0] = a[i][1] = (vec){0};
+    for (int k = 0; k < n; k++) {
+        const float *column = p + (long)k * PANEL;
+        for (int line = 0; line < PANEL * 4; line += 64)
+            __builtin_prefetch((const char *)(column + (long)n * PANEL) + line, 0, 3);
+        vec v0 = *(const vec *)column, v1 = *(const vec *)(column + LANES);
         for (int i = 0; i < m; i++) {
-            vec xv = *(const vec_u *)(x + i * ldx + k);
-            for (int j = 0; j < rows; j++) a[i][j] += v[j] * xv;
+            float xi = x[i * ldx + k];
+            a[i][0] += v0 * xi;
+            a[i][1] += v1 * xi;
         }
     }
     for (int i = 0; i < m; i++) {
-        const float *xi = x + i * ldx;
-        for (int j = 0; j < rows; j++) {
-            float s = hsum(a[i][j]);
-            for (int t = k; t < n; t++) s += w[j][t] * xi[t];
-            put(out + i * ldo + j, s, accumulate);
+        float *o = out + i * ldo;
+        if (valid == PANEL) {
+            vec_u *o0 = (vec_u *)o, *o1 = (vec_u *)(o + LANES);
+            *o0 = accumulate ? *o0 + a[i][0] : a[i][0];
+            *o1 = accumulate ? *o1 + a[i][1] : a[i][1];
+        } else {
+            float sums[PANEL];
+            *(vec_u *)sums = a[i][0];
+            *(vec_u *)(sums + LANES) = a[i][1];
+            for (int j = 0; j < valid; j++) put(o + j, sums[j], accumulate);
         }
     }
 }
 
-ALWAYS_INLINE void tile(const float *w0, int n, const float *x, long ldx, float *out,
-                        long ldo, int m, int accumulate) {
-    tile_rows(w0, n, x, ldx, out, ldo, PASS_ROWS, m, accumulate);
-}
-
-#define tile_one(w0, n, x, out, accumulate) tile_rows(w0, n, x, 0, out, 0, 4, 1, accumulate)
-#endif
-
-/* PASS_ROWS weight rows from w0 times m slots, TILE slots at a time. */
-ALWAYS_INLINE void pass(const float *w0, int n, const float *x, long ldx, float *out, long ldo,
-                        int m, int accumulate) {
+/* A panel times m slots, TILE slots at a time. */
+ALWAYS_INLINE void panel_pass(const float *p, int n, const float *x, long ldx, float *out,
+                              long ldo, int m, int valid, int accumulate) {
     int i = 0;
     for (; i + TILE <= m; i += TILE)
-        tile(w0, n, x + i * ldx, ldx, out + i * ldo, ldo, TILE, accumulate);
+        panel_tile(p, n, x + i * ldx, ldx, out + i * ldo, ldo, TILE, valid, accumulate);
     switch (m - i) {  /* the rest, with a constant m for each inlined copy */
-#define REST(k) case k: tile(w0, n, x + i * ldx, ldx, out + i * ldo, ldo, k, accumulate); break;
-#if TILE > 5
+#define REST(k) case k: panel_tile(p, n, x + i * ldx, ldx, out + i * ldo, ldo, k, valid, accumulate); break;
     REST(5)
-#endif
-#if TILE > 4
     REST(4)
-#endif
-#if TILE > 3
     REST(3)
-#endif
-#if TILE > 2
     REST(2)
-#endif
     REST(1)
     default: break;
     }
 }
 
-/* out[i * ldo + r] = dot(w[r], x[i]) (+ out[...] when accumulate) for rows [r0, r1) of w
- * (rows, n) and the m slots' inputs x[i] = x + i * ldx: a block of four weight rows at a
- * time, read from memory once and multiplied by every slot while it stays in L1
- * (PASS_ROWS rows by TILE slots at a time); rows past the last block of four one by one. */
+/* out[i * ldo + r] = dot(w[r], x[i]) (+ out[...] when accumulate) for rows [r0, r1) of
+ * the packed matrix w (n columns; r0 a multiple of PANEL, r1 one too or the last row) and the m slots'
+ * inputs x[i] = x + i * ldx: each panel read from memory once and multiplied by every
+ * slot while it stays in L1. */
 static void matmul(const float *w, int n, const float *x, long ldx, float *out, long ldo,
                    int r0, int r1, int m, int accumulate) {
-    int r = r0;
-    for (; r + 4 <= r1; r += 4) {
-        const float *block = w + (long)r * n;
-        if (m == 1) {
-            tile_one(block, n, x, out + r, accumulate);
-            continue;
-        }
-        for (int part = 0; part < 4; part += PASS_ROWS)
-            pass(block + (long)part * n, n, x, ldx, out + r + part, ldo, m, accumulate);
+    for (int r = r0; r < r1; r += PANEL) {
+        int valid = r1 - r < PANEL ? r1 - r : PANEL;
+        const float *p = w + (long)r * n;
+        if (m == 1)
+            panel_tile(p, n, x, ldx, out + r, ldo, 1, valid, accumulate);
+        else
+            panel_pass(p, n, x, ldx, out + r, ldo, m, valid, accumulate);
     }
-    for (; r < r1; r++)
-        for (int i = 0; i < m; i++)
-            put(out + i * ldo + r, dot(w + (long)r * n, x + i * ldx, n), accumulate);
 }
 
-/* This thread's share [*r0, *r1) of `rows` weight rows, in runs of four rows. */
+/* This thread's share [*r0, *r1) of `rows` weight rows, in whole panels. */
 static void share(int rows, int thread, int threads, int *r0, int *r1) {
-    int chunk = ((rows + threads - 1) / threads + 3) / 4 * 4;
+    int chunk = ((rows + threads - 1) / threads + PANEL - 1) / PANEL * PANEL;
     *r0 = thread * chunk < rows ? thread * chunk : rows;
     *r1 = *r0 + chunk < rows ? *r0 + chunk : rows;
 }
@@ -409,7 +381,7 @@ static void attend(const Model *m, const float *q, const float *keys, const floa
                    const float *key, const float *value, long position, float *scores,
                    float *out) {
     int d = m->head_dim;
-    matmul(keys, d, q, 0, scores, 0, 0, (int)position, 1, 0);
+    rows_times(keys, d, q, position, scores);
     scores[position] = dot(q, key, d);
     float top = -INFINITY;
     for (long j = 0; j <= position; j++) {
@@ -487,9 +459,8 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
         rms_norm(b->x + (long)s * hidden, m->post_norm[i], b->h + (long)s * hidden, hidden,
                  m->eps);
     share(inter, thread, threads, &r0, &r1);
-    const float *gate = m->gate_up[i], *up = gate + (long)inter * hidden;
-    matmul(gate, hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
-    matmul(up, hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
+    matmul(m->gate[i], hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
+    matmul(m->up[i], hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
     for (int s = 0; s < n; s++) {
         float *mlp = b->mlp + (long)s * 2 * inter;
         silu_times(mlp + r0, mlp + inter + r0, r1 - r0);
@@ -515,12 +486,13 @@ long genlab_scratch_floats(const Model *m, long capacity) {
 
 /* Feed n slots (see the header: tokens[s] at positions[s] of the cache keys[s][layer],
  * values[s][layer] of capacities[s] positions), write their keys and values into the
- * caches, and the logits of slots [first, n) into logits ((n - first) rows of vocab).
- * The caller checks that tokens index the embeddings, that positions fit their caches,
- * and that a run's positions follow each other. */
+ * caches, and the logits of the `picked` slots picks[0..picked) into logits (`picked`
+ * rows of vocab, in that order). The caller checks that tokens index the embeddings,
+ * that positions fit their caches, and that a run's positions follow each other. */
 void genlab_forward(const Model *m, int n, const long *tokens, const long *positions,
                     float *const *const *keys, float *const *const *values,
-                    const long *capacities, int first, float *scratch, float *logits) {
+                    const long *capacities, int picked, const int *picks, float *scratch,
+                    float *logits) {
     int run_start[n + 1], runs = 0;
     for (int s = 0; s < n; s++)
         if (s == 0 || keys[s] != keys[s - 1]) run_start[runs++] = s;
@@ -545,11 +517,11 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
         Buffers b = {x, hs + (long)thread * n * hidden, qkv, attn, mlp,
                      scores + (long)thread * capacity};
         for (int i = 0; i < m->layers; i++) layer(m, i, &c, &b, thread, threads);
-        for (int s = first; s < n; s++)
-            rms_norm(x + (long)s * hidden, m->norm, b.h + (long)(s - first) * hidden, hidden,
+        for (int j = 0; j < picked; j++)
+            rms_norm(x + (long)picks[j] * hidden, m->norm, b.h + (long)j * hidden, hidden,
                      m->eps);
         share(m->vocab, thread, threads, &r0, &r1);
-        matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, n - first, 0);
+        matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
     }
 }
 
@@ -559,5 +531,6 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
 void genlab_step(const Model *m, long token, long position, float *const *keys,
                  float *const *values, long capacity, float *scratch, float *logits) {
     float *const *k[1] = {keys}, *const *v[1] = {values};
-    genlab_forward(m, 1, &token, &position, k, v, &capacity, 0, scratch, logits);
+    int pick = 0;
+    genlab_forward(m, 1, &token, &position, k, v, &capacity, 1, &pick, scratch, logits);
 }
