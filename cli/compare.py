@@ -341,7 +341,7 @@ def sample_output(index: int, sample: Any) -> dict[str, Any]:
     tps = len(sample.token_ids) / sample.seconds if sample.seconds > 0 else None
     return output.output(index, sample.text, sample.token_ids, sample.reason,
                          output.timings(total_s=sample.seconds, tokens_per_s=tps),
-                         logprobs=[round(lp, 6) for lp in sample.logprobs],
+                         token_logprobs=[round(lp, 6) for lp in sample.logprobs],
                          score=sample.score)
 
 

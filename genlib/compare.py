@@ -65,7 +65,7 @@ class Sample:
 
     def to_dict(self) -> dict[str, Any]:
         return {"text": self.text, "token_ids": list(self.token_ids),
-                "logprobs": [round(lp, 6) for lp in self.logprobs],
+                "token_logprobs": [round(lp, 6) for lp in self.logprobs],
                 "finish_reason": self.reason, "seconds": round(self.seconds, 6),
                 "score": self.score}
 
