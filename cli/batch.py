@@ -124,8 +124,10 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         input_path: Path, output: str | None, batch_size: int | None, chat: bool,
         system: str | None, resume: ResumeFlags = ResumeFlags(),
-        engine: EngineFlags | None = None) -> None:
-    """Entry point from `genlab generate --input`."""
+        engine: EngineFlags | None = None, logprobs: int = 0) -> None:
+    """Entry point from `genlab generate --input`; `logprobs` N > 0 (--logprobs) gives
+    every line's result its tokens' logprobs with N alternatives (a line's own
+    `logprobs` wins)."""
     from genlib import batch as gb
     from genlib import openai_batch
     from genlib.config import resolve_settings
@@ -150,7 +152,8 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         flags={k: v for k, v in flags.items() if k != "seed"},
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
         chat=chat, system=system,
-        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize))
+        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize),
+        logprobs=logprobs)
     engine = engine or EngineFlags()
     if engine.engine == "ray":
         from genlib.ray_engine import require_ray

@@ -66,7 +66,7 @@ def hypothesis_output(rank: int, hyp: Hypothesis, seconds: float) -> dict[str, A
 
     return output.output(rank, hyp.text, hyp.token_ids, hyp.finish_reason,
                          output.timings(total_s=seconds), score=hyp.score,
-                         sum_logprob=hyp.sum_logprob, logprobs=list(hyp.logprobs),
+                         sum_logprob=hyp.sum_logprob, token_logprobs=list(hyp.logprobs),
                          constraints_satisfied=hyp.constraints_satisfied)
 
 

@@ -3,7 +3,9 @@
 The view fills in live, one column per strategy (stacked panels on a narrow terminal),
 then shows each strategy's metrics with the best value of each highlighted. `--json`
 and `--markdown` export the whole comparison. `--models` / `--quantize` compare models
-or quantizations on one strategy instead.
+or quantizations on one strategy instead. `--logprobs N` adds each output's tokens'
+logprobs: a table per output under the view (the columns have no room for N
+alternatives per token), the OpenAI/vLLM object per output in the JSON.
 """
 
 from __future__ import annotations
@@ -217,8 +219,8 @@ def console_for(target: Sink, markdown_path: str | None) -> Console:
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
-             crn: bool,
-             console: Console) -> tuple[list[StrategyResult], bool]:
+             crn: bool, console: Console, logprobs: int = 0
+             ) -> tuple[list[StrategyResult], bool]:
     """Run every strategy, redrawing the view as tokens arrive (on a terminal) or
     printing it once at the end (piped). Return the results and whether Ctrl-C hit."""
     from rich.live import Live
@@ -233,7 +235,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     if live is not None:
         live.start()
     try:
-        for index, event in stream_comparison(lm, prompt_ids, strategies, crn):
+        for index, event in stream_comparison(lm, prompt_ids, strategies, crn, logprobs):
             view.on_event(index, event)
             now = time.perf_counter()
             if live is not None and (isinstance(event, StrategyDone)
@@ -335,14 +337,20 @@ def write_export(path: str, text: str) -> None:
 
 
 def sample_output(index: int, sample: Any) -> dict[str, Any]:
-    """A strategy's sample as an output of the JSON contract."""
+    """A strategy's sample as an output of the JSON contract (with --logprobs, its
+    `logprobs` object as generate writes it)."""
     from cli import output
 
     tps = len(sample.token_ids) / sample.seconds if sample.seconds > 0 else None
     return output.output(index, sample.text, sample.token_ids, sample.reason,
                          output.timings(total_s=sample.seconds, tokens_per_s=tps),
-                         logprobs=[round(lp, 6) for lp in sample.logprobs],
-                         score=sample.score)
+                         token_logprobs=[round(lp, 6) for lp in sample.logprobs],
+                         score=sample.score, **logprobs_key(sample.logprobs_object))
+
+
+def logprobs_key(logprobs: dict[str, Any] | None) -> dict[str, Any]:
+    """An output's `logprobs` key, where the run recorded the object."""
+    return {} if logprobs is None else {"logprobs": logprobs}
 
 
 def comparison_json(comparison: Comparison) -> dict[str, Any]:
@@ -372,7 +380,8 @@ def models_json(comparison: ModelComparison) -> dict[str, Any]:
             del entry[key]
         entry["outputs"] = [] if run.error or run.finish_reason is None else [output.output(
             1, run.text, run.token_ids, run.finish_reason,
-            output.timings(total_s=run.seconds, tokens_per_s=run.tokens_per_s))]
+            output.timings(total_s=run.seconds, tokens_per_s=run.tokens_per_s),
+            **logprobs_key(run.logprobs_object))]
         runs.append(entry)
     return output.document("compare", None, kind="models", prompt=comparison.prompt,
                            strategy=data["strategy"], settings=data["settings"],
@@ -394,6 +403,34 @@ def emit(doc: dict[str, Any], groups: str, target: Sink, markdown: str,
     target.json_document(doc)
     if markdown_path:
         write_export(markdown_path, markdown)
+
+
+# --- --logprobs in the terminal view -----------------------------------------------
+
+BEAM_NOTE = ("--logprobs: beam search records no per-token detail, so beam outputs get no "
+             "logprobs (their --json still lists the raw model's token_logprobs)")
+
+
+def logprobs_tables(tables: list[tuple[str, dict[str, Any]]], console: Console) -> None:
+    """One --logprobs table per (title, logprobs object), under the comparison."""
+    from cli.render_tokens import LOGPROBS_TITLE, logprobs_view
+
+    for title, logprobs in tables:
+        console.print(logprobs_view(logprobs, f"{title} · {LOGPROBS_TITLE}"))
+
+
+def strategy_tables(results: list[StrategyResult]) -> list[tuple[str, dict[str, Any]]]:
+    """(title, logprobs object) of every output that has one: the strategy's label, and
+    the sample's number where the strategy drew several."""
+    tables = []
+    for result in results:
+        several = len(result.samples) > 1
+        for n, sample in enumerate(result.samples, 1):
+            if sample.logprobs_object is not None:
+                title = f"{result.strategy.label} · sample {n}" if several \
+                    else result.strategy.label
+                tables.append((title, sample.logprobs_object))
+    return tables
 
 
 # --- comparing models / quantizations -----------------------------------------------
@@ -460,7 +497,7 @@ def split_list(text: str | None) -> list[str]:
 
 def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
                quantizations: list[str], flags: ModelFlags, target: Sink,
-               markdown_path: str | None) -> None:
+               markdown_path: str | None, logprobs: int = 0) -> None:
     from cli import render
     from genlib.compare import compare_models
     from genlib.models import ModelSpec, resolve_model_ref
@@ -472,8 +509,14 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     specs = [ModelSpec(ref, flags.device, flags.dtype, q, flags.trust_remote_code,
                        flags.backend) for ref in refs for q in quantizations]
     render.info(f"comparing {len(specs)} model runs, one at a time…")
-    comparison = compare_models(specs, prompt, strategies[0])
-    console_for(target, markdown_path).print(models_table(comparison))
+    if logprobs and strategies[0].settings.strategy == "beam":
+        render.info(BEAM_NOTE)
+    comparison = compare_models(specs, prompt, strategies[0], logprobs)
+    console = console_for(target, markdown_path)
+    console.print(models_table(comparison))
+    if not target.machine:
+        logprobs_tables([(run.label, run.logprobs_object) for run in comparison.runs
+                         if run.logprobs_object is not None], console)
     emit(models_json(comparison), "runs", target, models_markdown(comparison),
          markdown_path)
     if comparison.interrupted:
@@ -527,6 +570,7 @@ def compare(
     as_jsonl: opt.Jsonl = False,
     output: opt.OutputFile = None,
     markdown_path: MarkdownPath = None,
+    logprobs: opt.Logprobs = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
@@ -573,12 +617,13 @@ def compare(
             raise fail("--samples applies to comparing strategies, not --models/--quantize")
         with opened(target):
             run_models(text, strategies, model_refs, quantizations, model_flags, target,
-                       markdown_path)
+                       markdown_path, logprobs or 0)
         return
     model_flags.model = model_refs[0] if model_refs else model
     model_flags.quantize = quantizations[0]
     with opened(target):
-        run_strategies(text, strategies, model_flags, base_seed, target, markdown_path, crn)
+        run_strategies(text, strategies, model_flags, base_seed, target, markdown_path, crn,
+                       logprobs or 0)
 
 
 def check_outputs(target: Sink, markdown_path: str | None) -> None:
@@ -593,7 +638,7 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
                    seed: int, target: Sink, markdown_path: str | None,
-                   crn: bool = True) -> None:
+                   crn: bool = True, logprobs: int = 0) -> None:
     from cli import render
     from cli.context import load
     from genlib.compare import Comparison
@@ -606,7 +651,11 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     console = console_for(target, markdown_path)
     if any(s.stochastic for s in strategies):
         render.info(CRN_NOTE if crn else NO_CRN_NOTE)
-    results, interrupted = run_live(lm, text, ids, strategies, crn, console)
+    if logprobs and any(s.settings.strategy == "beam" for s in strategies):
+        render.info(BEAM_NOTE)
+    results, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs)
+    if not target.machine:
+        logprobs_tables(strategy_tables(results), console)
     comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
                             results=results, crn=crn)
     for result in results:

@@ -236,7 +236,8 @@ def generate(
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--jsonl": as_jsonl, "--stats": show_stats,
                                "--truncate-prompt": truncate_prompt,
-                               "--logprobs": bool(logprobs),
+                               # --input lines take it (each result line's logprobs)
+                               "--logprobs": bool(logprobs) and input_file is None,
                                "--color-by": color_by is not None,
                                "--show-settings": show_settings},
                               {"--retry-errors": retry_errors, "--redo-changed": redo_changed},
@@ -247,7 +248,7 @@ def generate(
             return repl.run(flags, preset, model_flags, chat, system)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
                              chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
-                             engine_flags)
+                             engine_flags, logprobs or 0)
     render_tokens.check_color_by(color_by)
     sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
     settings, loaded_preset = settings_for(preset, flags)

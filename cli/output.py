@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from genlib.config import GenerationSettings
     from genlib.events import Finish
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 OUTPUT_PANEL = "Output"
 
 Json = Annotated[bool, typer.Option(

@@ -1,11 +1,11 @@
 """Per-token views of `generate`: tokens coloured by probability, entropy or rank as
 they stream (--color-by, plain text when stdout is not a terminal), and the
---logprobs table on stderr."""
+--logprobs table (on stderr for generate and the REPL; compare shows one per output)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from rich.table import Table
@@ -69,21 +69,34 @@ def stream_token(event: Token, mode: str | None) -> None:
     stream_text(event.text, f"black on {style_for(mode, event.detail)}")
 
 
+LOGPROBS_TITLE = "logprobs (raw model / processed)"
+
+
 def logprobs_table(lm: LoadedModel, tokens: Sequence[Token]) -> None:
     """--logprobs in text mode: one line per token on stderr (raw and processed
     logprob, then the alternatives)."""
-    from genlib.explain import token_text
+    from genlib.explain import logprobs_content
 
-    table = Table(show_edge=False, title="logprobs (raw model / processed)",
-                  title_justify="left")
+    err.print(logprobs_view(logprobs_content(lm, tokens)))
+
+
+def logprobs_view(logprobs: Mapping[str, Any], title: str = LOGPROBS_TITLE) -> Table:
+    """An OpenAI/vLLM `logprobs` object (`genlib.explain.logprobs_content`) as a table:
+    one line per token, its raw and processed logprob, then the raw top alternatives."""
+    table = Table(show_edge=False, title=title, title_justify="left")
     table.add_column("#", justify="right")
     table.add_column("token")
     table.add_column("logprob", justify="right")
     table.add_column("processed", justify="right")
     table.add_column("top alternatives (raw logprob)")
-    for t in tokens:
-        d = t.detail
-        alts = "  ".join(f"{token_text(lm, c.token_id)!r} {c.logprob:.2f}" for c in d.top)
-        table.add_row(str(t.index), repr(token_text(lm, t.token_id)), f"{d.chosen.logprob:.3f}",
-                      f"{d.chosen.processed_logprob:.3f}", alts)
-    err.print(table)
+    for index, entry in enumerate(logprobs["content"]):
+        alts = "  ".join(f"{c['token']!r} {_logprob(c['logprob'], 2)}"
+                         for c in entry["top_logprobs"])
+        table.add_row(str(index), repr(entry["token"]), _logprob(entry["logprob"], 3),
+                      _logprob(entry["processed_logprob"], 3), alts)
+    return table
+
+
+def _logprob(value: float | None, digits: int) -> str:
+    """A logprob as the table shows it; None (probability 0 in the JSON) as -inf."""
+    return "-inf" if value is None else f"{value:.{digits}f}"

@@ -5,7 +5,9 @@ and write one result line per input line as soon as it is done.
 Input lines are JSON objects: `prompt` (or `messages` for chat models), an optional `id`
 (`custom_id` is accepted too, as in the OpenAI batch format) and any generation setting
 as a per-line override, `preset` (a preset name) included. Without an id, the 1-based
-line number is it.
+line number is it. `logprobs` N (0-20, as `--logprobs N`) adds the tokens'
+log-probabilities with N alternatives to the line's result, in the OpenAI/vLLM shape
+`generate --logprobs` writes.
 
 Results do not depend on how lines are batched: each sampled line draws from its own
 generator seeded with `derive_seed(run_seed, id)`, and the decode loop keeps one
@@ -36,6 +38,7 @@ from genlib.errors import (
     PresetError,
     unexpected,
 )
+from genlib.events import Finish, Token
 from genlib.presets import load_named_preset
 from genlib.results import (  # noqa: F401  (the batch-file API, importable from here)
     FINGERPRINT_KEY,
@@ -52,10 +55,22 @@ from genlib.results import (  # noqa: F401  (the batch-file API, importable from
 
 if TYPE_CHECKING:
     from genlib.models import LoadedModel
+    from genlib.stepdetail import Detail
 
 ID_KEYS = ("id", "custom_id")
-INPUT_KEYS = ("prompt", "messages", "preset", *ID_KEYS)
+INPUT_KEYS = ("prompt", "messages", "preset", "logprobs", *ID_KEYS)
 DEFAULT_SEED = 0  # without --seed, a batch is still reproducible and resumable
+MAX_LOGPROBS = 20  # alternatives per token, as --logprobs and OpenAI's top_logprobs
+
+
+@dataclass(frozen=True)
+class LogprobsRequest:
+    """A line's `logprobs` as a `LineAdapter` gives it: the tokens' logprobs with `top`
+    alternatives, `top` 0 included. OpenAI's chat requests ask for logprobs without
+    alternatives (`"logprobs": true`), which genlab's integer cannot say (its 0 is "none",
+    as `--logprobs 0`); no JSON line can hold this object, only an adapter."""
+
+    top: int
 
 
 @dataclass
@@ -69,6 +84,7 @@ class Job:
     messages: list[dict[str, str]] | None = None
     ids: list[int] = field(default_factory=list)  # token ids, once encoded
     fingerprint: str = ""
+    logprobs: int | None = None  # alternatives per token with logprobs; None: no logprobs
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,7 @@ class RunDefaults:
     chat: bool = False
     system: str | None = None
     model: str = ""
+    logprobs: int = 0  # --logprobs N for every line (0: none), under a line's own
 
 
 def model_identity(ref: str, dtype: str = "auto", quantize: str = "none") -> str:
@@ -110,14 +127,18 @@ def model_identity(ref: str, dtype: str = "auto", quantize: str = "none") -> str
 
 def job_fingerprint(job: Job, run: RunDefaults) -> str:
     """What a line's output depends on: model, prompt or messages, chat framing and the
-    effective settings (the seed only where it is used: sampling)."""
+    effective settings (the seed only where it is used: sampling), and the logprobs it
+    asks for (only when it asks: fingerprints of lines without stay as they were)."""
     settings = job.settings.to_dict()
     if not job.settings.do_sample:
         settings["seed"] = None
     chat = run.chat or job.messages is not None
-    return fingerprint({"model": run.model, "prompt": job.prompt, "messages": job.messages,
-                        "chat": run.chat, "system": run.system if chat else None,
-                        "settings": settings})
+    payload = {"model": run.model, "prompt": job.prompt, "messages": job.messages,
+               "chat": run.chat, "system": run.system if chat else None,
+               "settings": settings}
+    if job.logprobs is not None:
+        payload["logprobs"] = job.logprobs
+    return fingerprint(payload)
 
 
 def line_error_fingerprint(text: str, run: RunDefaults) -> str:
@@ -226,7 +247,30 @@ def _job(data: Mapping[str, Any], job_id: str | int, number: int, run: RunDefaul
     if "preset" in data:
         line_preset = _line_preset(data["preset"], where)
     settings = line_settings(run, line_preset, overrides, job_id, where)
-    return Job(id=job_id, line=number, settings=settings, prompt=prompt, messages=messages)
+    logprobs = line_logprobs(data, run, where)
+    if logprobs is not None and settings.strategy == "beam":
+        raise ConfigError(f"{where}: logprobs needs strategy greedy or sample; beam search "
+                          f"records no per-token logprobs (drop logprobs from the line, "
+                          f"or --logprobs from the command)")
+    return Job(id=job_id, line=number, settings=settings, prompt=prompt, messages=messages,
+               logprobs=logprobs)
+
+
+def line_logprobs(data: Mapping[str, Any], run: RunDefaults, where: str) -> int | None:
+    """The alternatives per token a line's result lists with its logprobs (None: no
+    logprobs): its own `logprobs` (0-20, 0 meaning none, as --logprobs), else the run's."""
+    if "logprobs" not in data:
+        return run.logprobs or None
+    value = data["logprobs"]
+    if isinstance(value, LogprobsRequest):
+        return value.top
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{where}: logprobs must be an integer (the alternatives per "
+                          f"token, 0-{MAX_LOGPROBS}; 0: no logprobs), got {shown(value)}")
+    if not 0 <= value <= MAX_LOGPROBS:
+        raise ConfigError(f"{where}: logprobs must be 0 <= logprobs <= {MAX_LOGPROBS}, "
+                          f"got {shown(value)}")
+    return value or None
 
 
 def _line_preset(name: Any, where: str) -> Mapping[str, Any]:
@@ -313,13 +357,14 @@ def batch_key(settings: GenerationSettings) -> GenerationSettings:
 
 
 def plan_batches(jobs: Sequence[Job], batch_size: int) -> list[list[Job]]:
-    """Group jobs by settings, then cut each group into batches of at most `batch_size`
-    rows of similar prompt length (less padding, and rows tend to end together)."""
+    """Group jobs by settings (and the logprobs they ask for: one record per batch),
+    then cut each group into batches of at most `batch_size` rows of similar prompt
+    length (less padding, and rows tend to end together)."""
     if batch_size < 1:
         raise ConfigError(f"--batch-size must be >= 1, got {batch_size}")
-    groups: dict[GenerationSettings, list[Job]] = {}
+    groups: dict[tuple[GenerationSettings, int | None], list[Job]] = {}
     for job in jobs:
-        groups.setdefault(batch_key(job.settings), []).append(job)
+        groups.setdefault((batch_key(job.settings), job.logprobs), []).append(job)
     batches: list[list[Job]] = []
     for members in groups.values():
         ordered = sorted(members, key=lambda j: len(j.ids))
@@ -330,17 +375,28 @@ def plan_batches(jobs: Sequence[Job], batch_size: int) -> list[list[Job]]:
 # ---------------------------------------------------------------- generating
 
 
+@dataclass(frozen=True, slots=True)
+class LineFinish(Finish):
+    """A batch row's Finish with, when its line asked for them, its tokens' logprobs
+    object (`genlib.explain.logprobs_content`). Built beside the model, whose tokenizer
+    names the tokens, so the Ray engine's workers send it back with the text."""
+
+    logprobs_object: dict[str, Any] | None = None
+
+
 def result_record(job: Job, finish: Any) -> dict[str, Any]:
-    """The output line for a finished job."""
-    return {
+    """The output line for a finished job (with `logprobs` where the line asked)."""
+    record = {
         "id": job.id,
         "text": finish.text,
         "finish_reason": finish.reason,
         "prompt_tokens": finish.prompt_tokens,
         "new_tokens": finish.new_tokens,
-        "settings": job.settings.to_dict(),
-        FINGERPRINT_KEY: job.fingerprint,
     }
+    logprobs = getattr(finish, "logprobs_object", None)
+    if logprobs is not None:
+        record["logprobs"] = logprobs
+    return record | {"settings": job.settings.to_dict(), FINGERPRINT_KEY: job.fingerprint}
 
 
 def error_record(item: Job | LineError, message: str) -> dict[str, Any]:
@@ -349,19 +405,43 @@ def error_record(item: Job | LineError, message: str) -> dict[str, Any]:
 
 
 def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]]:
-    """Generate one batch; yield (job, Finish) as each row ends.
+    """Generate one batch; yield (job, LineFinish) as each row ends.
 
     Rows ended by Ctrl-C (reason "interrupted") are yielded too: the caller must not
     record them as results.
     """
-    from genlib.events import Finish
     from genlib.generate import stream
 
     settings = batch[0].settings
     seeds = [job.settings.seed for job in batch]
-    for event in stream(lm, [job.ids for job in batch], settings, seeds=seeds):
-        if isinstance(event, Finish):
-            yield batch[event.prompt_index], event
+    # One record for all rows: plan_batches puts jobs with other logprobs apart.
+    detail = logprobs_detail(batch[0].logprobs)
+    recorded: dict[int, list[Token]] = {}
+    for event in stream(lm, [job.ids for job in batch], settings, seeds=seeds,
+                        detail=detail):
+        if isinstance(event, Token) and event.detail is not None:
+            recorded.setdefault(event.row, []).append(event)
+        elif isinstance(event, Finish):
+            tokens = recorded.pop(event.row, [])
+            yield batch[event.prompt_index], line_finish(
+                lm, event, tokens if detail is not None else None)
+
+
+def logprobs_detail(top: int | None) -> Detail | None:
+    """The per-step record a batch's logprobs need (None: none, at no cost)."""
+    from genlib.stepdetail import Detail
+
+    return None if top is None else Detail(logprobs=top)
+
+
+def line_finish(lm: LoadedModel, finish: Finish, tokens: Sequence[Token] | None
+                ) -> LineFinish:
+    """`finish` with the logprobs object of its recorded tokens (None: none asked for)."""
+    from genlib.explain import logprobs_content
+
+    fields = {f.name: getattr(finish, f.name) for f in dataclasses.fields(Finish)}
+    logprobs = logprobs_content(lm, tokens) if tokens is not None else None
+    return LineFinish(**fields, logprobs_object=logprobs)
 
 
 def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int

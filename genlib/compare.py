@@ -8,6 +8,10 @@ a prompt that does not fit) keeps its error in its result instead of stopping th
 
     strategies = build_strategies([], [], {"max_new_tokens": 64, "seed": 0})
     comparison = compare(lm, lm.encode("Once upon a time"), strategies)
+
+With `logprobs` N > 0 every output of the plain loop also keeps its tokens'
+log-probabilities in the OpenAI/vLLM shape (`genlib.explain.logprobs_content`, the
+object `generate --logprobs N` writes); beam search records none.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from genlib import metrics
 from genlib.config import GenerationSettings, parse_assignments, resolve_settings
 from genlib.errors import ConfigError, GenlabError
-from genlib.events import Event, Finish
+from genlib.events import Event, Finish, Token
 
 if TYPE_CHECKING:
     from genlib.models import LoadedModel, ModelSpec
@@ -54,7 +58,8 @@ class Strategy:
 
 @dataclass(frozen=True)
 class Sample:
-    """One output of a strategy."""
+    """One output of a strategy. `logprobs_object`: with --logprobs, its tokens'
+    log-probabilities in the OpenAI/vLLM shape (None without, and for beam search)."""
 
     text: str
     token_ids: tuple[int, ...]
@@ -62,12 +67,16 @@ class Sample:
     reason: str
     seconds: float
     score: float | None = None  # beam search's final score, when the decoder gives one
+    logprobs_object: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
-        return {"text": self.text, "token_ids": list(self.token_ids),
-                "logprobs": [round(lp, 6) for lp in self.logprobs],
-                "finish_reason": self.reason, "seconds": round(self.seconds, 6),
-                "score": self.score}
+        out = {"text": self.text, "token_ids": list(self.token_ids),
+               "token_logprobs": [round(lp, 6) for lp in self.logprobs],
+               "finish_reason": self.reason, "seconds": round(self.seconds, 6),
+               "score": self.score}
+        if self.logprobs_object is not None:
+            out["logprobs"] = self.logprobs_object
+        return out
 
 
 @dataclass
@@ -196,21 +205,26 @@ def sample_seeds(seed: int, n: int) -> list[int]:
     return row_seeds(seed, n)
 
 
-def crn_detail(strategy: Strategy, crn: bool) -> Detail | None:
+def crn_detail(strategy: Strategy, crn: bool, logprobs: int = 0) -> Detail | None:
     """Common random numbers: a sampled strategy (not beam sampling) draws by inverse
     CDF from one uniform per row and step, the same stream for every strategy with the
-    same seed, so columns differ by their settings, not by luck."""
+    same seed, so columns differ by their settings, not by luck. `logprobs` N > 0 also
+    records each step with the raw model's top N alternatives (the record changes no
+    draw). Beam search takes no detail: None."""
     from genlib.stepdetail import Detail
 
-    if not crn or not strategy.stochastic or strategy.settings.strategy == "beam":
+    if strategy.settings.strategy == "beam":
         return None
-    return Detail(record=False, inverse_cdf=True)
+    inverse_cdf = crn and strategy.stochastic
+    if not inverse_cdf and not logprobs:
+        return None
+    return Detail(record=bool(logprobs), logprobs=logprobs, inverse_cdf=inverse_cdf)
 
 
 def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
-                 crn: bool = True) -> Iterator[Event | StrategyDone]:
-    """The strategy's decode events, then a StrategyDone with its result. `crn`: see
-    `crn_detail`.
+                 crn: bool = True, logprobs: int = 0) -> Iterator[Event | StrategyDone]:
+    """The strategy's decode events, then a StrategyDone with its result. `crn` and
+    `logprobs`: see `crn_detail`.
 
     Every row of the batch is one sample. A GenlabError (e.g. a setting the decoder
     does not support) ends the strategy with `error` set instead of propagating.
@@ -222,26 +236,41 @@ def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
     if strategy.stochastic and settings.seed is not None:
         seeds = sample_seeds(settings.seed, settings.num_return_sequences)
     finished: list[Finish] = []
+    recorded: dict[int, list[Token]] = {}
     start = time.perf_counter()
     try:
         for event in stream(lm, [list(prompt_ids)], settings, seeds=seeds,
-                            detail=crn_detail(strategy, crn)):
+                            detail=crn_detail(strategy, crn, logprobs)):
             if isinstance(event, Finish):
                 finished.append(event)
+            elif isinstance(event, Token) and event.detail is not None:
+                recorded.setdefault(event.row, []).append(event)
             yield event
     except GenlabError as exc:
         yield StrategyDone(StrategyResult(strategy, error=str(exc)))
         return
-    yield StrategyDone(summarize(strategy, finished, time.perf_counter() - start))
+    seconds = time.perf_counter() - start
+    yield StrategyDone(summarize(strategy, finished, seconds,
+                                 logprobs_objects(lm, recorded)))
 
 
-def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float
-              ) -> StrategyResult:
+def logprobs_objects(lm: LoadedModel, recorded: Mapping[int, Sequence[Token]]
+                     ) -> dict[int, dict[str, Any]]:
+    """Each row's recorded Token events as the OpenAI/vLLM `logprobs` object."""
+    from genlib.explain import logprobs_content
+
+    return {row: logprobs_content(lm, tokens) for row, tokens in recorded.items()}
+
+
+def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float,
+              objects: Mapping[int, dict[str, Any]] | None = None) -> StrategyResult:
     """Samples in row order and their metrics. `seconds` is the strategy's wall time
-    (prefill + every step of the batch); tokens/s is all new tokens over that time."""
+    (prefill + every step of the batch); tokens/s is all new tokens over that time.
+    `objects`: each row's `logprobs` object, where one was recorded."""
     rows = sorted(finished, key=lambda f: f.row)
+    objects = objects or {}
     samples = [Sample(f.text, f.token_ids, f.logprobs, f.reason, f.end - f.start,
-                      getattr(f, "score", None)) for f in rows]
+                      getattr(f, "score", None), objects.get(f.row)) for f in rows]
     summary = metrics.sample_set_metrics([s.token_ids for s in samples],
                                          [s.logprobs for s in samples])
     total_tokens = sum(len(s.token_ids) for s in samples)
@@ -251,25 +280,27 @@ def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float
 
 
 def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
-                      strategies: Sequence[Strategy], crn: bool = True
+                      strategies: Sequence[Strategy], crn: bool = True, logprobs: int = 0
                       ) -> Iterator[tuple[int, Event | StrategyDone]]:
     """(strategy index, event) for every strategy in turn, on the one loaded model.
     Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted",
     its StrategyDone says so), and the comparison stops there."""
     for index, strategy in enumerate(strategies):
-        for event in run_strategy(lm, prompt_ids, strategy, crn):
+        for event in run_strategy(lm, prompt_ids, strategy, crn, logprobs):
             yield index, event
             if isinstance(event, StrategyDone) and event.result.interrupted:
                 return
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Strategy],
-            *, prompt: str = "", seed: int = 0, crn: bool = True) -> Comparison:
+            *, prompt: str = "", seed: int = 0, crn: bool = True, logprobs: int = 0
+            ) -> Comparison:
     """Run every strategy to the end (no live display) and collect the Comparison.
 
     The strategies should already carry `seed` (see `with_seed`); it is recorded here.
     """
-    results = [e.result for _, e in stream_comparison(lm, prompt_ids, strategies, crn)
+    results = [e.result for _, e in stream_comparison(lm, prompt_ids, strategies, crn,
+                                                      logprobs)
                if isinstance(e, StrategyDone)]
     return Comparison(model=lm.ref, prompt=prompt, prompt_tokens=len(prompt_ids), seed=seed,
                       results=results, crn=crn)
@@ -295,6 +326,7 @@ class ModelRun:
     unit: str = "token"  # "token", or "char" when the tokenizers differ
     error: str | None = None
     finish_reason: str | None = None
+    logprobs_object: dict[str, Any] | None = None  # with --logprobs (see Sample)
 
     @property
     def interrupted(self) -> bool:
@@ -331,9 +363,11 @@ class ModelComparison:
                 "runs": [r.to_dict() for r in self.runs]}
 
 
-def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRun, Any]:
-    """Load one model, generate once; return the run and the tokenizer (for divergence)."""
-    from genlib.generate import generate
+def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 0
+              ) -> tuple[ModelRun, Any]:
+    """Load one model, generate once; return the run and the tokenizer (for divergence).
+    `logprobs` N > 0 keeps the tokens' logprobs object (while the model is loaded: the
+    object names tokens by their text)."""
     from genlib.models import display_name, load_model
 
     run = ModelRun(display_name(spec.ref), spec.quantize)
@@ -341,7 +375,8 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRu
         lm = load_model(spec)
         _reset_peak_memory(lm)
         start = time.perf_counter()
-        finish = generate(lm, [lm.encode(prompt)], strategy.settings)[0]
+        finish, run.logprobs_object = generate_one(lm, lm.encode(prompt), strategy,
+                                                   logprobs)
     except GenlabError as exc:
         run.error = str(exc)
         return run, None
@@ -352,6 +387,26 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy) -> tuple[ModelRu
     run.weight_bytes = _weight_bytes(lm)
     run.peak_bytes = _peak_memory(lm)
     return run, lm.tokenizer
+
+
+def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
+                 logprobs: int = 0) -> tuple[Finish, dict[str, Any] | None]:
+    """One output of `strategy` (the first row) and, with `logprobs` N > 0 and a
+    strategy that records them (not beam search), its logprobs object."""
+    from genlib.generate import stream
+    from genlib.stepdetail import Detail
+
+    record = logprobs > 0 and strategy.settings.strategy != "beam"
+    detail = Detail(logprobs=logprobs) if record else None
+    finished: list[Finish] = []
+    recorded: dict[int, list[Token]] = {}
+    for event in stream(lm, [list(prompt_ids)], strategy.settings, detail=detail):
+        if isinstance(event, Finish):
+            finished.append(event)
+        elif isinstance(event, Token) and event.detail is not None:
+            recorded.setdefault(event.row, []).append(event)
+    first = min(finished, key=lambda f: f.row)
+    return first, logprobs_objects(lm, recorded).get(first.row)
 
 
 def _weight_bytes(lm: LoadedModel) -> int | None:
@@ -398,8 +453,8 @@ def measure_divergence(runs: Sequence[ModelRun], tokenizers: Sequence[Any]) -> N
         run.agreement = metrics.agreement(a, b)
 
 
-def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy
-                   ) -> ModelComparison:
+def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy,
+                   logprobs: int = 0) -> ModelComparison:
     """Run `strategy` on `prompt` with each model/quantization in turn (one loaded at a
     time, so memory holds one model) and measure how far each output diverges from
     the first."""
@@ -407,7 +462,7 @@ def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy
     interrupted = False
     for spec in specs:
         try:
-            run, tokenizer = run_model(spec, prompt, strategy)
+            run, tokenizer = run_model(spec, prompt, strategy, logprobs)
         except KeyboardInterrupt:  # Ctrl-C while loading: nothing of this run to keep
             interrupted = True
             break

@@ -9,6 +9,10 @@ sampling fields are mapped onto genlab's settings (`max_tokens` -> `max_new_toke
 keeps genlab's own record under the key `genlab` (settings, token counts), which readers
 of the format ignore, so a resumed run reads back exactly what it wrote.
 
+Logprobs are asked for as each endpoint asks: chat with `logprobs: true` and
+`top_logprobs` N, completions with `logprobs` N; they are answered as each endpoint
+answers, in `choices[0].logprobs` (`completion_logprobs` for the completions shape).
+
 genlab's batch code (genlib.batch) works in its own record shape; this module only
 converts at the two edges: `to_genlab_line` for each input line, `result_line` for each
 record written, `record_of` for each result read back when resuming.
@@ -22,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from genlib.config import shown
 from genlib.errors import ConfigError
 
 FORMATS = ("auto", "genlab", "openai")
@@ -76,13 +81,57 @@ def to_genlab_line(data: Mapping[str, Any], where: str) -> dict[str, Any]:
     wanted = "messages" if url == CHAT else "prompt"
     if wanted not in body:
         raise ConfigError(f'{where}: a {url} request needs "{wanted}" in its body')
-    return {"custom_id": data["custom_id"], **_settings_of(body, where)}
+    return {"custom_id": data["custom_id"], **_settings_of(body, where),
+            **_logprobs_of(body, url, where)}
+
+
+def _logprobs_of(body: Mapping[str, Any], url: str, where: str) -> dict[str, Any]:
+    """The line's `logprobs` as genlib.batch takes it, from the request's own fields
+    (`_chat_top`, `_completions_top`). A body that names neither: {} (the run's
+    --logprobs applies, as to any field the body does not set)."""
+    from genlib.batch import LogprobsRequest
+
+    if "logprobs" not in body and "top_logprobs" not in body:
+        return {}
+    top = _completions_top(body, where) if url == COMPLETIONS else _chat_top(body, where)
+    # None: asked not to (false or null), whatever --logprobs says; genlab's 0 is none
+    return {"logprobs": 0 if top is None else LogprobsRequest(top)}
+
+
+def _chat_top(body: Mapping[str, Any], where: str) -> int | None:
+    """Chat's `logprobs` (true, false or null) and `top_logprobs` N (with true; absent:
+    0): the alternatives per token, None for no logprobs."""
+    asked, top = body.get("logprobs"), body.get("top_logprobs")
+    if not (asked is None or isinstance(asked, bool)):
+        raise ConfigError(f"{where}: logprobs must be true or false in a {CHAT} request "
+                          f"(the alternatives are top_logprobs N), got {shown(asked)}")
+    if top is not None and not asked:
+        raise ConfigError(f"{where}: top_logprobs needs logprobs: true")
+    return _alternatives("top_logprobs", 0 if top is None else top, where) if asked else None
+
+
+def _completions_top(body: Mapping[str, Any], where: str) -> int | None:
+    """Completions' `logprobs` N (null: none; 0: the chosen tokens' alone)."""
+    if "top_logprobs" in body:
+        raise ConfigError(f"{where}: top_logprobs is a {CHAT} field; a {COMPLETIONS} "
+                          f"request gives the alternatives as logprobs N")
+    value = body["logprobs"]
+    return None if value is None else _alternatives("logprobs", value, where)
+
+
+def _alternatives(name: str, value: Any, where: str) -> int:
+    from genlib.batch import MAX_LOGPROBS
+
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS:
+        raise ConfigError(f"{where}: {name} must be an integer 0-{MAX_LOGPROBS}, "
+                          f"got {shown(value)}")
+    return value
 
 
 def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for key, value in body.items():
-        if key in IGNORED:
+        if key in IGNORED or key in ("logprobs", "top_logprobs"):  # see _logprobs_of
             continue
         if key == "stream":
             if value:
@@ -101,9 +150,14 @@ def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
 
 
 def result_line(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
-    """genlab's result (or error) record as an OpenAI batch result line."""
+    """genlab's result (or error) record as an OpenAI batch result line. Its `logprobs`
+    go to `choices[0].logprobs`: for chat as they are (OpenAI's shape, plus genlab's
+    `id`, `processed_logprob` and `rank`), so `genlab` does not repeat them; for
+    completions in that endpoint's own shape, so `genlab` keeps the whole object."""
     custom_id = str(record["id"])
-    extra = {k: v for k, v in record.items() if k != "text"}
+    logprobs = record.get("logprobs")
+    extra = {k: v for k, v in record.items()
+             if k != "text" and not (k == "logprobs" and endpoint == CHAT)}
     if "error" in record:
         return {"id": f"genlab-{custom_id}", "custom_id": custom_id,
                 "response": {"status_code": 400, "request_id": f"genlab-batch-{custom_id}",
@@ -113,10 +167,12 @@ def result_line(record: Mapping[str, Any], endpoint: str, model: str) -> dict[st
     reason = FINISH.get(record["finish_reason"], record["finish_reason"])
     if endpoint == CHAT:
         choice = {"index": 0, "message": {"role": "assistant", "content": record["text"]},
-                  "logprobs": None, "finish_reason": reason}
+                  "logprobs": logprobs, "finish_reason": reason}
         kind, prefix = "chat.completion", "chatcmpl"
     else:
-        choice = {"index": 0, "text": record["text"], "logprobs": None, "finish_reason": reason}
+        choice = {"index": 0, "text": record["text"],
+                  "logprobs": None if logprobs is None else completion_logprobs(logprobs),
+                  "finish_reason": reason}
         kind, prefix = "text_completion", "cmpl"
     usage = {"prompt_tokens": record["prompt_tokens"], "completion_tokens": record["new_tokens"],
              "total_tokens": record["prompt_tokens"] + record["new_tokens"]}
@@ -126,6 +182,25 @@ def result_line(record: Mapping[str, Any], endpoint: str, model: str) -> dict[st
             "response": {"status_code": 200, "request_id": f"genlab-batch-{custom_id}",
                          "body": body},
             "error": None, "genlab": extra}
+
+
+def completion_logprobs(logprobs: Mapping[str, Any]) -> dict[str, Any]:
+    """genlab's logprobs object in the shape of `/v1/completions`: parallel lists of the
+    tokens, their logprobs, each step's top alternatives as {token: logprob} with the
+    chosen token among them (so up to N + 1 entries, as OpenAI's), and each token's
+    character offset in the completion text (as vLLM's)."""
+    tokens, values, tops, offsets = [], [], [], []
+    offset = 0
+    for entry in logprobs["content"]:
+        tokens.append(entry["token"])
+        values.append(entry["logprob"])
+        offsets.append(offset)
+        offset += len(entry["token"])
+        top = {c["token"]: c["logprob"] for c in entry["top_logprobs"]}
+        top.setdefault(entry["token"], entry["logprob"])
+        tops.append(top)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+            "text_offset": offsets}
 
 
 def record_of(line: Mapping[str, Any]) -> dict[str, Any]:
@@ -144,6 +219,9 @@ def record_of(line: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(text, str):
         return {}
     record["text"] = text
+    logprobs = choices[0].get("logprobs")
+    if "genlab" in line and "message" in choices[0] and isinstance(logprobs, dict):
+        record["logprobs"] = logprobs  # a chat answer's, which `genlab` does not repeat
     return record
 
 

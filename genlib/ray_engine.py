@@ -237,12 +237,14 @@ def first_of_each(rows: Iterable[Mapping[str, Any]]) -> Iterator[tuple[int, str]
 
 
 def _outcome(data: dict[str, Any]) -> Finish | str:
-    from genlib.events import Finish
+    """A worker's outcome as the local engine yields it: an error message, or the
+    LineFinish (its logprobs object, a JSON object, as it came)."""
+    from genlib.batch import LineFinish
 
     if "error" in data:
         return str(data["error"])
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data["finish"].items()}
-    return Finish(**fields)
+    return LineFinish(**fields)
 
 
 def _reason(exc: BaseException) -> str:

@@ -305,3 +305,143 @@ def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_pa
     assert sorted(ids) == sorted(f"p{i}" for i in range(16))  # each id exactly once
     expected = {r["id"]: r["text"] for r in read_results(clean)}
     assert {r["id"]: r["text"] for r in resumed_records} == expected
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_per_line_and_for_the_run_each_bad_value_its_own_error():
+    run = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7, logprobs=2)
+    items = gb.parse_lines(lines_of(
+        {"id": "own", "prompt": "a", "logprobs": 5},
+        {"id": "run", "prompt": "a"},
+        {"id": "off", "prompt": "a", "logprobs": 0},
+        {"id": "big", "prompt": "a", "logprobs": 21},
+        {"id": "neg", "prompt": "a", "logprobs": -1},
+        {"id": "text", "prompt": "a", "logprobs": "3"},
+        {"id": "bool", "prompt": "a", "logprobs": True},
+        {"id": "float", "prompt": "a", "logprobs": 2.5},
+        {"id": "beam", "prompt": "a", "strategy": "beam", "num_beams": 2},
+        {"id": "beam-off", "prompt": "a", "strategy": "beam", "num_beams": 2, "logprobs": 0},
+    ), run)
+    jobs = {i.id: i.logprobs for i in items if isinstance(i, gb.Job)}
+    assert jobs == {"own": 5, "run": 2, "off": None, "beam-off": None}
+    errors = {i.id: i.message for i in items if isinstance(i, gb.LineError)}
+    assert errors == {
+        "big": "line 4: logprobs must be 0 <= logprobs <= 20, got 21",
+        "neg": "line 5: logprobs must be 0 <= logprobs <= 20, got -1",
+        "text": "line 6: logprobs must be an integer (the alternatives per token, 0-20; 0: no "
+                "logprobs), got '3'",
+        "bool": "line 7: logprobs must be an integer (the alternatives per token, 0-20; 0: no "
+                "logprobs), got True",
+        "float": "line 8: logprobs must be an integer (the alternatives per token, 0-20; 0: "
+                 "no logprobs), got 2.5",
+        "beam": "line 9: logprobs needs strategy greedy or sample; beam search records no "
+                "per-token logprobs (drop logprobs from the line, or --logprobs from the "
+                "command)"}
+
+
+def test_logprobs_enter_the_fingerprint_only_when_asked_for():
+    line = lines_of({"id": "a", "prompt": "Once"})
+    (plain,) = gb.parse_lines(line, RUN)
+    (asked,) = gb.parse_lines(line, gb.RunDefaults({}, {"max_new_tokens": 16}, seed=7,
+                                                    logprobs=3))
+    (zero,) = gb.parse_lines(lines_of({"id": "a", "prompt": "Once", "logprobs": 0}), RUN)
+    assert plain.fingerprint == zero.fingerprint  # 0 asks for none: a result stays valid
+    assert asked.fingerprint != plain.fingerprint  # its result must carry the logprobs
+    # the hash of a line without logprobs is what it was before logprobs existed
+    settings = plain.settings.to_dict() | {"seed": None}
+    assert plain.fingerprint == gb.fingerprint({
+        "model": "", "prompt": "Once", "messages": None, "chat": False, "system": None,
+        "settings": settings})
+
+
+def test_batched_logprobs_are_transformers_transition_scores(stories):
+    """A greedy line with a repetition penalty (raw and processed logprobs differ),
+    batched with a longer prompt (so its row is left-padded), against transformers'
+    compute_transition_scores on output_logits (raw) and output_scores (processed)."""
+    import torch
+
+    lines = lines_of({"id": "p", "prompt": "Once upon a time", "strategy": "greedy",
+                      "repetition_penalty": 1.3, "max_new_tokens": 10, "logprobs": 3},
+                     {"id": "long", "prompt": " ".join(WORDS), "strategy": "greedy",
+                      "repetition_penalty": 1.3, "max_new_tokens": 10, "logprobs": 3})
+    jobs = gb.parse_lines(lines, RUN)
+    for job in jobs:
+        gb.encode(stories, job, RUN)
+    finishes = {job.id: f for job, f in gb.generate_jobs(stories, jobs, 2)}
+    content = finishes["p"].logprobs_object["content"]
+    ids = jobs[0].ids
+    out = stories.model.generate(torch.tensor([ids]), do_sample=False, max_new_tokens=10,
+                                 repetition_penalty=1.3, output_scores=True,
+                                 output_logits=True, return_dict_in_generate=True,
+                                 pad_token_id=0, eos_token_id=None)
+    new = out.sequences[0, len(ids):].tolist()
+    assert [e["id"] for e in content] == new[:len(content)] and len(content) == 10
+    processed = stories.model.compute_transition_scores(out.sequences, out.scores,
+                                                        normalize_logits=True)[0]
+    raw = stories.model.compute_transition_scores(out.sequences, out.logits,
+                                                  normalize_logits=True)[0]
+    for i, entry in enumerate(content):
+        assert entry["logprob"] == pytest.approx(float(raw[i]), abs=1e-4)
+        assert entry["processed_logprob"] == pytest.approx(float(processed[i]), abs=1e-4)
+        top = out.logits[i][0].float().log_softmax(-1).topk(3)
+        assert [c["id"] for c in entry["top_logprobs"]] == top.indices.tolist()
+        assert [c["logprob"] for c in entry["top_logprobs"]] == \
+            pytest.approx(top.values.tolist(), abs=1e-4)
+    assert any(abs(e["logprob"] - e["processed_logprob"]) > 1e-3 for e in content)
+
+
+def test_cli_batch_logprobs_are_generates(tmp_path: Path):
+    """Each line's `logprobs` is the object `generate --logprobs --json` writes for the
+    same prompt and settings (a sampled line with its seed too); the bad line gets its
+    error and the others their results."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write = [{"id": "greedy", "prompt": "Once upon a time", "strategy": "greedy"},
+             {"id": "sampled", "prompt": "Tom and Lily", "temperature": 0.8, "top_k": 20,
+              "seed": 5, "logprobs": 3},
+             {"id": "bad", "prompt": "x", "logprobs": 99},
+             {"id": "none", "prompt": "The cat", "logprobs": 0}]
+    src.write_text("\n".join(map(json.dumps, write)) + "\n")
+    result = invoke("--input", str(src), "--output", str(out), "-n", "8", "--batch-size",
+                    "3", "--logprobs", "2")
+    assert result.exit_code == 1  # the bad line
+    records = {r["id"]: r for r in read_results(out)}
+    assert records["bad"]["error"] == "line 3: logprobs must be 0 <= logprobs <= 20, got 99"
+    assert "line 3: logprobs must be 0 <= logprobs <= 20, got 99" in result.stderr
+    assert "Traceback" not in result.output
+    assert "logprobs" not in records["none"] and records["none"]["text"]
+
+    def generated(*args: str) -> dict:
+        one = invoke("-n", "8", "--json", *args)
+        assert one.exit_code == 0, one.output
+        return json.loads(one.stdout)["outputs"][0]
+
+    greedy = generated("Once upon a time", "-s", "greedy", "--logprobs", "2")
+    sampled = generated("Tom and Lily", "-t", "0.8", "--top-k", "20", "--seed", "5",
+                        "--logprobs", "3")
+    # Each row is alone in its batch here (their settings differ), so the values are
+    # generate's to the last digit; a left-padded row's are checked against
+    # transformers above.
+    for record, expected in ((records["greedy"], greedy), (records["sampled"], sampled)):
+        assert record["text"] == expected["text"]
+        assert record["logprobs"] == expected["logprobs"]
+        assert [e["id"] for e in record["logprobs"]["content"]] == expected["token_ids"]
+    assert len(records["sampled"]["logprobs"]["content"][0]["top_logprobs"]) == 3  # its own
+
+
+def test_cli_adding_logprobs_to_a_finished_run_is_a_change(tmp_path: Path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text('{"id": "a", "prompt": "Once upon a time"}\n')
+    assert invoke("--input", str(src), "--output", str(out), "-n", "4").exit_code == 0
+    refused = invoke("--input", str(src), "--output", str(out), "-n", "4", "--logprobs", "1")
+    assert refused.exit_code == 2 and "--redo-changed" in refused.stderr
+    redone = invoke("--input", str(src), "--output", str(out), "-n", "4", "--logprobs", "1",
+                    "--redo-changed")
+    assert redone.exit_code == 0, redone.output
+    (record,) = read_results(out)
+    assert len(record["logprobs"]["content"]) == 4
+    interactive = invoke("-i", "--logprobs", "2")
+    assert interactive.exit_code == 2  # the session has /set logprobs=N
+    assert "--logprobs only apply to a single prompt, not with --interactive" in \
+        interactive.stderr

@@ -343,3 +343,79 @@ def test_cli_quantize_comparison_keeps_a_failed_run_in_its_column(stories):
     assert none["outputs"][0]["text"].startswith(", there was")
     assert four["outputs"] == []  # a failed run has no output
     assert four["quantize"] == "4bit" and "--quantize 8bit or none" in four["error"]
+
+
+# --- --logprobs ---------------------------------------------------------------------
+
+def compare_json(*args: str) -> dict:
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def generate_output(*args: str) -> dict:
+    result = runner.invoke(app, ["generate", PROMPT, "-m", str(STORIES), *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)["outputs"][0]
+
+
+def test_cli_logprobs_are_generates_for_the_same_settings(stories):
+    """Each output's `logprobs` object is the one `generate --logprobs` writes: the
+    greedy column's is greedy generate's; with --no-crn a sampled column's sample 1 is
+    generate's with the seed (and its processed logprobs show the truncation)."""
+    data = compare_json("-n", "8", "-p", "greedy", "--variant", "top_k=5",
+                        "--variant", "strategy=beam,num_beams=2", "--samples", "2",
+                        "--seed", "2", "--no-crn", "--logprobs", "3")
+    greedy, top_k, beam = (s["outputs"] for s in data["strategies"])
+    expected = generate_output("-n", "8", "-s", "greedy", "--logprobs", "3")["logprobs"]
+    assert greedy[0]["logprobs"] == expected
+    assert [e["id"] for e in expected["content"]] == greedy[0]["token_ids"]
+    assert [e["logprob"] for e in expected["content"]] == greedy[0]["token_logprobs"]
+    sampled = generate_output("-n", "8", "--top-k", "5", "--seed", "2", "--logprobs", "3")
+    assert top_k[0]["logprobs"] == sampled["logprobs"]
+    assert top_k[0]["token_ids"] == sampled["token_ids"]
+    assert len(top_k) == 2 and all(len(o["logprobs"]["content"]) == 8 for o in top_k)
+    assert any(e["processed_logprob"] > e["logprob"] for o in top_k
+               for e in o["logprobs"]["content"])  # top-k 5 renormalised the survivors
+    assert "logprobs" not in beam[0] and len(beam[0]["token_logprobs"]) == 8
+
+
+def test_cli_logprobs_change_no_draw(stories):
+    """Recording does not move the common random numbers: the same tokens with and
+    without --logprobs, and the recorded raw logprobs are the token_logprobs."""
+    args = ("-n", "10", "--variant", "temperature=1.3", "--samples", "2", "--seed", "4")
+    plain = compare_json(*args)["strategies"][0]["outputs"]
+    recorded = compare_json(*args, "--logprobs", "2")["strategies"][0]["outputs"]
+    assert [o["token_ids"] for o in recorded] == [o["token_ids"] for o in plain]
+    assert all("logprobs" not in o for o in plain)
+    for out in recorded:
+        content = out["logprobs"]["content"]
+        assert [e["logprob"] for e in content] == out["token_logprobs"]
+        assert all(len(e["top_logprobs"]) == 2 for e in content)
+
+
+def test_cli_logprobs_tables_under_the_view(stories):
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "4",
+                                 "-p", "greedy", "--variant", "top_k=5", "--samples", "2",
+                                 "--variant", "strategy=beam,num_beams=2", "--seed", "2",
+                                 "--logprobs", "2"], env={"COLUMNS": "120"})
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    view_end = out.index("greedy · logprobs (raw model / processed)")
+    assert "prompt: Once upon a time" in out[:view_end]  # the view first, then the tables
+    assert "top_k=5 · sample 1 · logprobs" in out and "top_k=5 · sample 2 · logprobs" in out
+    assert "strategy=beam,num_beams=2 · logprobs" not in out
+    assert "beam search records no per-token detail" in result.stderr
+    assert "' there' -3.55" in out  # greedy's first step: the runner-up, raw logprob
+    quiet = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "4",
+                                "-p", "greedy", "--logprobs", "2", "--json"])
+    assert "logprobs (raw model" not in quiet.stdout + quiet.stderr  # the JSON has them
+
+
+def test_cli_logprobs_in_a_model_comparison(stories):
+    result = runner.invoke(app, ["compare", PROMPT, "--models", f"{STORIES},{STORIES}",
+                                 "-n", "6", "--logprobs", "2", "--json"])
+    assert result.exit_code == 0, result.output
+    expected = generate_output("-n", "6", "-s", "greedy", "--logprobs", "2")["logprobs"]
+    assert [r["outputs"][0]["logprobs"] for r in json.loads(result.stdout)["runs"]] == \
+        [expected, expected]

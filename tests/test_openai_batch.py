@@ -155,3 +155,97 @@ def test_format_openai_refuses_genlab_lines(tmp_path: Path):
                                  "--format", "openai"])
     assert result.exit_code == 1
     assert 'line 1: not an OpenAI batch request (no "body")' in result.stderr
+
+
+# ---------------------------------------------------------------- logprobs
+
+
+def test_logprobs_fields_of_each_endpoint():
+    """Chat asks with logprobs: true and top_logprobs N, completions with logprobs N (0:
+    the chosen tokens' alone); explicitly off beats the run's --logprobs; a body that
+    names neither takes the run's. Each bad request is its own line's error."""
+    run = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7, logprobs=4)
+    chat = [{"role": "user", "content": "hi"}]
+    items = gb.parse_lines([
+        request("chat-top", ob.CHAT, messages=chat, logprobs=True, top_logprobs=3),
+        request("chat-bare", ob.CHAT, messages=chat, logprobs=True),
+        request("chat-off", ob.CHAT, messages=chat, logprobs=False),
+        request("chat-run", ob.CHAT, messages=chat),
+        request("cmpl-2", prompt="x", logprobs=2),
+        request("cmpl-0", prompt="x", logprobs=0),
+        request("cmpl-null", prompt="x", logprobs=None),
+        request("chat-top-only", ob.CHAT, messages=chat, top_logprobs=2),
+        request("chat-int", ob.CHAT, messages=chat, logprobs=3),
+        request("chat-big", ob.CHAT, messages=chat, logprobs=True, top_logprobs=21),
+        request("cmpl-top", prompt="x", top_logprobs=2),
+        request("cmpl-bool", prompt="x", logprobs=True),
+        request("cmpl-big", prompt="x", logprobs=50),
+    ], run, ob.to_genlab_line)
+    jobs = {i.id: i.logprobs for i in items if isinstance(i, gb.Job)}
+    assert jobs == {"chat-top": 3, "chat-bare": 0, "chat-off": None, "chat-run": 4,
+                    "cmpl-2": 2, "cmpl-0": 0, "cmpl-null": None}
+    errors = {i.id: i.message for i in items if isinstance(i, gb.LineError)}
+    assert errors == {
+        "chat-top-only": "line 8: top_logprobs needs logprobs: true",
+        "chat-int": "line 9: logprobs must be true or false in a /v1/chat/completions "
+                    "request (the alternatives are top_logprobs N), got 3",
+        "chat-big": "line 10: top_logprobs must be an integer 0-20, got 21",
+        "cmpl-top": "line 11: top_logprobs is a /v1/chat/completions field; a "
+                    "/v1/completions request gives the alternatives as logprobs N",
+        "cmpl-bool": "line 12: logprobs must be an integer 0-20, got True",
+        "cmpl-big": "line 13: logprobs must be an integer 0-20, got 50"}
+
+
+LOGPROBS = {"content": [
+    {"token": ",", "id": 432, "bytes": [44], "logprob": -0.03, "processed_logprob": -0.01,
+     "rank": 0, "top_logprobs": [
+         {"token": ",", "id": 432, "bytes": [44], "logprob": -0.03,
+          "processed_logprob": -0.01, "rank": 0},
+         {"token": " there", "id": 383, "bytes": [32, 116, 104, 101, 114, 101],
+          "logprob": -3.5, "processed_logprob": -4.4, "rank": 1}]},
+    {"token": " in", "id": 300, "bytes": [32, 105, 110], "logprob": -2.9,
+     "processed_logprob": None, "rank": 1, "top_logprobs": [
+         {"token": " there", "id": 383, "bytes": [32, 116, 104, 101, 114, 101],
+          "logprob": -0.07, "processed_logprob": -0.03, "rank": 0}]}]}
+
+
+def test_result_lines_carry_logprobs_as_each_endpoint_does():
+    record = {"id": "r", "text": ", in", "finish_reason": "length", "prompt_tokens": 4,
+              "new_tokens": 2, "logprobs": LOGPROBS, "settings": {"seed": 1}}
+    chat = ob.result_line(record, ob.CHAT, "m")
+    assert chat["response"]["body"]["choices"][0]["logprobs"] == LOGPROBS  # OpenAI's keys+
+    assert "logprobs" not in chat["genlab"]  # not twice
+    assert ob.record_of(json.loads(json.dumps(chat))) == record
+    cmpl = ob.result_line(record, ob.COMPLETIONS, "m")
+    assert cmpl["response"]["body"]["choices"][0]["logprobs"] == {
+        "tokens": [",", " in"], "token_logprobs": [-0.03, -2.9],
+        "top_logprobs": [{",": -0.03, " there": -3.5}, {" there": -0.07, " in": -2.9}],
+        "text_offset": [0, 1]}
+    assert cmpl["genlab"]["logprobs"] == LOGPROBS  # processed logprobs and ids kept
+    assert ob.record_of(json.loads(json.dumps(cmpl))) == record
+    plain = ob.result_line({k: v for k, v in record.items() if k != "logprobs"}, ob.CHAT, "m")
+    assert plain["response"]["body"]["choices"][0]["logprobs"] is None
+
+
+def test_cli_openai_completions_logprobs_are_generates(tmp_path: Path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join([
+        request("a", prompt="Once upon a time", max_tokens=6, temperature=0, logprobs=2),
+        request("b", prompt="Once upon a time", max_tokens=6, temperature=0,
+                top_logprobs=2)]) + "\n")
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output", "-"])
+    assert result.exit_code == 1  # line 2's error, and line 1's result
+    lines = {x["custom_id"]: x for x in map(json.loads, result.stdout.splitlines())}
+    assert lines["b"]["error"]["message"].startswith("line 2: top_logprobs is a")
+    got = lines["a"]["response"]["body"]["choices"][0]["logprobs"]
+    single = runner.invoke(app, ["generate", "Once upon a time", *MODEL, "-n", "6",
+                                 "-s", "greedy", "--logprobs", "2", "--json"])
+    expected = json.loads(single.stdout)["outputs"][0]["logprobs"]
+    assert lines["a"]["genlab"]["logprobs"] == expected
+    assert got["token_logprobs"] == [e["logprob"] for e in expected["content"]]
+    assert got["tokens"] == [e["token"] for e in expected["content"]]
+    assert [set(top) for top in got["top_logprobs"]] == \
+        [{c["token"] for c in e["top_logprobs"]} | {e["token"]} for e in expected["content"]]
+    text = lines["a"]["response"]["body"]["choices"][0]["text"]
+    assert [text[o:o + len(t)] for o, t in zip(got["text_offset"], got["tokens"])] == \
+        got["tokens"]

@@ -23,7 +23,7 @@ COMMANDS = {
     "beam": ["beam", PROMPT, *M, "-n", "5", "-k", "2"],
     "speculate": ["speculate", PROMPT, *M, "-n", "6", "--prompt-lookup", "2"],
     "compare": ["compare", PROMPT, *M, "-n", "5", "-p", "greedy", "--variant", "top_k=5",
-                "--samples", "2", "--seed", "2"],
+                "--samples", "2", "--seed", "2", "--logprobs", "2"],
     "compare-models": ["compare", PROMPT, "--models", f"{STORIES},{STORIES}", "-n", "4"],
     "bench": ["bench", *M, "--runs", "1", "--warmup", "0", "--prompt-len", "4",
               "--new-tokens", "3", "--no-bandwidth", "-p", "creative"],
@@ -128,6 +128,25 @@ def test_the_schema_rejects_what_breaks_the_contract(documents):
     assert errors(doc)
     doc = json.loads(json.dumps(documents["generate"]))
     doc["outputs"][0]["timings"]["seconds"] = 1.0  # a name outside the contract
+    assert errors(doc)
+
+
+def test_logprobs_is_the_openai_object_and_token_logprobs_the_raw_list(documents):
+    """Schema 2: `logprobs` has one meaning, the object --logprobs N adds (compare's here,
+    as generate's); the raw per-token list is `token_logprobs` (beam, compare)."""
+    for out in outputs_of(documents["compare"]):
+        content = out["logprobs"]["content"]
+        assert [e["id"] for e in content] == out["token_ids"]
+        assert [e["logprob"] for e in content] == out["token_logprobs"]
+        assert all(len(e["top_logprobs"]) == 2 for e in content)
+    for out in documents["beam"]["outputs"]:
+        assert "logprobs" not in out and len(out["token_logprobs"]) == out["new_tokens"]
+    assert {documents[name]["schema_version"] for name in COMMANDS} == {2}
+    doc = json.loads(json.dumps(documents["compare"]))
+    out = doc["strategies"][0]["outputs"][0]
+    out["logprobs"] = out["token_logprobs"]  # the version 1 meaning
+    assert errors(doc)
+    out["logprobs"] = {"content": [{"token": "x", "logprob": -1.0}]}  # keys missing
     assert errors(doc)
 
 

@@ -165,6 +165,47 @@ def test_ray_results_carry_the_local_fingerprints_and_a_local_rerun_keeps_them(
     assert out.read_bytes() == written
 
 
+def test_ray_results_carry_the_local_engines_logprobs(cluster, tmp_path):
+    """--logprobs and per-line logprobs through the workers: each record, its logprobs
+    object included, is the local engine's; a bad value is its line's error alone."""
+    address, _ = cluster
+    lines = [*mixed_prompts(3), '{"id": "own", "prompt": "The cat", "logprobs": 4}',
+             '{"id": "bad", "prompt": "The cat", "logprobs": 21}']
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    records = {}
+    for engine, extra in (("ray", ["--engine", "ray", "--ray-address", address]),
+                          ("local", [])):
+        out = tmp_path / f"{engine}.jsonl"
+        result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                                     str(out), "--seed", "7", "--batch-size", "2",
+                                     "--logprobs", "2", "-n", "6", *extra])
+        assert result.exit_code == 1, result.stderr  # the bad line
+        assert "line 5: logprobs must be 0 <= logprobs <= 20, got 21" in result.stderr
+        records[engine] = {r["id"]: r for r in read_results(out)}
+    # Workers run one torch thread each, this process more: the sums are ordered
+    # differently, so logprobs may differ in the last of their 6 digits; all else is equal.
+    assert same_but_float_noise(records["ray"], records["local"])
+    assert not same_but_float_noise({"a": [1.0]}, {"a": [1.0001]})  # and it can tell
+    ray = records["ray"]
+    assert [len(ray[f"p{i}"]["logprobs"]["content"][0]["top_logprobs"]) for i in range(3)] \
+        == [2, 2, 2]
+    assert len(ray["own"]["logprobs"]["content"][0]["top_logprobs"]) == 4
+    assert "logprobs" not in ray["bad"] and "error" in ray["bad"]
+
+
+def same_but_float_noise(a: object, b: object) -> bool:
+    """Equal JSON values, floats within 1e-5."""
+    if isinstance(a, float) or isinstance(b, float):
+        return isinstance(a, (int, float)) and isinstance(b, (int, float)) and \
+            abs(a - b) <= 1e-5
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_but_float_noise(a[k], b[k]) for k in a)
+    if isinstance(a, list) and isinstance(b, list):
+        return len(a) == len(b) and all(same_but_float_noise(x, y) for x, y in zip(a, b))
+    return a == b
+
+
 def test_engine_ray_loads_the_model_on_the_backend_asked_for(monkeypatch, tmp_path):
     import genlib.ray_engine as re_mod
 

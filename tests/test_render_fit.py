@@ -179,3 +179,32 @@ def test_presets_tables_fit(width, command, monkeypatch):
         for key, spec in SPECS.items():  # each key and its default whole on one line
             assert any(key in line and repr(spec.default) in line
                        for line in text.splitlines()), key
+
+
+# --- --logprobs (generate, the REPL, compare) ---------------------------------------------
+
+def logprobs_object(alternatives: int) -> dict:
+    def entry(token: str, logprob: float | None, rank: int) -> dict:
+        return {"token": token, "id": rank, "bytes": list(token.encode()), "logprob": logprob,
+                "processed_logprob": None if logprob is None or rank > 3 else logprob / 2,
+                "rank": rank}
+
+    words = [" there", " extraordinarily", "\n", " a"]
+    return {"content": [{**entry(word, -0.123456 * (i + 1), 0),
+                         "top_logprobs": [entry(f" alt{j}word", -1.5 * j - 0.25, j)
+                                          for j in range(alternatives)]}
+                        for i, word in enumerate(words)]}
+
+
+@pytest.mark.parametrize("width", WIDTHS)
+def test_logprobs_table_keeps_every_number_whole(width):
+    from cli.render_tokens import logprobs_view
+
+    logprobs = logprobs_object(20)
+    text = render(width, lambda c: c.print(logprobs_view(logprobs, "top_k=5 · sample 2")))
+    flat = re.sub(r"[\s│┃|]+", " ", text)  # the wrapped alternatives, read as one line
+    for i, entry in enumerate(logprobs["content"]):
+        assert f"{entry['logprob']:.3f}" in text and f"{entry['processed_logprob']:.3f}" in text
+        assert repr(entry["token"]) in text, i
+    for alt in logprobs["content"][0]["top_logprobs"]:
+        assert f"{alt['token']!r} {alt['logprob']:.2f}" in flat  # wrapped at spaces only
