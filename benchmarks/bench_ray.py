@@ -101,8 +101,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
 
-    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # loopback only
-    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from genlib.ray_cluster import private_cluster_env
+
+    private_cluster_env()  # loopback only, no usage report, no token file left in ~/.ray
     import ray
 
     cpus = os.cpu_count() or 1

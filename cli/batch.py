@@ -303,6 +303,7 @@ def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
              engine: EngineFlags, results: ResultsFile, tally: Tally) -> None:
     """The Ray engine: the workers encode and generate, this process records (through
     the same locked results file, with the fingerprints the driver computed)."""
+    from cli import render
     from genlib.backends.choose import check_name
     from genlib.modelinfo import ModelSpec
     from genlib.ray_engine import WorkerPlan, run_on_ray
@@ -316,7 +317,8 @@ def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
                      backend=check_name(model_flags.backend))
     plan = WorkerPlan(spec=spec, run=run_defaults, batch_size=batch_size, adapt=adapt,
                       quick=batch_size == 1)
-    outcomes = run_on_ray(jobs, lines, plan, engine.workers, engine.ray_address)
+    outcomes = run_on_ray(jobs, lines, plan, engine.workers, engine.ray_address,
+                          note=render.warn)
     _record_outcomes(outcomes, len(jobs), 0, results, tally)
 
 

@@ -14,7 +14,8 @@ engine's; its fingerprint is the one the driver computed, so the results file ca
 tell which engine wrote a record.
 
 If a worker dies, Ray restarts it and runs its batch again; rows of a batch that had
-already come back are dropped here, so each line yields once.
+already come back are dropped here, so each line yields once. Starting or joining the
+cluster, and how many workers it has room for, is genlib.ray_cluster's.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,23 +40,15 @@ from genlib.batch import (
     parse_line,
 )
 from genlib.errors import GenlabError, UserInputError, unexpected
+from genlib.ray_cluster import RayEngineError, connect, pool_size, require_ray
 
 if TYPE_CHECKING:
     from genlib.events import Finish
     from genlib.modelinfo import LoadedModel, ModelSpec
 
-INSTALL_HINT = 'install it with: pip install "genlab[ray]" (in a checkout: pip install ".[ray]")'
 # A batch whose worker dies is run again on a restarted worker this many times at most
 # (a line that kills every worker it meets must not loop for ever).
 MAX_RETRIES = 3
-
-
-class RayMissingError(UserInputError):
-    """--engine ray was asked for but Ray (with Ray Data) is not installed."""
-
-
-class RayEngineError(GenlabError):
-    """The Ray cluster could not be reached or the distributed run failed."""
 
 
 @dataclass(frozen=True)
@@ -70,23 +62,6 @@ class WorkerPlan:
     adapt: LineAdapter | None = None  # module-level functions only: it travels by pickle
     quick: bool = False
     cpus: int = 1  # torch threads per worker: the CPUs Ray reserves for it
-
-
-def require_ray(private_cluster: bool = False) -> Any:
-    """The ray module, or RayMissingError saying how to install it. `private_cluster`:
-    the run will start its own one-machine cluster (no --ray-address), so keep it on the
-    loopback address (no other node can join it anyway) and report no usage anywhere;
-    Ray reads both when it is first imported."""
-    if private_cluster:
-        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    try:
-        import ray
-        import ray.data  # noqa: F401 - the "data" extra: pyarrow, pandas
-    except ImportError as exc:
-        raise RayMissingError(f"--engine ray needs Ray with Ray Data ({exc.name} is not "
-                              f"installed); {INSTALL_HINT}") from None
-    return ray
 
 
 # ---------------------------------------------------------------- worker side
@@ -146,31 +121,14 @@ class GenerateWorker:
 # ---------------------------------------------------------------- driver side
 
 
-def connect(address: str | None, cpus: int | None = None) -> bool:
-    """Join the cluster at `address` ("auto": the one `ray start` runs here), or start a
-    private one on this machine (loopback only) when there is none. True if this call
-    started Ray (the caller shuts it down). A Ray already initialised is used as it is."""
-    ray = require_ray(private_cluster=address is None)
-    if ray.is_initialized():
-        return False
-    try:
-        # "local": a new cluster even where `ray start` runs one (ray.init's default
-        # would join that), so a run without --ray-address never lands on another's.
-        ray.init(address=address or "local", num_cpus=cpus if address is None else None,
-                 include_dashboard=False, logging_level="ERROR", log_to_driver=True)
-    except (ConnectionError, RuntimeError, ValueError) as exc:
-        where = f"the Ray cluster at {address}" if address else "a local Ray cluster"
-        raise RayEngineError(f"cannot start or join {where} ({_first_line(exc)}); start one "
-                             f"with `ray start --head` and pass --ray-address auto") from None
-    return True
-
-
 def run_on_ray(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan,
                workers: int | None = None, address: str | None = None,
-               worker: type = GenerateWorker) -> Iterator[tuple[Job, Finish | str]]:
+               worker: type = GenerateWorker, note: Callable[[str], None] | None = None
+               ) -> Iterator[tuple[Job, Finish | str]]:
     """Every job's outcome as its batch comes back from the cluster: (job, Finish) or
     (job, error message), each job once. `lines[n - 1]` is input line n, as read.
-    `workers` defaults to as many as the cluster has room for.
+    `workers` defaults to as many as the cluster's nodes have room for; `note` is told
+    when the run has to wait for room (genlib.ray_cluster.pool_size).
 
     `worker` is the actor class (tests pass one that dies on purpose)."""
     if workers is not None and workers < 1:
@@ -179,18 +137,19 @@ def run_on_ray(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan,
         return
     started = connect(address)
     try:
-        yield from _stream(jobs, lines, plan, workers or default_workers(plan), worker)
+        size = pool_size(require_ray(), worker_needs(plan), workers, note)
+        yield from _stream(jobs, lines, plan, size, worker)
     finally:
         if started:
             require_ray().shutdown()
 
 
-def default_workers(plan: WorkerPlan) -> int:
-    """As many workers as the cluster's CPUs (GPUs for a CUDA model) hold, at least one."""
-    resources = require_ray().cluster_resources()
+def worker_needs(plan: WorkerPlan) -> dict[str, float]:
+    """What Ray reserves for each worker: its CPUs, and one GPU for a CUDA model."""
+    needs = {"CPU": float(plan.cpus)}
     if plan.spec.device.startswith("cuda"):
-        return max(1, int(resources.get("GPU", 0)))
-    return max(1, int(resources.get("CPU", 0)) // plan.cpus)
+        needs["GPU"] = 1.0
+    return needs
 
 
 def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers: int,
@@ -214,7 +173,7 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
         outcomes = dataset.map_batches(
             worker, fn_constructor_kwargs={"plan": plan}, batch_size=plan.batch_size,
             compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=plan.cpus,
-            num_gpus=1 if plan.spec.device.startswith("cuda") else None,
+            num_gpus=worker_needs(plan).get("GPU"),
             max_restarts=MAX_RETRIES, max_task_retries=MAX_RETRIES)
     try:
         for number, outcome in first_of_each(outcomes.iter_rows()):

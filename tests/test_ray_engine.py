@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,13 +19,14 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib import batch as gb
 from genlib.models import ModelSpec
+from genlib.ray_cluster import RayEngineError, check_reachable, private_cluster_env
 from genlib.ray_engine import GenerateWorker, WorkerPlan, first_of_each, run_on_ray
 from tests.conftest import ROOT, STORIES
 from tests.test_batch import RUN, mixed_prompts, read_results
 
-# A private cluster on the loopback address that reports nothing (read at ray's import).
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+# A private cluster on the loopback address that reports nothing and keeps its token in
+# this process's environment, not in ~/.ray (read at ray's import and at ray.init).
+private_cluster_env()
 
 MODEL = ["-m", str(STORIES)]
 
@@ -36,7 +38,8 @@ def cluster(tmp_path_factory):
     ray = pytest.importorskip("ray", reason='ray is not installed: pip install ".[ray]"')
     pytest.importorskip("ray.data", reason='Ray Data is not installed: pip install ".[ray]"')
     scratch = tmp_path_factory.mktemp("ray")
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR",
+    ray.init(address="local", num_cpus=2, num_gpus=0, include_dashboard=False,
+             logging_level="ERROR",
              runtime_env={"env_vars": {"PYTHONPATH": str(ROOT),
                                        "GENLAB_TEST_SCRATCH": str(scratch)}})
     # Workers cannot import this file by name (tests/ is no package): send it by value.
@@ -47,8 +50,9 @@ def cluster(tmp_path_factory):
         ray.shutdown()
 
 
-def plan_for(batch_size: int) -> WorkerPlan:
-    return WorkerPlan(spec=ModelSpec(str(STORIES)), run=RUN, batch_size=batch_size)
+def plan_for(batch_size: int, device: str = "auto") -> WorkerPlan:
+    return WorkerPlan(spec=ModelSpec(str(STORIES), device=device), run=RUN,
+                      batch_size=batch_size)
 
 
 def local_outcomes(lm, lines: list[str]) -> dict[object, tuple]:
@@ -139,6 +143,134 @@ def test_driver_killed_mid_run_then_resumed_writes_every_id_once(cluster, storie
     assert {r["id"]: r for r in records} == expected
 
 
+# ---------------------------------------------------------------- a cluster that cannot serve
+
+
+def test_a_gpu_worker_on_a_cluster_without_gpus_is_refused_at_once(cluster):
+    lines = mixed_prompts(2)
+    start = time.monotonic()
+    with pytest.raises(RayEngineError) as caught:
+        list(run_on_ray(gb.parse_lines(lines, RUN), lines, plan_for(2, device="cuda")))
+    assert str(caught.value) == (
+        "no node of the Ray cluster has room for one worker, which needs 1 CPU and 1 GPU; "
+        "the cluster has 2 CPUs and 0 GPUs: add a node that has (`ray start --address "
+        "HEAD:6379` on it), or run without --device cuda")
+    assert time.monotonic() - start < 10  # not Ray Data waiting for a GPU for ever
+
+
+def test_a_busy_cluster_is_waited_for_with_a_note_then_served(cluster, stories):
+    import ray
+
+    @ray.remote(num_cpus=2)
+    class Hog:  # another job holding every CPU of the cluster
+        def ready(self):
+            return True
+
+    hog = Hog.remote()
+    ray.get(hog.ready.remote())
+    deadline = time.monotonic() + 30  # until the cluster's view of what is free shows it
+    while ray.available_resources().get("CPU", 0) > 0 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    notes = []
+
+    def note(message):  # the run is waiting: the other job ends
+        notes.append(message)
+        ray.kill(hog)
+
+    lines = mixed_prompts(2)
+    got = ray_outcomes(lines, batch_size=2, workers=1, note=note)
+    assert notes == ["waiting for room on the Ray cluster: each worker needs 1 CPU, and other "
+                     "jobs hold them all now (`ray status` shows them); the run starts when "
+                     "they are free"]
+    assert dict(got) == local_outcomes(stories, lines)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_address_where_nothing_answers_is_an_error_at_once():
+    port = free_port()
+    start = time.monotonic()
+    with pytest.raises(RayEngineError) as given:
+        check_reachable(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
+    with pytest.raises(RayEngineError) as found:  # a stopped cluster's address, for auto
+        check_reachable("auto", f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 10  # ray.init would retry for many minutes
+    assert str(given.value) == (
+        f"no Ray cluster answers at 127.0.0.1:{port} (Connection refused); check the address "
+        f"`ray start --head` printed, and that the cluster still runs (`ray status` on the head)")
+    assert str(found.value) == (
+        f"--ray-address auto found 127.0.0.1:{port}, but nothing answers there (Connection "
+        f"refused): the cluster `ray start` started on this machine has stopped; start it "
+        f"again with `ray start --head`")
+
+
+# A cluster started without token authentication, as `ray start --head` starts one where
+# no token exists yet; it lives as long as this script's stdin stays open.
+NO_AUTH_CLUSTER = """
+import sys, ray
+ray.init(address="local", num_cpus=1, num_gpus=0, include_dashboard=False,
+         logging_level="ERROR")
+print(ray.get_runtime_context().gcs_address, flush=True)
+sys.stdin.read()
+ray.shutdown()
+"""
+
+
+@pytest.mark.slow
+def test_auto_with_a_token_against_a_cluster_without_says_so_and_disabled_joins(tmp_path):
+    """Ray turns token authentication on for `--ray-address auto` when it finds a token
+    (~/.ray/auth_token, or RAY_AUTH_TOKEN here), also for a cluster that runs without:
+    every worker is then cancelled before it starts. auto finds this test's cluster as it
+    finds the one `ray start` runs, by the file `ray start` writes, in a temp dir of the
+    test's own (RAY_TMPDIR), not the machine's."""
+    pytest.importorskip("ray.data", reason='Ray Data is not installed: pip install ".[ray]"')
+    base = {k: v for k, v in os.environ.items()
+            if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
+    base.update(HF_HUB_OFFLINE="1", PYTHONPATH=str(ROOT), RAY_USAGE_STATS_ENABLED="0",
+                RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER="0")
+    head = subprocess.Popen([sys.executable, "-c", NO_AUTH_CLUSTER], cwd=ROOT, text=True,
+                            env={**base, "RAY_AUTH_MODE": "disabled"},
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL)
+    try:
+        address = head.stdout.readline().strip()
+        assert address, "the test cluster did not start"
+        (tmp_path / "ray").mkdir()
+        (tmp_path / "ray" / "ray_current_cluster").write_text(address)
+        src = tmp_path / "in.jsonl"
+        src.write_text("\n".join(mixed_prompts(2)) + "\n")
+
+        def generate(out: str, **env: str) -> subprocess.CompletedProcess:
+            command = [sys.executable, "-m", "cli", "generate", *MODEL, "--input", str(src),
+                       "--output", str(tmp_path / out), "--engine", "ray",
+                       "--ray-address", "auto"]
+            return subprocess.run(command, cwd=ROOT, capture_output=True, text=True,
+                                  env={**base, "RAY_TMPDIR": str(tmp_path), **env}, timeout=120)
+
+        token = generate("token.jsonl", RAY_AUTH_TOKEN="a" * 64)
+        assert token.returncode == 1, token.stderr
+        assert (f"error: no worker can start on the Ray cluster at {address}: it runs without "
+                f"token authentication and this run uses it (Ray turns it on for --ray-address "
+                f"auto when it finds a token, in ~/.ray/auth_token or RAY_AUTH_TOKEN); run "
+                f"genlab with RAY_AUTH_MODE=disabled, or start the cluster with "
+                f"RAY_AUTH_MODE=token") in token.stderr
+        assert "Traceback" not in token.stderr
+        joined = generate("disabled.jsonl", RAY_AUTH_TOKEN="a" * 64, RAY_AUTH_MODE="disabled")
+        assert joined.returncode == 0, joined.stderr
+        assert sorted(r["id"] for r in read_results(tmp_path / "disabled.jsonl")) == ["p0", "p1"]
+    finally:
+        head.stdin.close()  # the script shuts its cluster down
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+
+
 # ---------------------------------------------------------------- the CLI's checks
 
 runner = CliRunner()
@@ -211,7 +343,7 @@ def test_engine_ray_loads_the_model_on_the_backend_asked_for(monkeypatch, tmp_pa
 
     seen = []
 
-    def fake_run_on_ray(jobs, lines, plan, workers=None, address=None):
+    def fake_run_on_ray(jobs, lines, plan, workers=None, address=None, note=None):
         seen.append(plan)
         return iter(())
 
