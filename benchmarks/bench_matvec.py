@@ -1,5 +1,5 @@
-"""One-row products at batch 1, as the decode step runs them: the README's figures for
-torch.mm (MKL's one-column SGEMM), the lean forward's split product
+"""One-row products at batch 1, as the decode step runs them: docs/performance.md's figures
+for torch.mm (MKL's one-column SGEMM), the lean forward's split product
 (`genlib.backends.llama._mm`) and torch.compile's reduction
 (`genlib.backends.llama._matvec`, the products of --backend compiled's step), over
 code-target's weight shapes (69 MB in float32, more than the L3 cache, so the weights

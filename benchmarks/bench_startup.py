@@ -1,6 +1,6 @@
-"""`genlab generate` end to end (start, load, 50 tokens, exit), the README's figures:
-wall time of the real command with the quick start and with GENLAB_LEAN=0 (transformers'
-Auto classes), then where the time goes inside one process.
+"""`genlab generate` end to end (start, load, 50 tokens, exit), docs/performance.md's
+figures: wall time of the real command with the quick start and with GENLAB_LEAN=0
+(transformers' Auto classes), then where the time goes inside one process.
 
     python benchmarks/bench_startup.py [--runs 5] [--model ../shared/models/stories260K]
 """

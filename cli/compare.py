@@ -42,15 +42,14 @@ SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_toke
 def settings_summary(settings: GenerationSettings) -> str:
     """The settings that make a column what it is: its strategy, then every setting
     that differs from the built-in default (run-wide ones such as the seed left out)."""
-    from genlib.config import SPECS
+    from genlib.config import GenerationSettings
 
+    # Compared in to_dict()'s form on both sides: the default logit_bias is the empty
+    # tuple in SPECS but `{}` in a dict, and an empty bias is no change.
+    defaults = GenerationSettings().to_dict()
     changed = [f"{key}={value}" for key, value in settings.to_dict().items()
-               if key not in SUMMARY_SKIP and value != _default(SPECS[key].default)]
+               if key not in SUMMARY_SKIP and value != defaults[key]]
     return " ".join([settings.strategy, *changed])
-
-
-def _default(value: Any) -> Any:
-    return list(value) if isinstance(value, tuple) else value
 
 
 def wrapped(markup: str) -> Any:

@@ -73,6 +73,18 @@ def test_bad_strategies_are_rejected(variants, message):
         cmp.build_strategies([], variants, {})
 
 
+def test_column_headers_name_only_the_settings_that_changed():
+    greedy, creative, top_k = cmp.build_strategies(["greedy", "creative"], ["top_k=5"], {})
+    biased = cmp.Strategy("biased", greedy.settings.replace(logit_bias={"5": 2.0}), "variant")
+    view = View([greedy, creative, top_k, biased], PROMPT)
+    assert [view.header(i) for i in range(4)] == [
+        "[bold]greedy[/]",  # the empty default logit_bias is no change
+        "[bold]creative[/]\n[dim]sample temperature=0.9 top_p=0.92[/]",
+        "[bold]top_k=5[/]\n[dim]sample top_k=5[/]",
+        "[bold]biased[/]\n[dim]greedy logit_bias={'5': 2.0}[/]",
+    ]
+
+
 def test_sample_seeds_derive_from_base():
     from genlib.config import derive_seed
 

@@ -1,10 +1,13 @@
 """The docs match the program: every command's page holds its current `--help` (a
 group's page each subcommand's too), the flags its prose and its options tables name
-exist (and none is a retired one), and the README's links lead to pages that exist."""
+exist (and none is a retired one), every example command line parses against genlab's
+options, and every relative link in the README and docs/ leads to a file that exists
+(and a #anchor to a heading of it)."""
 
 from __future__ import annotations
 
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -168,3 +171,164 @@ def test_the_readme_links_lead_somewhere_and_it_stays_short():
     assert len(readme.splitlines()) < 250
     for target in re.findall(r"\]\(((?:docs|benchmarks)/[^)#]+)", readme):
         assert (ROOT / target).exists(), target
+
+
+# --- links --------------------------------------------------------------------------
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")
+SCHEME = re.compile(r"[a-z][a-z0-9+.-]*:", re.I)  # https:, mailto:: not a file here
+HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$", re.M)
+
+
+def doc_pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+
+
+def prose(text: str) -> str:
+    """A page without its fenced code blocks, where `](` and `#` are code, not links."""
+    return FENCED.sub("", text)
+
+
+def heading_anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped (hyphens and
+    underscores kept), each space a hyphen."""
+    return re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+
+
+def anchors(text: str) -> set[str]:
+    """A page's heading anchors; a repeated heading's later ones get -1, -2, ..."""
+    found: set[str] = set()
+    for heading in HEADING.findall(prose(text)):
+        anchor, n = heading_anchor(heading), 0
+        while (anchor if n == 0 else f"{anchor}-{n}") in found:
+            n += 1
+        found.add(anchor if n == 0 else f"{anchor}-{n}")
+    return found
+
+
+def link_problems(page: Path, text: str) -> list[str]:
+    """The relative links of a page (at `page`, holding `text`) that lead nowhere: to no
+    file or folder, or to a heading the target page lacks."""
+    problems = []
+    for target in LINK.findall(prose(text)):
+        if SCHEME.match(target):
+            continue
+        path, _, anchor = target.partition("#")
+        found = (page.parent / path).resolve() if path else page
+        if not found.exists():
+            problems.append(f"{page.relative_to(ROOT)}: {target}: no such file")
+        elif anchor and found.suffix == ".md":
+            page_text = text if found == page else found.read_text()
+            if anchor not in anchors(page_text):
+                problems.append(f"{page.relative_to(ROOT)}: {target}: no such heading")
+    return problems
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_relative_link_leads_to_a_file_and_heading(page):
+    assert link_problems(page, page.read_text()) == []
+
+
+def test_a_made_up_link_or_heading_fails():
+    page = ROOT / "docs" / "presets.md"  # where the links are read from
+    text = ("# A page\n\n[a](samplers.md) [b](no-such-page.md) [c](../README.md#backends)"
+            " [d](performance.md#no-such-heading) [e](#no-such-section) [f](#a-page)"
+            " [g](https://example.com/x.md) [h](commands/)\n\n"
+            "```\n[i](in-a-code-block.md)\n```\n")
+    assert link_problems(page, text) == [
+        "docs/presets.md: no-such-page.md: no such file",
+        "docs/presets.md: performance.md#no-such-heading: no such heading",
+        "docs/presets.md: #no-such-section: no such heading",
+    ]
+
+
+def test_heading_anchors_are_githubs():
+    assert heading_anchor("Decoding speed (`genlab bench`)") == "decoding-speed-genlab-bench"
+    assert heading_anchor("Batch generation (`--input` / `--batch-size`)") == \
+        "batch-generation---input----batch-size"
+    assert anchors("# A\n## A\n```\n# not a heading\n```\n") == {"a", "a-1"}
+
+
+# --- example command lines ------------------------------------------------------------
+
+CODE_BLOCK = re.compile(r"^```(\w*)\n(.*?)^```", re.S | re.M)
+SHELL = ("bash", "sh", "console", "")
+SEPARATORS = {"|", "||", "&&", ";"}
+RUNS_GENLAB = re.compile(r"(^|[|;&]\s*)genlab(\s|$)")
+REDIRECT = re.compile(r"\d?>>?.*|<.*")
+
+
+def example_commands(text: str) -> list[list[str]]:
+    """The argument lists of the `genlab` command lines in a page's shell blocks (a
+    console block's `$ ` lines only; the other lines there are output), pipes and
+    redirections cut off."""
+    found = []
+    for language, body in CODE_BLOCK.findall(text):
+        for line in body.replace("\\\n", " ").splitlines():
+            if language not in SHELL or (language == "console" and not line.startswith("$ ")):
+                continue
+            line = line.removeprefix("$ ").strip()
+            if not RUNS_GENLAB.search(line):  # output or prose in an unlabelled block
+                continue
+            words = shlex.split(line, comments=True)
+            for n, word in enumerate(words):
+                if word == "genlab" and (n == 0 or words[n - 1] in SEPARATORS):
+                    found.append(_one_command(words[n + 1:]))
+    return found
+
+
+def _one_command(words: list[str]) -> list[str]:
+    args = []
+    for word in words:
+        if word in SEPARATORS or REDIRECT.fullmatch(word):
+            break
+        args.append(word)
+    return args
+
+
+def command_line_problem(args: list[str]) -> str | None:
+    """Why `genlab ARGS` would be refused before it runs (an unknown flag, a missing or
+    extra argument, a bad value), or None."""
+    import typer
+    from typer.main import get_command
+
+    command, name, parent = get_command(gen_docs.cli_app()), "genlab", None
+    while hasattr(command, "commands") and args and args[0] in command.commands:
+        # the groups' contexts, whose settings (-h) the subcommand inherits
+        parent = command.context_class(command, info_name=name, parent=parent,
+                                       **command.context_settings)
+        name += f" {args[0]}"
+        command, args = command.commands[args[0]], args[1:]
+    line = shlex.join([*name.split(), *args])
+    if hasattr(command, "commands") and args and not args[0].startswith("-"):
+        return f"{line}: {name} has no command {args[0]!r}"
+    try:
+        command.make_context(name, list(args), parent=parent)
+    except typer.Exit:  # -h, --version: answered while parsing
+        pass
+    except typer.TyperException as error:  # click's usage errors, as Typer vendors them
+        return f"{line}: {error.format_message()}"
+    return None
+
+
+@pytest.mark.parametrize("page", doc_pages(), ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_example_command_line_parses(page):
+    commands = example_commands(page.read_text())
+    problems = [p for args in commands if (p := command_line_problem(args)) is not None]
+    assert problems == []
+
+
+def test_the_examples_are_read_and_a_bad_one_fails():
+    compare = example_commands(gen_docs.page_path("compare").read_text())
+    assert ["compare", "Once upon a time", "--json"] in compare  # piped into jq: cut there
+    console = example_commands("```console\n$ genlab beam x -k 2\ngenlab> output\n```\n")
+    assert console == [["beam", "x", "-k", "2"]]
+    assert command_line_problem(["compare", "p", "--json", "out.json"]) == \
+        "genlab compare p --json out.json: Got unexpected extra argument(s) (out.json)"
+    assert "No such option" in command_line_problem(["generate", "p", "--no-such-flag"])
+    assert command_line_problem(["compare", "p", "--json", "-o", "out.json"]) is None
+    assert command_line_problem(["compare", "-h"]) is None
+    assert command_line_problem(["presets", "shwo", "creative"]) == \
+        "genlab presets shwo creative: genlab presets has no command 'shwo'"
+    assert command_line_problem(["presets", "show"]) == \
+        "genlab presets show: Missing argument 'name'."
