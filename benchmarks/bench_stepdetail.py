@@ -12,6 +12,8 @@ ratios to the default path in the same run: the machine is shared and noisy.
 from __future__ import annotations
 
 import argparse
+import datetime
+import os
 import statistics
 import time
 from pathlib import Path
@@ -58,7 +60,9 @@ def main() -> None:
         for name, detail in variants().items():
             runs[name].append(tokens_per_second(lm, ids, settings, detail))
     base = statistics.median(runs["default"])
-    print(f"model {args.model}, {args.n} new tokens, {args.rounds} interleaved rounds")
+    shown = os.path.relpath(args.model) if os.path.isabs(args.model) else args.model
+    print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC · model "
+          f"{shown}, {args.n} new tokens, {args.rounds} interleaved rounds")
     for name, values in runs.items():
         median = statistics.median(values)
         print(f"{name:15s} {median:9.1f} tok/s  x{median / base:.2f}")
