@@ -23,10 +23,12 @@ HERE = Path(__file__).resolve().parents[1]
 FIGURES = ("decode_tps", "e2e_s")
 
 
-def bench(checkout: Path, model: str, flags: list[str], threads: int) -> list[dict]:
+def bench(checkout: Path, model: str, flags: list[str], threads: int, dtype: str
+          ) -> list[dict]:
     """One `genlab bench --json` run in `checkout`; its records."""
     command = [sys.executable, "-m", "cli", "bench", "-m", model, "--runs", "3",
-               "--no-bandwidth", "--threads", str(threads), "--json", *flags]
+               "--no-bandwidth", "--threads", str(threads), "--dtype", dtype, "--json",
+               *flags]
     env = {**os.environ, "PYTHONPATH": str(checkout)}
     done = subprocess.run(command, cwd=checkout, env=env, capture_output=True, text=True,
                           check=True)
@@ -34,7 +36,7 @@ def bench(checkout: Path, model: str, flags: list[str], threads: int) -> list[di
 
 
 def label(record: dict) -> str:
-    """now:native, now:lean, before:compile, before:default."""
+    """now:BACKEND (native, compiled, lean), before:compile, before:default."""
     if "backend" in record:
         return f"now:{record['backend']}"
     return "before:compile" if record.get("compile") else "before:default"
@@ -46,23 +48,26 @@ def main() -> None:
     parser.add_argument("--model", default="../shared/models/stories260K")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--dtype", default="auto",
+                        help="bfloat16: the compiled backend against the earlier --compile")
     args = parser.parse_args()
+    fast = "compiled" if args.dtype in ("bfloat16", "float16") else "native"
     model = str(Path(args.model).resolve())
     seen: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
-        for checkout, flags in ((HERE, ["--backend", "native,lean"]),
+        for checkout, flags in ((HERE, ["--backend", f"{fast},lean"]),
                                 (args.before.resolve(), ["--compile"])):
-            for record in bench(checkout, model, flags, args.threads):
+            for record in bench(checkout, model, flags, args.threads, args.dtype):
                 figures = seen.setdefault(label(record), {f: [] for f in FIGURES})
                 for figure in FIGURES:
                     figures[figure].append(record[figure])
     medians = {name: {f: statistics.median(v) for f, v in figs.items()}
                for name, figs in seen.items()}
-    print(f"model {args.model}, {args.rounds} interleaved rounds of 3 runs, "
-          f"{args.threads} threads; medians")
+    print(f"model {args.model}, dtype {args.dtype}, {args.rounds} interleaved rounds of 3 "
+          f"runs, {args.threads} threads; medians")
     for name, figs in sorted(medians.items()):
         print(f"  {name:16} decode {figs['decode_tps']:9.1f} tok/s   e2e {figs['e2e_s']:.3f} s")
-    for now, before in (("now:native", "before:compile"), ("now:lean", "before:default")):
+    for now, before in ((f"now:{fast}", "before:compile"), ("now:lean", "before:default")):
         if now in medians and before in medians:
             ratio = medians[now]["decode_tps"] / medians[before]["decode_tps"]
             print(f"  {now} / {before}: decode tok/s x{ratio:.3f}")
