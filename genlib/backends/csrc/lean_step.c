@@ -40,10 +40,10 @@
  * the bits of B one-row steps (and the same bits at any thread count).
  *
  * Weights are packed in panels of PANEL rows, each panel column by column (see
- * `matmul`); the q/k/v matrices are stacked ([q; k; v]). KV buffers are (kv_heads, capacity,
- * head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run in another order
- * than PyTorch's, so logits differ from the lean forward's in the last bits (the tests
- * bound the difference and check the tokens).
+ * `matmul`); the q/k/v matrices are stacked ([q; k; v]). KV buffers are (kv_heads,
+ * capacity, head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run
+ * in another order than PyTorch's, so logits differ from the lean forward's in the last
+ * bits (the tests bound the difference and check the tokens).
  */
 #include <math.h>
 #include <string.h>
@@ -305,9 +305,9 @@ ALWAYS_INLINE void panel_pass(const float *p, int n, const float *x, long ldx, f
 }
 
 /* out[i * ldo + r] = dot(w[r], x[i]) (+ out[...] when accumulate) for rows [r0, r1) of
- * the packed matrix w (n columns; r0 a multiple of PANEL, r1 one too or the last row) and the m slots'
- * inputs x[i] = x + i * ldx: each panel read from memory once and multiplied by every
- * slot while it stays in L1. */
+ * the packed matrix w (n columns; r0 a multiple of PANEL, r1 one too or the last row)
+ * and the m slots' inputs x[i] = x + i * ldx: each panel read from memory once and
+ * multiplied by every slot while it stays in L1. */
 static void matmul(const float *w, int n, const float *x, long ldx, float *out, long ldo,
                    int r0, int r1, int m, int accumulate) {
     for (int r = r0; r < r1; r += PANEL) {
