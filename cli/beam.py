@@ -172,6 +172,7 @@ def draw_live(run: Generator[Any, None, list[BeamResult]], prompt: str | None,
 
 
 @user_errors
+@opt.sampler_options(before="json_schema")
 def beam(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
@@ -199,23 +200,6 @@ def beam(
     seed: opt.Seed = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
-    logit_bias: opt.LogitBias = None,
-    presence_penalty: opt.PresencePenalty = None,
-    frequency_penalty: opt.FrequencyPenalty = None,
-    dry_multiplier: opt.DryMultiplier = None,
-    dry_base: opt.DryBase = None,
-    dry_allowed_length: opt.DryAllowedLength = None,
-    dry_penalty_last_n: opt.DryPenaltyLastN = None,
-    dry_sequence_breaker: opt.DrySequenceBreaker = None,
-    xtc_probability: opt.XtcProbability = None,
-    xtc_threshold: opt.XtcThreshold = None,
-    top_n_sigma: opt.TopNSigma = None,
-    epsilon_cutoff: opt.EpsilonCutoff = None,
-    eta_cutoff: opt.EtaCutoff = None,
-    mirostat: opt.Mirostat = None,
-    mirostat_tau: opt.MirostatTau = None,
-    mirostat_eta: opt.MirostatEta = None,
-    samplers: opt.Samplers = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
@@ -243,6 +227,7 @@ def beam(
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
+    **sampler_flags: Any,
 ) -> None:
     """Beam search: the n best continuations with their scores, beside the greedy one.
 
@@ -252,7 +237,8 @@ def beam(
       genlab beam "Once upon a time" -k 6 --num-beam-groups 3 --diversity-penalty 1.0
     """
     flags = opt.decoding_flags(
-        locals(), strategy="beam", num_beams=num_beams, length_penalty=length_penalty,
+        locals() | sampler_flags, strategy="beam", num_beams=num_beams,
+        length_penalty=length_penalty,
         early_stopping=None if early_stopping is None
         else parse_value("early_stopping", early_stopping),
         do_sample=sample, num_beam_groups=num_beam_groups,

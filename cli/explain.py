@@ -69,6 +69,7 @@ def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
 
 
 @user_errors
+@opt.sampler_options(before="json_schema")
 def explain(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
@@ -89,23 +90,6 @@ def explain(
     stop: opt.Stop = None,
     seed: opt.Seed = None,
     ignore_eos: opt.IgnoreEos = None,
-    logit_bias: opt.LogitBias = None,
-    presence_penalty: opt.PresencePenalty = None,
-    frequency_penalty: opt.FrequencyPenalty = None,
-    dry_multiplier: opt.DryMultiplier = None,
-    dry_base: opt.DryBase = None,
-    dry_allowed_length: opt.DryAllowedLength = None,
-    dry_penalty_last_n: opt.DryPenaltyLastN = None,
-    dry_sequence_breaker: opt.DrySequenceBreaker = None,
-    xtc_probability: opt.XtcProbability = None,
-    xtc_threshold: opt.XtcThreshold = None,
-    top_n_sigma: opt.TopNSigma = None,
-    epsilon_cutoff: opt.EpsilonCutoff = None,
-    eta_cutoff: opt.EtaCutoff = None,
-    mirostat: opt.Mirostat = None,
-    mirostat_tau: opt.MirostatTau = None,
-    mirostat_eta: opt.MirostatEta = None,
-    samplers: opt.Samplers = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
@@ -130,6 +114,7 @@ def explain(
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
+    **sampler_flags: Any,
 ) -> None:
     """Step through a generation: each step's top candidates, their probability after
     each stage of the sampler chain, the mass each stage removed, the entropy, the
@@ -142,7 +127,7 @@ def explain(
     """
     from cli import render, render_explain
 
-    flags = opt.decoding_flags(locals())
+    flags = opt.decoding_flags(locals() | sampler_flags)
     flags.setdefault("max_new_tokens", 20)
     target = output.sink(as_json, False, output_file)
     if not target.machine and not target.to_stdout:

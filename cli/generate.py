@@ -128,6 +128,7 @@ def backend_note(prefill: Prefill | None) -> str:
 
 
 @user_errors
+@opt.sampler_options(before="json_schema")
 def generate(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
@@ -148,23 +149,6 @@ def generate(
     num_return_sequences: opt.NumReturn = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
-    logit_bias: opt.LogitBias = None,
-    presence_penalty: opt.PresencePenalty = None,
-    frequency_penalty: opt.FrequencyPenalty = None,
-    dry_multiplier: opt.DryMultiplier = None,
-    dry_base: opt.DryBase = None,
-    dry_allowed_length: opt.DryAllowedLength = None,
-    dry_penalty_last_n: opt.DryPenaltyLastN = None,
-    dry_sequence_breaker: opt.DrySequenceBreaker = None,
-    xtc_probability: opt.XtcProbability = None,
-    xtc_threshold: opt.XtcThreshold = None,
-    top_n_sigma: opt.TopNSigma = None,
-    epsilon_cutoff: opt.EpsilonCutoff = None,
-    eta_cutoff: opt.EtaCutoff = None,
-    mirostat: opt.Mirostat = None,
-    mirostat_tau: opt.MirostatTau = None,
-    mirostat_eta: opt.MirostatEta = None,
-    samplers: opt.Samplers = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
@@ -215,6 +199,7 @@ def generate(
     batch_format: Annotated[str, typer.Option(
         "--format", help="--input/--output lines: auto (detected per file), genlab, or "
         "openai (OpenAI's Batch format, as vLLM's run-batch reads and writes).")] = "auto",
+    **sampler_flags: Any,
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -223,7 +208,7 @@ def generate(
       echo "Once upon a time" | genlab generate -m ../shared/models/stories260K -p creative\n
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
-    flags = opt.decoding_flags(locals())
+    flags = opt.decoding_flags(locals() | sampler_flags)
     opt.refuse_compile(compile)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
     from cli.batch import EngineFlags

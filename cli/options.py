@@ -6,6 +6,8 @@ the precedence explicit flag > preset > built-in default.
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
@@ -195,6 +197,39 @@ def unescape(text: str) -> str:
     except UnicodeDecodeError as exc:
         raise ConfigError(f"--stop {text!r}: {exc.reason} in its escapes; write \\\\ for a "
                           f"backslash") from None
+
+
+# The samplers from other tools, offered alike by every command that samples: the
+# command takes them as `**sampler_flags` and `sampler_options` shows them to Typer.
+SAMPLER_OPTIONS: dict[str, Any] = {
+    "logit_bias": LogitBias, "presence_penalty": PresencePenalty,
+    "frequency_penalty": FrequencyPenalty, "dry_multiplier": DryMultiplier,
+    "dry_base": DryBase, "dry_allowed_length": DryAllowedLength,
+    "dry_penalty_last_n": DryPenaltyLastN, "dry_sequence_breaker": DrySequenceBreaker,
+    "xtc_probability": XtcProbability, "xtc_threshold": XtcThreshold,
+    "top_n_sigma": TopNSigma, "epsilon_cutoff": EpsilonCutoff, "eta_cutoff": EtaCutoff,
+    "mirostat": Mirostat, "mirostat_tau": MirostatTau, "mirostat_eta": MirostatEta,
+    "samplers": Samplers,
+}
+
+
+def sampler_options(before: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command that takes `**sampler_flags` the SAMPLER_OPTIONS as parameters of
+    its signature, just before its parameter `before` (where --help lists them); Typer
+    reads the signature and passes them in `sampler_flags`."""
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        signature = inspect.signature(command, eval_str=True)
+        shown = []
+        for parameter in signature.parameters.values():
+            if parameter.name == before:
+                shown += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                            default=None, annotation=annotation)
+                          for name, annotation in SAMPLER_OPTIONS.items()]
+            if parameter.kind is not inspect.Parameter.VAR_KEYWORD:
+                shown.append(parameter)
+        command.__signature__ = signature.replace(parameters=shown)  # type: ignore[attr-defined]
+        return command
+    return decorate
 
 
 # Parameter names of the shared decoding options above -> the setting each one sets.

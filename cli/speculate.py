@@ -179,6 +179,7 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
 
 
 @user_errors
+@opt.sampler_options(before="json_schema")
 def speculate(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
@@ -215,23 +216,6 @@ def speculate(
     seed: opt.Seed = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
-    logit_bias: opt.LogitBias = None,
-    presence_penalty: opt.PresencePenalty = None,
-    frequency_penalty: opt.FrequencyPenalty = None,
-    dry_multiplier: opt.DryMultiplier = None,
-    dry_base: opt.DryBase = None,
-    dry_allowed_length: opt.DryAllowedLength = None,
-    dry_penalty_last_n: opt.DryPenaltyLastN = None,
-    dry_sequence_breaker: opt.DrySequenceBreaker = None,
-    xtc_probability: opt.XtcProbability = None,
-    xtc_threshold: opt.XtcThreshold = None,
-    top_n_sigma: opt.TopNSigma = None,
-    epsilon_cutoff: opt.EpsilonCutoff = None,
-    eta_cutoff: opt.EtaCutoff = None,
-    mirostat: opt.Mirostat = None,
-    mirostat_tau: opt.MirostatTau = None,
-    mirostat_eta: opt.MirostatEta = None,
-    samplers: opt.Samplers = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
@@ -247,6 +231,7 @@ def speculate(
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
+    **sampler_flags: Any,
 ) -> None:
     """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
 
@@ -260,7 +245,7 @@ def speculate(
     """
     from genlib.models import resolve_model_ref
 
-    flags = opt.decoding_flags(locals())
+    flags = opt.decoding_flags(locals() | sampler_flags)
     target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
