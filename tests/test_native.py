@@ -310,6 +310,21 @@ def test_extend_gives_the_bits_of_one_token_steps(any_library, make, threads):
         assert torch.equal(got.argmax(-1), lean_logits.argmax(-1))
 
 
+def test_every_count_of_tokens_in_a_call_gives_the_bits_of_one_token_steps(any_library):
+    """The products take the slots a tile at a time (6 or 12 of them, by CPU) and the
+    rest in a pass of its own: 1 to 25 tokens in one call, every whole-tile count and
+    every remainder, give the bits of one-token calls."""
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 2, any_library)
+    tokens = (IDS * 2)[:25]
+    reference = lean.new_cache(32)
+    expected = native_steps(step, tokens, reference)
+    for k in range(1, len(tokens) + 1):
+        cache = lean.new_cache(32)
+        assert torch.equal(step.extend(tokens[:k], cache), expected[:k]), f"{k} tokens"
+        assert_same_kv(cache, reference, k)
+
+
 @pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
 def test_the_thread_count_does_not_change_the_bits(any_library, make):
     """Each (weight row, token) sum runs over one panel column after another, whichever

@@ -214,9 +214,17 @@ static void put(float *out, float s, int accumulate) { *out = accumulate ? *out 
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* How far ahead the attention prefetches its keys and values, in cache rows: a row is
+ * a head_dim of floats, a few cache lines, so the next few rows come too soon to hide a
+ * read from memory. A batch step reads more KV cache than weights (code-target, 32 rows
+ * of 128-152 cached tokens: 110 MB against 69 MB), and took 6.0 ms with the keys four
+ * rows ahead, 5.5 ms sixteen ahead, 5.3 ms with the values eight ahead as well. */
+#define KEYS_AHEAD 16
+#define VALUES_AHEAD 8
+
 /* Rows w0..w3 (row-major, n columns) times one input x: out[j] = dot(w_j, x), each sum
  * as dot() orders it (lanes, then hsum). For the attention's keys, which the cache holds
- * row by row; while it reads four rows it prefetches the next four. */
+ * row by row; while it reads four rows it prefetches those KEYS_AHEAD rows on. */
 ALWAYS_INLINE void four_rows(const float *w0, int n, const float *x, float *out) {
     const float *w[4] = {w0, w0 + n, w0 + 2 * n, w0 + 3 * n};
     vec a[4] = {{0}, {0}, {0}, {0}};
@@ -224,7 +232,7 @@ ALWAYS_INLINE void four_rows(const float *w0, int n, const float *x, float *out)
     for (; k + LANES <= n; k += LANES) {
         vec xv = *(const vec_u *)(x + k);
         for (int j = 0; j < 4; j++) {
-            __builtin_prefetch(w[j] + k + 4L * n, 0, 3);
+            __builtin_prefetch(w[j] + k + (long)KEYS_AHEAD * n, 0, 3);
             a[j] += *(const vec_u *)(w[j] + k) * xv;
         }
     }
@@ -250,7 +258,13 @@ static void rows_times(const float *rows, int n, const float *x, long count, flo
  * order, one multiply-add each, whatever the number of slots: k slots give the bits of
  * k one-slot calls. */
 #define PANEL (2 * LANES)
-#define TILE 6  /* slots per pass over a panel: 2 x 6 accumulators + 3 of AVX2's 16 */
+/* Slots per pass over a panel: 2 x TILE accumulators, the panel's two vectors and a
+ * broadcast input fit the registers (AVX2's 16, AVX-512's 32). */
+#ifdef __AVX512F__
+#define TILE 12
+#else
+#define TILE 6
+#endif
 
 int genlab_panel_rows(void) { return PANEL; }
 
@@ -295,6 +309,14 @@ ALWAYS_INLINE void panel_pass(const float *p, int n, const float *x, long ldx, f
         panel_tile(p, n, x + i * ldx, ldx, out + i * ldo, ldo, TILE, valid, accumulate);
     switch (m - i) {  /* the rest, with a constant m for each inlined copy */
 #define REST(k) case k: panel_tile(p, n, x + i * ldx, ldx, out + i * ldo, ldo, k, valid, accumulate); break;
+#if TILE > 6
+    REST(11)
+    REST(10)
+    REST(9)
+    REST(8)
+    REST(7)
+    REST(6)
+#endif
     REST(5)
     REST(4)
     REST(3)
@@ -345,7 +367,10 @@ static void add_scaled(float *restrict out, const float *restrict row, float p, 
     for (int i = 0; i < d; i++) out[i] += p * row[i];
 }
 
-#define MIX_VECS 8  /* output vectors a mix keeps in registers at once */
+/* Output floats a mix keeps in registers at once: 64, a common head_dim (4 AVX-512
+ * vectors, 8 AVX2 ones); a wider head takes blocks of 64. */
+#define MIX_FLOATS 64
+#define MIX_VECS (MIX_FLOATS / LANES)
 
 /* out = sum over j < count of (scores[j] / total) * values[j] (rows of d), plus
  * (last_score / total) * last, each output number summed in the order of j as
@@ -359,6 +384,9 @@ static void mix_values(float *out, const float *values, long count, const float 
         for (int v = 0; v < MIX_VECS; v++) acc[v] = (vec){0};
         for (long j = 0; j < count; j++) {
             float p = scores[j] / total;
+            for (int line = 0; line < MIX_FLOATS * 4; line += 64)
+                __builtin_prefetch((const char *)(values + (j + VALUES_AHEAD) * d + c) + line,
+                                   0, 3);
             for (int v = 0; v < MIX_VECS; v++)
                 acc[v] += p * *(const vec_u *)(values + j * d + c + v * LANES);
         }
