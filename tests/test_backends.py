@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from genlib.backends.choose import BACKENDS, Request, choose_backend
+from genlib.backends.transformers import cache_keyword, cache_kwargs
 from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
 from genlib.generate import generate
@@ -88,7 +89,8 @@ def test_reorder_matches_transformers_own_cache_reorder(tiny, name):
     ours.reorder(order)
     theirs.cache.reorder_cache(order)
     token = torch.tensor([42, 43, 44])
-    out = tiny.model(input_ids=token[:, None], past_key_values=theirs.cache, use_cache=True)
+    out = tiny.model(input_ids=token[:, None], use_cache=True,
+                     **cache_kwargs(tiny.model, theirs.cache))
     expected = out.logits[:, -1].float()
     if name == "transformers":
         assert torch.equal(ours.step(token), expected)
@@ -188,3 +190,27 @@ def test_the_cli_announces_the_kernel_build_once_on_stderr(tmp_path, monkeypatch
     assert kernel.BUILDING in runs[0].stderr and kernel.BUILDING not in runs[1].stderr
     assert runs[0].stdout == runs[1].stdout and kernel.BUILDING not in runs[0].stdout
     assert "backend native" in runs[1].stderr
+
+
+def test_the_cache_goes_to_the_forward_by_the_name_it_takes(tiny):
+    """transformers 5.24 renamed the forward's `past_key_values` to `cache` (the old name
+    warns on every call): a forward that takes `cache` gets it so, one that only takes
+    `past_key_values` (earlier releases, remote code) gets that, and no step warns."""
+    import warnings
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids, past_key_values=None, use_cache=None):
+            return input_ids
+
+    class New(torch.nn.Module):
+        def forward(self, input_ids, cache=None, use_cache=None):
+            return input_ids
+
+    assert cache_keyword(Old()) == "past_key_values"
+    assert cache_keyword(New()) == "cache"
+    backend = choose_backend(tiny, Request(rows=2, backend="transformers"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        backend.prefill([[1, 5, 9], [4, 2]], 8)  # a padded row: the masked path too
+        backend.step(torch.tensor([7, 8]))
+        backend.extend(torch.tensor([[3, 4], [5, 6]]))

@@ -16,7 +16,7 @@ import torch
 
 from genlib.backends.base import Backend, Capabilities
 from genlib.backends.lean import LeanBackend, cache_capacity
-from genlib.backends.transformers import accepts_logits_to_keep
+from genlib.backends.transformers import accepts_logits_to_keep, cache_keyword, cache_kwargs
 
 if TYPE_CHECKING:
     from genlib.modelinfo import LoadedModel
@@ -35,10 +35,12 @@ _compiled_steps: weakref.WeakKeyDictionary[Any, Callable[..., torch.Tensor]] = \
     weakref.WeakKeyDictionary()
 
 
-def _one_token_step(model: Any, cache: Any, token: torch.Tensor, position: torch.Tensor
-                    ) -> torch.Tensor:
+def _one_token_step(model: Any, cache: Any, token: torch.Tensor, position: torch.Tensor,
+                    keyword: str) -> torch.Tensor:
+    """One token through the forward; `keyword` names its cache argument (decided
+    outside the compiled graph: `cache_keyword`)."""
     out = model(input_ids=token, position_ids=position[None], cache_position=position,
-                past_key_values=cache, use_cache=True)
+                use_cache=True, **{keyword: cache})
     return out.logits.float()
 
 
@@ -77,13 +79,14 @@ class CompiledStaticBackend(Backend):
         kwargs = {"logits_to_keep": 1} if accepts_logits_to_keep(self.model) else {}
         out = self.model(input_ids=ids, cache_position=torch.arange(self.length,
                                                                     device=ids.device),
-                         past_key_values=self.cache, use_cache=True, **kwargs)
+                         use_cache=True, **cache_kwargs(self.model, self.cache), **kwargs)
         return out.logits[:, -1, :].float()
 
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         position = torch.tensor([self.length], device=tokens.device)
-        logits = compiled_step(self.model)(self.model, self.cache, tokens.view(1, 1), position)
+        logits = compiled_step(self.model)(self.model, self.cache, tokens.view(1, 1), position,
+                                           cache_keyword(self.model))
         self.length += 1
         return logits[:, -1]
 

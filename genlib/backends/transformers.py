@@ -6,7 +6,8 @@ tested against, and the one beam search and batches of several rows take where n
 faster backend can (seed notes 003/004).
 
 Everything that can be decided once (padding, whether the model accepts
-`logits_to_keep`) is decided at prefill, not per step.
+`logits_to_keep`, the name its forward takes the cache by) is decided at prefill or once
+per model class, not per step.
 """
 
 from __future__ import annotations
@@ -45,6 +46,30 @@ def accepts_logits_to_keep(model: Any) -> bool:
 def _forward_takes_logits_to_keep(model_class: type) -> bool:
     # Signature inspection costs ~50 us: do it once per model class, not per call.
     return "logits_to_keep" in inspect.signature(model_class.forward).parameters
+
+
+def cache_kwargs(model: Any, cache: Any) -> dict[str, Any]:
+    """`cache` as the model's forward takes it (see `cache_keyword`)."""
+    return {cache_keyword(model): cache}
+
+
+def cache_keyword(model: Any) -> str:
+    """The forward's keyword for its KV cache: `cache` from transformers 5.24, where
+    `past_key_values` still works but warns on every call; `past_key_values` before."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    parameters = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
+
+
+def returned_cache(out: Any) -> Any:
+    """The cache a forward returned (`cache` from transformers 5.24, `past_key_values`
+    before)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 def new_cache(model: Any) -> Any:
@@ -91,9 +116,9 @@ class TransformersBackend(Backend):
             kwargs["logits_to_keep"] = 1
         positions = (attention_mask.cumsum(-1) - 1).clamp(min=0) if padded else None
         out = self.model(input_ids=input_ids, attention_mask=attention_mask if padded else None,
-                         position_ids=positions, past_key_values=self.cache, use_cache=True,
-                         **kwargs)
-        self.cache = out.past_key_values
+                         position_ids=positions, use_cache=True,
+                         **cache_kwargs(self.model, self.cache), **kwargs)
+        self.cache = returned_cache(out)
         self.attention_mask = attention_mask if padded else None
         self.positions = positions[:, -1] + 1 if padded else None
         self.length = input_ids.shape[1]
@@ -109,8 +134,9 @@ class TransformersBackend(Backend):
             positions = self.positions[:, None] + torch.arange(k, device=tokens.device)
             self.positions = self.positions + k
         out = self.model(input_ids=tokens, attention_mask=self.attention_mask,
-                         position_ids=positions, past_key_values=self.cache, use_cache=True)
-        self.cache = out.past_key_values
+                         position_ids=positions, use_cache=True,
+                         **cache_kwargs(self.model, self.cache))
+        self.cache = returned_cache(out)
         self.length += k
         return out.logits.float()
 
