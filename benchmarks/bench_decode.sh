@@ -30,3 +30,11 @@ if [ -d "$MODELS/code-target" ]; then
         > "$OUT/bound_vs_load.txt"
     tail -4 "$OUT/bound_vs_load.txt"
 fi
+# genlab against llama.cpp in the same run, where llama-cpp-python is installed and
+# LLAMA_CPP_SOURCE names a llama.cpp source tree for the conversion (bench_llamacpp.py)
+if [ -n "${LLAMA_CPP_SOURCE:-}" ] && python -c "import llama_cpp" 2>/dev/null; then
+    for model in stories260K code-target; do
+        python benchmarks/bench_llamacpp.py --model "$MODELS/$model" \
+            --convert-with "$LLAMA_CPP_SOURCE" --rounds 5 2>/dev/null
+    done | tee "$OUT/llamacpp.txt"
+fi

@@ -1,7 +1,8 @@
 """This checkout's backends against an earlier revision's paths, interleaved: genlab
-bench on --backend native and lean here, and on --compile and the default loop in the
-other checkout (the revision before the backend interface), round by round, so a busy
-machine slows both alike. Prints each figure's median over the rounds and the ratios.
+bench on --backend native and lean here, and in the other checkout on the same backends
+(a revision that has them) or on --compile and the default loop (the revision before the
+backend interface), round by round, so a busy machine slows both alike. Prints each
+figure's median over the rounds and the ratios.
 
     git worktree add /tmp/before c515d27
     python benchmarks/bench_vs_revision.py /tmp/before --model ../shared/models/code-target
@@ -35,11 +36,19 @@ def bench(checkout: Path, model: str, flags: list[str], threads: int, dtype: str
     return json.loads(done.stdout)["results"]
 
 
-def label(record: dict) -> str:
-    """now:BACKEND (native, compiled, lean), before:compile, before:default."""
+def flags(checkout: Path, fast: str) -> list[str]:
+    """The fast backend and lean where the checkout has backends, else --compile (which
+    measures the default loop beside it)."""
+    if (checkout / "genlib" / "backends").is_dir():
+        return ["--backend", f"{fast},lean"]
+    return ["--compile"]
+
+
+def label(side: str, record: dict) -> str:
+    """SIDE:BACKEND (native, compiled, lean), or before:compile, before:default."""
     if "backend" in record:
-        return f"now:{record['backend']}"
-    return "before:compile" if record.get("compile") else "before:default"
+        return f"{side}:{record['backend']}"
+    return f"{side}:compile" if record.get("compile") else f"{side}:default"
 
 
 def main() -> None:
@@ -55,10 +64,10 @@ def main() -> None:
     model = str(Path(args.model).resolve())
     seen: dict[str, dict[str, list[float]]] = {}
     for _ in range(args.rounds):
-        for checkout, flags in ((HERE, ["--backend", f"{fast},lean"]),
-                                (args.before.resolve(), ["--compile"])):
-            for record in bench(checkout, model, flags, args.threads, args.dtype):
-                figures = seen.setdefault(label(record), {f: [] for f in FIGURES})
+        for side, checkout in (("now", HERE), ("before", args.before.resolve())):
+            for record in bench(checkout, model, flags(checkout, fast), args.threads,
+                                args.dtype):
+                figures = seen.setdefault(label(side, record), {f: [] for f in FIGURES})
                 for figure in FIGURES:
                     figures[figure].append(record[figure])
     medians = {name: {f: statistics.median(v) for f, v in figs.items()}
@@ -67,7 +76,8 @@ def main() -> None:
           f"runs, {args.threads} threads; medians")
     for name, figs in sorted(medians.items()):
         print(f"  {name:16} decode {figs['decode_tps']:9.1f} tok/s   e2e {figs['e2e_s']:.3f} s")
-    for now, before in ((f"now:{fast}", "before:compile"), ("now:lean", "before:default")):
+    for now, before in ((f"now:{fast}", f"before:{fast}"), (f"now:{fast}", "before:compile"),
+                        ("now:lean", "before:lean"), ("now:lean", "before:default")):
         if now in medians and before in medians:
             ratio = medians[now]["decode_tps"] / medians[before]["decode_tps"]
             print(f"  {now} / {before}: decode tok/s x{ratio:.3f}")
