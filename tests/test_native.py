@@ -128,6 +128,18 @@ def tiny_lm(stories_tokenizer, arch: str = "llama"):
     return wrap_model(tiny(arch), stories_tokenizer, ref=f"tiny-{arch}")
 
 
+def test_the_kernel_runs_on_torchs_threads_however_small_the_model(library,
+                                                                 stories_tokenizer):
+    """A model far below the compiled step's one-thread size still gets every thread:
+    the kernel has one parallel region a step, and two threads were faster on every
+    model measured (docs/performance.md)."""
+    for threads in (1, 2):
+        with torch_threads(threads):
+            lean = lean_model_of(tiny_lm(stories_tokenizer))
+            assert lean._small()
+            assert lean.native_step().threads == threads
+
+
 def test_auto_picks_native_and_genlab_native_0_picks_lean(library, stories_tokenizer,
                                                            monkeypatch):
     lm = tiny_lm(stories_tokenizer)

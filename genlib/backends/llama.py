@@ -458,10 +458,12 @@ class LeanLlama:
 
     def native_step(self) -> NativeStep | None:
         """The step as one native kernel (genlib.backends.kernel), None where it does not
-        apply (`kernel.applies` says why); made once."""
+        apply (`kernel.applies` says why); made once, on torch's thread count whatever
+        the model's size: unlike the compiled step's ~100 parallel regions, the kernel
+        has one a step, and a second thread made stories260K's decoding 1.33x faster
+        and code-draft's drafting (speculation) 1.10x (docs/performance.md)."""
         if self._native is None:
-            threads = 1 if self._small() else torch.get_num_threads()
-            self._native = NativeStep.of(self, threads) or False
+            self._native = NativeStep.of(self, torch.get_num_threads()) or False
         return self._native or None
 
     @torch.inference_mode()
