@@ -6,9 +6,10 @@ predicts from the measured acceptance and draft/target cost ratio.
 
 Pairs: ../shared/models/code-target + code-draft (the realistic speed case, when present)
 and stories260K + llama2xs (same size: shows acceptance, not speed). Every figure is a
-median over --repeats runs after one warm-up, all in this process, so ratios compare
-like with like on a noisy shared machine. Decode speed = new tokens / (finish - end of
-prefill), the same clock for every mode.
+median over --repeats rounds after one warm-up, all in this process, and each round
+runs every mode of a prompt once, so a faster or slower spell of a noisy shared machine
+reaches them alike. Decode speed = new tokens / (finish - end of prefill), the same
+clock for every mode.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -80,14 +82,20 @@ def decode_rate(events: list[Any]) -> tuple[float, tuple[int, ...]]:
     return finish.new_tokens / seconds, finish.token_ids
 
 
-def measure(run: Any, repeats: int) -> tuple[float, list[Any]]:
-    """One warm-up, then the median decode tokens/s of `repeats` runs; last run's events."""
-    run()
-    rates, events = [], []
+def measure(runs: dict[str, Callable[[], Any]], repeats: int
+            ) -> dict[str, tuple[float, list[Any]]]:
+    """Each mode warmed up once, then `repeats` rounds that run every mode once, so a
+    spell of a faster or slower machine reaches every mode alike: per mode, the median
+    decode tokens/s and the last round's events."""
+    for run in runs.values():
+        list(run())
+    rates: dict[str, list[float]] = {mode: [] for mode in runs}
+    events: dict[str, list[Any]] = {}
     for _ in range(repeats):
-        events = list(run())
-        rates.append(decode_rate(events)[0])
-    return statistics.median(rates), events
+        for mode, run in runs.items():
+            events[mode] = list(run())
+            rates[mode].append(decode_rate(events[mode])[0])
+    return {mode: (statistics.median(rates[mode]), events[mode]) for mode in runs}
 
 
 def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: int
@@ -95,7 +103,7 @@ def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: i
     from genlib.config import resolve_settings
     from genlib.generate import stream
     from genlib.models import ModelSpec, load_model
-    from genlib.speculative import summarize
+    from genlib.speculative import speculative_stream, summarize
 
     target = load_model(ModelSpec(str(MODELS / case.target), device="cpu"))
     draft = load_model(ModelSpec(str(MODELS / case.draft), device="cpu"))
@@ -103,20 +111,20 @@ def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: i
     rows = []
     for prompt_name, prompt in (("open", case.prompt), ("extractive", case.extractive)):
         ids = target.encode(prompt)
-        plain_tps, plain_events = measure(lambda ids=ids: stream(target, [ids], settings),
-                                          repeats)
-        plain_ids = decode_rate(plain_events)[1]
-        rows.append(_row(case, prompt_name, "plain greedy", plain_tps, plain_tps, None, True))
-        modes = [("prompt lookup", {"prompt_lookup": ngram, "num_draft_tokens": lookup_gamma})]
+        modes: dict[str, dict[str, Any]] = {"plain greedy": {}}
         if prompt_name == "open":
-            modes.insert(0, ("draft model", {"draft_lm": draft, "num_draft_tokens": gamma}))
-        for mode, kw in modes:
-            from genlib.speculative import speculative_stream
-
-            tps, events = measure(lambda ids=ids, kw=kw: speculative_stream(
-                target, ids, settings, **kw), repeats)
+            modes["draft model"] = {"draft_lm": draft, "num_draft_tokens": gamma}
+        modes["prompt lookup"] = {"prompt_lookup": ngram, "num_draft_tokens": lookup_gamma}
+        measured = measure({mode: lambda ids=ids, kw=kw: (
+            speculative_stream(target, ids, settings, **kw) if kw
+            else stream(target, [ids], settings)) for mode, kw in modes.items()}, repeats)
+        plain_tps, plain_events = measured["plain greedy"]
+        plain_ids = decode_rate(plain_events)[1]
+        for mode, (tps, events) in measured.items():
+            plain = mode == "plain greedy"
             same = decode_rate(events)[1] == plain_ids
-            rows.append(_row(case, prompt_name, mode, tps, plain_tps, summarize(events), same))
+            rows.append(_row(case, prompt_name, mode, tps, plain_tps,
+                             None if plain else summarize(events), same))
     return rows
 
 
@@ -191,7 +199,7 @@ def main() -> None:
     else:
         print(f"torch threads: {torch.get_num_threads()}, greedy, ignore_eos, "
               f"gamma {args.num_draft_tokens} (lookup {args.lookup_tokens}, n-gram "
-              f"{args.ngram}), median of {args.repeats} after a warm-up\n")
+              f"{args.ngram}), median of {args.repeats} interleaved rounds after a warm-up\n")
         print(markdown(rows))
 
 
