@@ -30,6 +30,10 @@ if [ -d "$MODELS/code-target" ]; then
         > "$OUT/bound_vs_load.txt"
     tail -4 "$OUT/bound_vs_load.txt"
 fi
+# The native kernel on one thread against all of them, per model and for speculation
+if [ -d "$MODELS/code-target" ] && [ -d "$MODELS/code-draft" ]; then
+    python benchmarks/bench_threads.py --rounds 15 2>/dev/null | tee "$OUT/threads.txt"
+fi
 # genlab against llama.cpp in the same run, where llama-cpp-python is installed and
 # LLAMA_CPP_SOURCE names a llama.cpp source tree for the conversion (bench_llamacpp.py)
 if [ -n "${LLAMA_CPP_SOURCE:-}" ] && python -c "import llama_cpp" 2>/dev/null; then
