@@ -1,0 +1,94 @@
+"""On a CUDA GPU: each backend's greedy tokens, and beam search's (k=4), against
+transformers' generate() on the same GPU and dtype, and the backend `auto` picks there.
+This is what docs/performance.md reports as run on a GPU; the test suite runs on CPUs.
+
+    python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64]
+
+Prints one line per (model, dtype, backend or beam): same tokens or where they part.
+Exits 1 if any differ.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+PROMPTS = {"story": "Once upon a time", "code": "def fibonacci(n):\n    "}
+
+
+def reference(lm, ids: list[int], n: int, beams: int = 1) -> list[int]:
+    import torch
+
+    out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=n,
+                            do_sample=False, num_beams=beams, eos_token_id=list(lm.eos_ids),
+                            pad_token_id=lm.pad_id)
+    return out[0, len(ids):].tolist()
+
+
+def parted(ours: list[int], theirs: list[int]) -> str:
+    if ours == theirs:
+        return f"same {len(ours)} tokens"
+    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+              min(len(ours), len(theirs)))
+    return f"DIFFERENT from token {at} ({len(ours)} against {len(theirs)})"
+
+
+def check(path: str, dtype: str, n: int) -> bool:
+    from genlib.backends.choose import Request, choose_backend
+    from genlib.beam import beam_search
+    from genlib.config import GenerationSettings
+    from genlib.errors import ConfigError
+    from genlib.generate import generate
+    from genlib.models import ModelSpec, load_model
+
+    lm = load_model(ModelSpec(path, device="cuda", dtype=dtype))
+    auto = choose_backend(lm, Request())
+    print(f"{Path(path).name} {dtype}: auto picks {auto.name} ({auto.reason})")
+    ids = lm.encode(PROMPTS["code" if "code" in Path(path).name else "story"])
+    expected = reference(lm, ids, n)
+    ok = True
+    for name in ("auto", "compiled", "lean", "transformers"):
+        try:
+            [ours] = generate(lm, [ids], GenerationSettings(max_new_tokens=n), backend=name)
+        except ConfigError as error:
+            print(f"  greedy {name:12s} does not run here: {error}")
+            continue
+        except Exception as error:  # a failure on the GPU is a finding: report it, go on
+            print(f"  greedy {name:12s} FAILED: {type(error).__name__}: "
+                  f"{str(error).splitlines()[0]}")
+            ok = False
+            continue
+        verdict = parted(list(ours.token_ids), expected)
+        ok = ok and verdict.startswith("same")
+        print(f"  greedy {name:12s} {verdict}")
+    settings = GenerationSettings(strategy="beam", num_beams=4, max_new_tokens=n)
+    try:
+        best = list(beam_search(lm, [ids], settings)[0].hypotheses[0].token_ids)
+        verdict = parted(best, reference(lm, ids, n, beams=4))
+    except Exception as error:
+        verdict = f"FAILED: {type(error).__name__}: {str(error).splitlines()[0]}"
+    print(f"  beam k=4            {verdict}")
+    return ok and verdict.startswith("same")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("models", nargs="+")
+    parser.add_argument("--new-tokens", type=int, default=64)
+    args = parser.parse_args()
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: this script checks the GPU paths")
+    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
+    results = [check(path, dtype, args.new_tokens)
+               for path in args.models for dtype in ("float32", "bfloat16")]
+    sys.exit(0 if all(results) else 1)
+
+
+if __name__ == "__main__":
+    main()
