@@ -16,15 +16,15 @@ import argparse
 import datetime
 import statistics
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 MODELS = ROOT.parent / "shared" / "models"
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_speculative
 STORY = "Once upon a time there was a little girl"
-CODE = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
 def use_threads(lm: Any, threads: int) -> None:
@@ -36,18 +36,10 @@ def use_threads(lm: Any, threads: int) -> None:
     lean._native = NativeStep(lean, threads)
 
 
-def decode_rate(events: Iterable[Any]) -> tuple[float, tuple[int, ...]]:
-    from genlib.events import Finish, Prefill
-
-    events = list(events)
-    prefill = next(e for e in events if isinstance(e, Prefill))
-    finish = next(e for e in events if isinstance(e, Finish))
-    return len(finish.token_ids) / (finish.end - prefill.time), finish.token_ids
-
-
 def cases(max_new: int) -> dict[str, tuple[Callable[[int], None], Callable[[], Any]]]:
     """name -> (set the threads under test, run once)."""
     import torch
+    from bench_speculative import CODE_PROMPT
 
     from genlib.config import resolve_settings
     from genlib.generate import stream
@@ -59,11 +51,11 @@ def cases(max_new: int) -> dict[str, tuple[Callable[[int], None], Callable[[], A
               for name in ("stories260K", "code-draft", "code-target")}
     out: dict[str, tuple[Callable[[int], None], Callable[[], Any]]] = {}
     for name, lm in models.items():
-        ids = lm.encode(STORY if name == "stories260K" else CODE)
+        ids = lm.encode(STORY if name == "stories260K" else CODE_PROMPT)
         out[f"decode {name}"] = (lambda t, lm=lm: use_threads(lm, t),
                                  lambda lm=lm, ids=ids: stream(lm, [ids], settings))
     target, draft = models["code-target"], models["code-draft"]
-    code = target.encode(CODE)
+    code = target.encode(CODE_PROMPT)
 
     def speculation_threads(t: int) -> None:
         use_threads(target, torch.get_num_threads())
@@ -84,6 +76,7 @@ def main() -> None:
     args = parser.parse_args()
 
     import torch
+    from bench_speculative import decode_rate
 
     torch.set_num_threads(args.threads)
     variants = (1, args.threads)
@@ -94,7 +87,7 @@ def main() -> None:
         for threads in variants:
             for name, (set_threads, run) in runs.items():
                 set_threads(threads)
-                rate, ids = decode_rate(run())
+                rate, ids = decode_rate(list(run()))
                 if tokens.setdefault(name, ids) != ids:
                     raise SystemExit(f"{name}: {threads} threads gave other tokens")
                 if round_:
