@@ -460,8 +460,9 @@ class LeanLlama:
         """The step as one native kernel (genlib.backends.kernel), None where it does not
         apply (`kernel.applies` says why); made once, on torch's thread count whatever
         the model's size: unlike the compiled step's ~100 parallel regions, the kernel
-        has one a step, and a second thread made stories260K's decoding 1.33x faster
-        and code-draft's drafting (speculation) 1.10x (docs/performance.md)."""
+        has one a step, and a second thread made stories260K's decoding 1.34x-1.37x
+        faster and draft speculation with code-draft 1.11x-1.13x
+        (benchmarks/bench_threads.py, docs/performance.md)."""
         if self._native is None:
             self._native = NativeStep.of(self, torch.get_num_threads()) or False
         return self._native or None
