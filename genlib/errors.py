@@ -42,6 +42,11 @@ class ChatTemplateError(UserInputError):
     """Chat mode was asked for but the tokenizer has no chat template."""
 
 
+class CompileError(GenlabError):
+    """torch.compile could not compile a step on this machine (its device, dtype and torch
+    version): exit code 1, with the backend that runs without compiling."""
+
+
 def unexpected(exc: BaseException) -> str:
     """The one-line wording of a fault that is a bug, not bad input: kept apart from
     every message a user's input can cause, so a report of one is a bug report."""

@@ -203,3 +203,23 @@ def test_a_session_ended_by_a_fault_keeps_its_turns(monkeypatch, session, tmp_pa
     session.turns.append({"turn": 1, "prompt": "p", "output": "o"})
     path = repl.rescue(session)
     assert path is not None and json.loads(path.read_text()) == session.turns[0]
+
+
+def test_a_step_torch_cannot_compile_is_one_clear_line(monkeypatch):
+    """torch.compile failing on a machine (as it did on a GPU in bfloat16 with torch 2.11)
+    is no bug report: one line naming the torch, dtype and device, and the backend that
+    runs without compiling; the prefill's token is already out."""
+    import torch._dynamo
+
+    from genlib.backends.llama import LeanLlama
+
+    def step_with_a_graph_break(self, *args):
+        torch._dynamo.graph_break()  # fullgraph: dynamo refuses it
+
+    monkeypatch.setattr(LeanLlama, "_static_step", step_with_a_graph_break)
+    result = invoke("generate", "Once upon a time", *MODEL, "--backend", "compiled",
+                    "-n", "8")
+    assert_clear(result, 1, f"torch {torch.__version__} could not compile the step in "
+                            f"float32 on cpu (Unsupported: ")
+    assert result.stderr.strip().endswith("--backend lean runs the same forward uncompiled")
+    assert result.stdout == ","  # the prefill's token, streamed before the first step

@@ -332,3 +332,60 @@ def test_compiled_lean_step_gives_identical_tokens_on_code_target(code_target, m
     calls = count_compiled_steps(monkeypatch)
     assert genlab_greedy(code_target, ids, 64, backend="compiled") == expected
     assert len(calls) == 63
+
+
+def test_compiled_step_in_bfloat16_gives_transformers_tokens():
+    """bfloat16 (what --dtype auto gives on a GPU) through the compiled step: the tokens of
+    transformers' generate(). Attention reads exactly the cached tokens, as transformers'
+    does; a mask over the whole buffer instead sums differently in bfloat16 and parts
+    from it at the 16th token here."""
+    from genlib.models import ModelSpec, load_model
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    lm = load_model(ModelSpec(str(STORIES), dtype="bfloat16"))
+    ids = lm.encode("Once upon a time")
+    expected = hf_generate(lm, ids, 64)
+    assert genlab_greedy(lm, ids, 64, backend="compiled") == expected
+    assert genlab_greedy(lm, ids, 64, backend="lean") == expected
+
+
+def test_compiled_step_from_an_empty_cache(stories):
+    """A generation that starts with no cached token (a one-token prompt whose token the
+    first step feeds, as speculation does): that first step runs eagerly, the graph is
+    compiled for two or more cached tokens, and the tokens are the eager step's."""
+    lean = lean_model_of(stories)
+
+    def run(step) -> list[int]:
+        cache = lean.new_cache(64)
+        assert lean.prefill(torch.tensor([[]], dtype=torch.long), cache) is None
+        token, out = torch.tensor([[1]]), []
+        for _ in range(30):
+            logits = step(token, cache)
+            token = logits.argmax(-1, keepdim=True)
+            out.append(int(token))
+        return out
+
+    assert run(lean.compiled_step) == run(lean.step)
+
+
+def test_compiled_step_compiles_where_sdpa_chooses_its_kernel_by_length(tiny_llama,
+                                                                        monkeypatch):
+    """CUDA's SDPA asks whether the attention's length is 1 while dynamo traces it (an
+    H100 in bfloat16 failed there: "Could not guard on data-dependent expression
+    Eq(u0 + 1, 1)"). The same question, asked on the CPU, must compile and change
+    nothing: the step knows it reads at least two cached tokens."""
+    plain = LeanLlama._sdpa
+
+    def sdpa_choosing_by_length(self, q, keys, values, end, mask=None, causal=False):
+        if end == 1:  # one cached token: another kernel, in CUDA's choice
+            return plain(self, q, keys, values, end, mask, causal)
+        return plain(self, q, keys, values, end, mask, causal)
+
+    prompt = [1, 5, 9, 200]
+    expected = lean_greedy(LeanLlama.from_model(tiny_llama), prompt, 20)
+    monkeypatch.setattr(LeanLlama, "_sdpa", sdpa_choosing_by_length)
+    lean = LeanLlama.from_model(tiny_llama)
+    assert lean_greedy(lean, prompt, 20, compiled=True) == expected
+    assert lean._compiled.direct_keys == [24]

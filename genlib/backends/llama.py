@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from genlib.backends import hugepages
 from genlib.backends.direct import DirectCompiled
 from genlib.backends.kernel import NativeStep
+from genlib.errors import CompileError
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible_config` checks).
@@ -420,10 +421,14 @@ class LeanLlama:
         # The cache's KV buffers come as arguments, so DirectCompiled passes the current
         # ones. Every shape is fixed but attention's: SDPA reads the `position + 1`
         # cached tokens, a size read from the tensor inside the graph (an unbacked
-        # symbol, so no recompiles), as `_attend` does.
+        # symbol, so no recompiles), as `_attend` does, and as transformers does: a mask
+        # over the whole buffer instead would change bfloat16's sums. The step runs
+        # after a first token (`compiled_step`), so at least two are read: CUDA's SDPA
+        # picks its kernel by whether the length is 1, a guard the graph cannot hold on
+        # an unbacked size unless that bound is known.
         index = position.view(1)
         length = position.item() + 1
-        torch._check(length >= 1)
+        torch._check(length >= 2)
         torch._check(length <= keys[0].shape[2])
         cos = self.cos.index_select(0, index)[:, None]
         sin = self.sin.index_select(0, index)[:, None]
@@ -469,16 +474,26 @@ class LeanLlama:
 
     @torch.inference_mode()
     def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
-        """`step` under torch.compile (the first call per cache capacity compiles)."""
+        """`step` under torch.compile (the first call per cache capacity compiles); the
+        first token of an empty cache runs eagerly (see `_static_step`)."""
         if cache.length >= cache.capacity:
             raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
                              f"{cache.capacity}")
+        if cache.length == 0:
+            return self.step(token, cache)
         if self._compiled is None:
             self._compiled = DirectCompiled(self._static_step, self._compile_options(),
                                             dynamo_config={"capture_scalar_outputs": True})
         cache.position.fill_(cache.length)
         cache.token.copy_(token)  # the same input tensor on every step, as the position
-        logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,
-                                cache.values)
+        try:
+            logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,
+                                    cache.values)
+        except torch._dynamo.exc.TorchDynamoException as exc:  # imported by DirectCompiled
+            dtype, why = str(self.dtype).removeprefix("torch."), str(exc).strip().split("\n")[0]
+            raise CompileError(
+                f"torch {torch.__version__} could not compile the step in {dtype} on "
+                f"{self.device.type} ({type(exc).__name__}: {why}); --backend lean runs "
+                f"the same forward uncompiled") from exc
         cache.length += 1
         return logits
