@@ -1,8 +1,10 @@
 """On a CUDA GPU: each backend's greedy tokens, and beam search's (k=4), against
 transformers' generate() on the same GPU and dtype, and the backend `auto` picks there.
 This is what docs/performance.md reports as run on a GPU; the test suite runs on CPUs.
+`--device cpu` runs the same check on the CPU (in bfloat16 too, which the suite does not
+cover for every backend).
 
-    python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64]
+    python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64] [--device cpu]
 
 Prints one line per (model, dtype, backend or beam): same tokens or where they part.
 Exits 1 if any differ.
@@ -36,7 +38,7 @@ def parted(ours: list[int], theirs: list[int]) -> str:
     return f"DIFFERENT from token {at} ({len(ours)} against {len(theirs)})"
 
 
-def check(path: str, dtype: str, n: int) -> bool:
+def check(path: str, device: str, dtype: str, n: int) -> bool:
     from genlib.backends.choose import Request, choose_backend
     from genlib.beam import beam_search
     from genlib.config import GenerationSettings
@@ -44,7 +46,7 @@ def check(path: str, dtype: str, n: int) -> bool:
     from genlib.generate import generate
     from genlib.models import ModelSpec, load_model
 
-    lm = load_model(ModelSpec(path, device="cuda", dtype=dtype))
+    lm = load_model(ModelSpec(path, device=device, dtype=dtype))
     auto = choose_backend(lm, Request())
     print(f"{Path(path).name} {dtype}: auto picks {auto.name} ({auto.reason})")
     ids = lm.encode(PROMPTS["code" if "code" in Path(path).name else "story"])
@@ -78,14 +80,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("models", nargs="+")
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
 
     import torch
 
-    if not torch.cuda.is_available():
-        raise SystemExit("no CUDA GPU here: this script checks the GPU paths")
-    print(f"{torch.cuda.get_device_name()} · torch {torch.__version__}")
-    results = [check(path, dtype, args.new_tokens)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA GPU here: this script checks the GPU paths "
+                         "(--device cpu runs the same check on the CPU)")
+    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
+    print(f"{name} · torch {torch.__version__}")
+    results = [check(path, args.device, dtype, args.new_tokens)
                for path in args.models for dtype in ("float32", "bfloat16")]
     sys.exit(0 if all(results) else 1)
 
