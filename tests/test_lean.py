@@ -372,20 +372,27 @@ def test_compiled_step_from_an_empty_cache(stories):
 
 def test_compiled_step_compiles_where_sdpa_chooses_its_kernel_by_length(tiny_llama,
                                                                         monkeypatch):
-    """CUDA's SDPA asks whether the attention's length is 1 while dynamo traces it (an
-    H100 in bfloat16 failed there: "Could not guard on data-dependent expression
-    Eq(u0 + 1, 1)"). The same question, asked on the CPU, must compile and change
-    nothing: the step knows it reads at least two cached tokens."""
-    plain = LeanLlama._sdpa
+    """CUDA's SDPA asks whether the attention's length is 1 while dynamo traces it; with
+    torch 2.11, which read the position as an unhinted size, an H100 failed there in
+    bfloat16 ("Could not guard on data-dependent expression Eq(u0 + 1, 1)"). This
+    torch reads a step input's `.item()` as a hinted size, so here the position comes
+    from an operation (unhinted, as there) and the CPU's SDPA asks the same question:
+    it must compile and change nothing, since the step knows it reads two or more
+    cached tokens."""
+    plain_sdpa, plain_step = LeanLlama._sdpa, LeanLlama._static_step
 
     def sdpa_choosing_by_length(self, q, keys, values, end, mask=None, causal=False):
         if end == 1:  # one cached token: another kernel, in CUDA's choice
-            return plain(self, q, keys, values, end, mask, causal)
-        return plain(self, q, keys, values, end, mask, causal)
+            return plain_sdpa(self, q, keys, values, end, mask, causal)
+        return plain_sdpa(self, q, keys, values, end, mask, causal)
+
+    def step_with_an_unhinted_position(self, token, position, keys, values):
+        return plain_step(self, token, position * 1, keys, values)
 
     prompt = [1, 5, 9, 200]
     expected = lean_greedy(LeanLlama.from_model(tiny_llama), prompt, 20)
     monkeypatch.setattr(LeanLlama, "_sdpa", sdpa_choosing_by_length)
+    monkeypatch.setattr(LeanLlama, "_static_step", step_with_an_unhinted_position)
     lean = LeanLlama.from_model(tiny_llama)
     assert lean_greedy(lean, prompt, 20, compiled=True) == expected
     assert lean._compiled.direct_keys == [24]
