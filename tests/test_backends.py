@@ -214,3 +214,37 @@ def test_the_cache_goes_to_the_forward_by_the_name_it_takes(tiny):
         backend.prefill([[1, 5, 9], [4, 2]], 8)  # a padded row: the masked path too
         backend.step(torch.tensor([7, 8]))
         backend.extend(torch.tensor([[3, 4], [5, 6]]))
+
+
+def test_a_static_step_torch_cannot_compile_names_the_uncompiled_backend(tiny, monkeypatch):
+    """The compiled backend over transformers' forward (a model with no lean forward):
+    a step torch.compile refuses is a CompileError naming --backend transformers, which
+    runs that forward uncompiled."""
+    import torch._dynamo
+
+    from genlib.backends import compiled
+    from genlib.errors import CompileError
+
+    if tiny.ref != "tiny-gpt2":
+        pytest.skip("one architecture without a lean forward is enough")
+
+    def step_with_a_graph_break(*args):
+        torch._dynamo.graph_break()  # fullgraph: dynamo refuses it
+
+    monkeypatch.setattr(compiled, "_one_token_step", step_with_a_graph_break)
+    monkeypatch.setattr(compiled, "_compiled_steps", {})
+    backend = choose_backend(tiny, Request(backend="compiled"))
+    assert type(backend).__name__ == "CompiledStaticBackend"
+    backend.prefill([[1, 37, 99]], 16)
+    with pytest.raises(CompileError, match=r"could not compile the step in float32 on cpu "
+                                           r"\(Unsupported: .*\); --backend transformers "
+                                           r"runs the same forward uncompiled$"):
+        backend.step(torch.tensor([4]))
+
+
+def test_compile_errors_leaves_other_failures_as_they_are():
+    from genlib.backends.direct import compile_errors
+
+    with pytest.raises(ValueError, match="not a compile failure"):
+        with compile_errors(torch.float32, torch.device("cpu"), uncompiled="lean"):
+            raise ValueError("not a compile failure")

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genlib.backends.base import Backend, Capabilities
+from genlib.backends.direct import compile_errors
 from genlib.backends.lean import LeanBackend, cache_capacity
 from genlib.backends.transformers import accepts_logits_to_keep, cache_keyword, cache_kwargs
 
@@ -85,8 +86,9 @@ class CompiledStaticBackend(Backend):
     @torch.inference_mode()
     def _step(self, tokens: torch.Tensor) -> torch.Tensor:
         position = torch.tensor([self.length], device=tokens.device)
-        logits = compiled_step(self.model)(self.model, self.cache, tokens.view(1, 1), position,
-                                           cache_keyword(self.model))
+        with compile_errors(self.lm.dtype, self.lm.device, uncompiled="transformers"):
+            logits = compiled_step(self.model)(self.model, self.cache, tokens.view(1, 1),
+                                               position, cache_keyword(self.model))
         self.length += 1
         return logits[:, -1]
 

@@ -28,13 +28,37 @@ What a direct call checks, and what it does not:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from genlib.errors import CompileError
+
 _PLAIN = (int, float, bool, str, type(None))
+
+
+@contextmanager
+def compile_errors(dtype: torch.dtype, device: torch.device, uncompiled: str
+                   ) -> Iterator[None]:
+    """torch.compile failing to compile a step (this torch, dtype and device; dynamo's
+    exceptions) -> one CompileError line naming the backend `uncompiled` that runs the
+    same forward without compiling; anything else as it is."""
+    try:
+        yield
+    except Exception as exc:
+        from torch._dynamo.exc import TorchDynamoException  # loaded by the compile
+
+        if not isinstance(exc, TorchDynamoException):
+            raise
+        why = str(exc).strip().split("\n")[0]
+        raise CompileError(
+            f"torch {torch.__version__} could not compile the step in "
+            f"{str(dtype).removeprefix('torch.')} on {device.type} "
+            f"({type(exc).__name__}: {why}); --backend {uncompiled} runs the same "
+            f"forward uncompiled") from exc
 
 
 def _flatten(args: Sequence[Any]) -> tuple[list[torch.Tensor], Any]:

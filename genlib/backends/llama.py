@@ -36,9 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from genlib.backends import hugepages
-from genlib.backends.direct import DirectCompiled
+from genlib.backends.direct import DirectCompiled, compile_errors
 from genlib.backends.kernel import NativeStep
-from genlib.errors import CompileError
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible_config` checks).
@@ -486,14 +485,8 @@ class LeanLlama:
                                             dynamo_config={"capture_scalar_outputs": True})
         cache.position.fill_(cache.length)
         cache.token.copy_(token)  # the same input tensor on every step, as the position
-        try:
+        with compile_errors(self.dtype, self.device, uncompiled="lean"):
             logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,
                                     cache.values)
-        except torch._dynamo.exc.TorchDynamoException as exc:  # imported by DirectCompiled
-            dtype, why = str(self.dtype).removeprefix("torch."), str(exc).strip().split("\n")[0]
-            raise CompileError(
-                f"torch {torch.__version__} could not compile the step in {dtype} on "
-                f"{self.device.type} ({type(exc).__name__}: {why}); --backend lean runs "
-                f"the same forward uncompiled") from exc
         cache.length += 1
         return logits
