@@ -3,6 +3,7 @@ prompt-lookup speculation, with acceptance and the speed-up Leviathan et al.'s f
 predicts from the measured acceptance and draft/target cost ratio.
 
     python benchmarks/bench_speculative.py [--repeats 3] [--max-new-tokens 200] [--json]
+    python benchmarks/bench_speculative.py --num-draft-tokens 2,3,4,5,6   # gammas, interleaved
 
 Pairs: ../shared/models/code-target + code-draft (the realistic speed case, when present)
 and stories260K + llama2xs (same size: shows acceptance, not speed). Every figure is a
@@ -98,7 +99,7 @@ def measure(runs: dict[str, Callable[[], Any]], repeats: int
     return {mode: (statistics.median(rates[mode]), events[mode]) for mode in runs}
 
 
-def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: int
+def bench_case(case: Case, repeats: int, gammas: list[int], lookup_gamma: int, ngram: int
                ) -> list[dict[str, Any]]:
     from genlib.config import resolve_settings
     from genlib.generate import stream
@@ -113,7 +114,9 @@ def bench_case(case: Case, repeats: int, gamma: int, lookup_gamma: int, ngram: i
         ids = target.encode(prompt)
         modes: dict[str, dict[str, Any]] = {"plain greedy": {}}
         if prompt_name == "open":
-            modes["draft model"] = {"draft_lm": draft, "num_draft_tokens": gamma}
+            for gamma in gammas:
+                mode = "draft model" + (f" (gamma {gamma})" if len(gammas) > 1 else "")
+                modes[mode] = {"draft_lm": draft, "num_draft_tokens": gamma}
         modes["prompt lookup"] = {"prompt_lookup": ngram, "num_draft_tokens": lookup_gamma}
         measured = measure({mode: lambda ids=ids, kw=kw: (
             speculative_stream(target, ids, settings, **kw) if kw
@@ -179,7 +182,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=200)
-    parser.add_argument("--num-draft-tokens", type=int, default=5)
+    parser.add_argument("--num-draft-tokens", default="5",
+                        help="the draft model's gamma, or a comma list measured interleaved")
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
@@ -190,10 +194,10 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    gammas = [int(g) for g in args.num_draft_tokens.split(",")]
     rows = []
     for case in cases(args.max_new_tokens):
-        rows.extend(bench_case(case, args.repeats, args.num_draft_tokens, args.lookup_tokens,
-                               args.ngram))
+        rows.extend(bench_case(case, args.repeats, gammas, args.lookup_tokens, args.ngram))
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
