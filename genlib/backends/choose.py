@@ -12,8 +12,9 @@ token-identical to transformers' `generate()`):
 | several rows otherwise, a quantized model, or any other model | transformers |
 
 On a GPU or in bfloat16 a step's kernel launches and casts, not its arithmetic, set the
-pace, which a compiled step (torch.compile over a fixed-size cache, CUDA graphs where
-inductor uses them) removes; its first step compiles for seconds. An explicit backend
+pace, which a compiled step (torch.compile over a fixed-size cache, in inductor's
+default mode: no CUDA graphs, whose fixed sizes the lean step's attention length is not)
+removes; its first step compiles for seconds. An explicit backend
 that cannot serve the request or the model is refused with a `ConfigError` naming what
 would work, never replaced by another.
 

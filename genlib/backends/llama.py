@@ -419,12 +419,13 @@ class LeanLlama:
                      keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
         # The cache's KV buffers come as arguments, so DirectCompiled passes the current
         # ones. Every shape is fixed but attention's: SDPA reads the `position + 1`
-        # cached tokens, a size read from the tensor inside the graph (an unbacked
-        # symbol, so no recompiles), as `_attend` does, and as transformers does: a mask
-        # over the whole buffer instead would change bfloat16's sums. The step runs
-        # after a first token (`compiled_step`), so at least two are read: CUDA's SDPA
-        # picks its kernel by whether the length is 1, a guard the graph cannot hold on
-        # an unbacked size unless that bound is known.
+        # cached tokens, a size read from the tensor inside the graph (unbacked in torch
+        # 2.11, hinted in 2.13; either way one graph serves every position, called
+        # without its guards by DirectCompiled), as `_attend` does, and as transformers
+        # does: a mask over the whole buffer instead would change bfloat16's sums. The
+        # step runs after a first token (`compiled_step`), so at least two are read:
+        # CUDA's SDPA picks its kernel by whether the length is 1, a guard the graph
+        # cannot hold on an unbacked size unless that bound is known.
         index = position.view(1)
         length = position.item() + 1
         torch._check(length >= 2)
