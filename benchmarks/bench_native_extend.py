@@ -3,9 +3,15 @@
 - extend: k tokens of one row in one call (speculative verification of k drafted
   tokens), as a multiple of one one-token step at the same position;
 - step_rows: one token each of B rows with their own caches, tokens/s against B = 1;
-- optionally the one-token step against another build of the kernel (`--baseline-source`,
-  e.g. the file from an earlier commit that packs its weights the same way), to see it
-  kept its speed.
+- with code-draft beside code-target: code-target's step and 4-token extend right after
+  three code-draft steps, as speculation calls them, against the same calls back to back;
+- optionally this kernel against another build of it (`--baseline-source`, e.g. the file
+  from an earlier commit that packs its weights the same way, or a trial change): the
+  one-token step at `--position` and at four times it, a 4-token extend, and (on
+  code-target) 8 and 32 rows, each as a ratio to the baseline. The two builds' calls
+  alternate in order from round to round (baseline first, then this one first): the
+  second call of a pair runs on caches the first warmed, which on this machine made
+  it up to 2-3% faster, so a fixed order would show a gain that is not there.
 
 Every configuration is timed once per round, the rounds interleaved, and the medians of
 the rounds reported (the machine is shared: a configuration never gets a quiet spell the
@@ -58,11 +64,25 @@ CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 clock = CLOCKS["wall"]
 
 
-def seconds(call: Callable[[], None], reps: int) -> float:
-    start = clock()
+def seconds(call: Callable[[], float | None], reps: int) -> float:
+    """Seconds per call: a call that returns a number has timed itself (the part of it
+    that counts)."""
+    total = 0.0
     for _ in range(reps):
+        start = clock()
+        spent = call()
+        total += clock() - start if spent is None else spent
+    return total / reps
+
+
+def after(before: Callable[[], None], call: Callable[[], None]) -> Callable[[], float]:
+    """`call` timed alone, each time right after `before`."""
+    def timed() -> float:
+        before()
+        start = clock()
         call()
-    return (clock() - start) / reps
+        return clock() - start
+    return timed
 
 
 def step_at(step: native.NativeStep, cache: Any, position: int) -> Callable[[], None]:
@@ -93,14 +113,18 @@ def rows_at(step: native.NativeStep, caches: list[Any], lengths: list[int]
     return call
 
 
-def run_rounds(calls: dict[str, Callable[[], None]], rounds: int, reps: int
-               ) -> dict[str, float]:
-    """Median seconds per call of each, over `rounds` interleaved rounds."""
+def run_rounds(calls: dict[Any, Callable[[], float | None]], rounds: int, reps: int,
+               reverse_odd: bool = False) -> dict[Any, float]:
+    """Median seconds per call of each, over `rounds` interleaved rounds; with
+    `reverse_odd`, every other round runs them in the reverse order."""
     for call in calls.values():
         call()  # warm: scratch, pages, caches
-    times: dict[str, list[float]] = {name: [] for name in calls}
-    for _ in range(rounds):
-        for name, call in calls.items():
+    times: dict[Any, list[float]] = {name: [] for name in calls}
+    for round_ in range(rounds):
+        order = list(calls.items())
+        if reverse_odd and round_ % 2:
+            order.reverse()
+        for name, call in order:
             times[name].append(seconds(call, reps))
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -135,6 +159,37 @@ def bench_rows(name: str, lean: LeanLlama, step: native.NativeStep, args: Any) -
               f"{rate / one:5.2f}x B=1")
 
 
+def bench_after_draft(lean: LeanLlama, step: native.NativeStep, args: Any) -> None:
+    """code-target's step and 4-token extend right after three code-draft steps, as
+    speculation runs them, against the same calls back to back: between them the draft's
+    weights and cache pass through the CPU's caches, which held part of the target's."""
+    draft = load("code-draft")
+    draft_step = draft.native_step()
+    assert draft_step is not None
+    cache = prefix(lean, step, args.position, args.position + 16)
+    draft_cache = prefix(draft, draft_step, args.position, args.position + 16)
+
+    def drafting() -> None:
+        draft_cache.length = args.position
+        for token in (5, 17, 29):
+            draft_step(token, draft_cache)
+            draft_cache.length += 1
+
+    targets = {"step": step_at(step, cache, args.position),
+               "extend k=4": extend_at(step, cache, args.position, 4)}
+    calls: dict[str, Callable[[], float | None]] = {}
+    for label, call in targets.items():
+        calls[label] = call
+        calls[f"{label} after 3 draft steps"] = after(drafting, call)
+    median = run_rounds(calls, args.rounds, args.reps)
+    base = median["step"]
+    print(f"\ncode-target after code-draft, {args.position} cached, {step.threads} "
+          f"thread(s); one step back to back {base * 1e3:.3f} ms")
+    for label, value in median.items():
+        if label != "step":
+            print(f"  {label:31s} {value * 1e3:7.3f} ms  {value / base:5.2f}x a step")
+
+
 def bench_baseline(name: str, lean: LeanLlama, step: native.NativeStep, source: Path,
                    args: Any) -> None:
     library = native.build(native.FLAGS, source).library
@@ -145,12 +200,28 @@ def bench_baseline(name: str, lean: LeanLlama, step: native.NativeStep, source: 
                          "the packed panels): time it against this one with "
                          "benchmarks/bench_vs_revision.py")
     old = native.NativeStep(lean, step.threads, library)
-    cache = prefix(lean, step, args.position, args.position + 16)
-    median = run_rounds({"baseline": step_at(old, cache, args.position),
-                         "this": step_at(step, cache, args.position)}, args.rounds, args.reps)
-    print(f"\n{name}: one-token step at position {args.position}, {step.threads} "
-          f"thread(s): baseline {median['baseline'] * 1e3:.3f} ms, this kernel "
-          f"{median['this'] * 1e3:.3f} ms ({median['this'] / median['baseline']:.3f}x)")
+    far = min(4 * args.position, lean.cos.shape[0] - 16)
+    near = prefix(lean, step, args.position, args.position + 16)
+    far_cache = prefix(lean, step, far, far + 16)
+    cases: dict[str, Callable[[native.NativeStep], Callable[[], None]]] = {
+        f"step at {args.position}": lambda k: step_at(k, near, args.position),
+        f"step at {far}": lambda k: step_at(k, far_cache, far),
+        "extend k=4": lambda k: extend_at(k, near, args.position, 4)}
+    if name == "code-target":
+        lengths = [args.position + 8 * (b % 4) for b in range(32)]
+        caches = [prefix(lean, step, length, length + 16) for length in lengths]
+        for rows in (8, 32):
+            cases[f"{rows} rows"] = (lambda k, rows=rows:
+                                     rows_at(k, caches[:rows], lengths[:rows]))
+    calls = {(case, build): make(kernel) for case, make in cases.items()
+             for build, kernel in (("baseline", old), ("this", step))}
+    median = run_rounds(calls, args.rounds, args.reps, reverse_odd=True)
+    print(f"\n{name}: this kernel against {source}, {step.threads} thread(s), the two "
+          f"builds' calls alternating first")
+    for case in cases:
+        base, this = median[(case, "baseline")], median[(case, "this")]
+        print(f"  {case:14s} baseline {base * 1e3:7.3f} ms  this {this * 1e3:7.3f} ms  "
+              f"{this / base:.3f}x its time")
 
 
 def cpu_model() -> str:
@@ -170,7 +241,7 @@ def main() -> None:
                         "tenants do not inflate (on one thread; with more it adds up "
                         "every thread's, spinning at barriers included)")
     parser.add_argument("--baseline-source", type=Path,
-                        help="another lean_step.c to time the one-token step against")
+                        help="another build of lean_step.c to time this one against")
     args = parser.parse_args()
     global clock
     clock = CLOCKS[args.clock]
@@ -193,6 +264,8 @@ def main() -> None:
             bench_extend(name, lean, step, args)
             if name == "code-target":
                 bench_rows(name, lean, step, args)
+                if (MODELS / "code-draft").is_dir():
+                    bench_after_draft(lean, step, args)
 
 
 if __name__ == "__main__":
