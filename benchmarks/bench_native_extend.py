@@ -129,18 +129,24 @@ def run_rounds(calls: dict[Any, Callable[[], float | None]], rounds: int, reps: 
     return {name: statistics.median(values) for name, values in times.items()}
 
 
+def print_against_step(median: dict[str, float]) -> None:
+    """Each timed call but "step", in ms and as a multiple of "step"."""
+    width = max(len(label) for label in median)
+    for label, value in median.items():
+        if label != "step":
+            print(f"  {label:{width}s} {value * 1e3:7.3f} ms  {value / median['step']:5.2f}x "
+                  f"a step")
+
+
 def bench_extend(name: str, lean: LeanLlama, step: native.NativeStep, args: Any) -> None:
     cache = prefix(lean, step, args.position, args.position + 16)
     calls = {"step": step_at(step, cache, args.position)}
     for k in range(1, 9):
         calls[f"extend k={k}"] = extend_at(step, cache, args.position, k)
     median = run_rounds(calls, args.rounds, args.reps)
-    base = median["step"]
     print(f"\n{name}: extend of k tokens after {args.position} cached, {step.threads} "
-          f"thread(s); one step {base * 1e3:.3f} ms")
-    for label, value in median.items():
-        if label != "step":
-            print(f"  {label:12s} {value * 1e3:7.3f} ms  {value / base:5.2f}x a step")
+          f"thread(s); one step {median['step'] * 1e3:.3f} ms")
+    print_against_step(median)
 
 
 def bench_rows(name: str, lean: LeanLlama, step: native.NativeStep, args: Any) -> None:
@@ -182,12 +188,9 @@ def bench_after_draft(lean: LeanLlama, step: native.NativeStep, args: Any) -> No
         calls[label] = call
         calls[f"{label} after 3 draft steps"] = after(drafting, call)
     median = run_rounds(calls, args.rounds, args.reps)
-    base = median["step"]
     print(f"\ncode-target after code-draft, {args.position} cached, {step.threads} "
-          f"thread(s); one step back to back {base * 1e3:.3f} ms")
-    for label, value in median.items():
-        if label != "step":
-            print(f"  {label:31s} {value * 1e3:7.3f} ms  {value / base:5.2f}x a step")
+          f"thread(s); one step back to back {median['step'] * 1e3:.3f} ms")
+    print_against_step(median)
 
 
 def bench_baseline(name: str, lean: LeanLlama, step: native.NativeStep, source: Path,
