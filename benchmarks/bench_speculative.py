@@ -1,9 +1,15 @@
-"""Speculative decoding speed, in one run: plain greedy vs draft-model speculation vs
+"""Speculative decoding speed, in one run: plain decoding vs draft-model speculation vs
 prompt-lookup speculation, with acceptance and the speed-up Leviathan et al.'s formula
 predicts from the measured acceptance and draft/target cost ratio.
 
     python benchmarks/bench_speculative.py [--repeats 3] [--max-new-tokens 200] [--json]
     python benchmarks/bench_speculative.py --num-draft-tokens 2,3,4,5,6   # gammas, interleaved
+    python benchmarks/bench_speculative.py --pairs code --schedules fixed,adaptive \
+        [--code-prompt TEXT] [--temperature 0.8 --seed 2]
+
+Greedy by default (each mode's tokens checked against plain greedy's); --temperature
+samples, where the modes draw their random numbers in different orders and only the
+speed compares.
 
 Pairs: ../shared/models/code-target + code-draft (the realistic speed case, when present)
 and stories260K + llama2xs (same size: shows acceptance, not speed). Every figure is a
@@ -16,6 +22,7 @@ clock for every mode.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -63,10 +70,10 @@ class Case:
     max_new_tokens: int
 
 
-def cases(max_new: int) -> list[Case]:
+def cases(max_new: int, code_prompt: str = CODE_PROMPT) -> list[Case]:
     out = []
     if (MODELS / "code-target").is_dir() and (MODELS / "code-draft").is_dir():
-        out.append(Case("code", "code-target", "code-draft", CODE_PROMPT, CODE_EXTRACTIVE,
+        out.append(Case("code", "code-target", "code-draft", code_prompt, CODE_EXTRACTIVE,
                         max_new))
     # llama2xs has 256 positions: prompt + new tokens must fit.
     out.append(Case("stories", "stories260K", "llama2xs", STORY_PROMPT, STORY_EXTRACTIVE,
@@ -99,8 +106,22 @@ def measure(runs: dict[str, Callable[[], Any]], repeats: int
     return {mode: (statistics.median(rates[mode]), events[mode]) for mode in runs}
 
 
-def bench_case(case: Case, repeats: int, gammas: list[int], lookup_gamma: int, ngram: int
-               ) -> list[dict[str, Any]]:
+SCHEDULES = {"default": None, "fixed": False, "adaptive": True}  # speculative_stream's adaptive
+
+
+def draft_modes(draft: Any, gammas: list[int], schedules: list[str]
+                ) -> dict[str, dict[str, Any]]:
+    """One draft-model mode per (gamma, schedule), named by what varies."""
+    modes = {}
+    for gamma, schedule in itertools.product(gammas, schedules):
+        varies = [f"gamma {gamma}"] * (len(gammas) > 1) + [schedule] * (len(schedules) > 1)
+        mode = "draft model" + (f" ({', '.join(varies)})" if varies else "")
+        modes[mode] = {"draft_lm": draft, "num_draft_tokens": gamma,
+                       "adaptive": SCHEDULES[schedule]}
+    return modes
+
+
+def bench_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
     from genlib.config import resolve_settings
     from genlib.generate import stream
     from genlib.models import ModelSpec, load_model
@@ -108,31 +129,35 @@ def bench_case(case: Case, repeats: int, gammas: list[int], lookup_gamma: int, n
 
     target = load_model(ModelSpec(str(MODELS / case.target), device="cpu"))
     draft = load_model(ModelSpec(str(MODELS / case.draft), device="cpu"))
-    settings = resolve_settings({"max_new_tokens": case.max_new_tokens, "ignore_eos": True})
+    sampling = {"do_sample": True, "temperature": args.temperature, "seed": args.seed}
+    settings = resolve_settings({"max_new_tokens": case.max_new_tokens, "ignore_eos": True,
+                                 **(sampling if args.temperature else {})})
+    plain_mode = "plain sampling" if args.temperature else "plain greedy"
     rows = []
     for prompt_name, prompt in (("open", case.prompt), ("extractive", case.extractive)):
         ids = target.encode(prompt)
-        modes: dict[str, dict[str, Any]] = {"plain greedy": {}}
+        modes: dict[str, dict[str, Any]] = {plain_mode: {}}
         if prompt_name == "open":
-            for gamma in gammas:
-                mode = "draft model" + (f" (gamma {gamma})" if len(gammas) > 1 else "")
-                modes[mode] = {"draft_lm": draft, "num_draft_tokens": gamma}
-        modes["prompt lookup"] = {"prompt_lookup": ngram, "num_draft_tokens": lookup_gamma}
+            modes.update(draft_modes(draft, [int(g) for g in args.num_draft_tokens.split(",")],
+                                     args.schedules.split(",")))
+        modes["prompt lookup"] = {"prompt_lookup": args.ngram,
+                                  "num_draft_tokens": args.lookup_tokens}
         measured = measure({mode: lambda ids=ids, kw=kw: (
             speculative_stream(target, ids, settings, **kw) if kw
-            else stream(target, [ids], settings)) for mode, kw in modes.items()}, repeats)
-        plain_tps, plain_events = measured["plain greedy"]
+            else stream(target, [ids], settings)) for mode, kw in modes.items()}, args.repeats)
+        plain_tps, plain_events = measured[plain_mode]
         plain_ids = decode_rate(plain_events)[1]
         for mode, (tps, events) in measured.items():
-            plain = mode == "plain greedy"
-            same = decode_rate(events)[1] == plain_ids
+            plain = mode == plain_mode
+            # sampled runs draw their random numbers in another order: no token identity
+            same = None if args.temperature else decode_rate(events)[1] == plain_ids
             rows.append(_row(case, prompt_name, mode, tps, plain_tps,
                              None if plain else summarize(events), same))
     return rows
 
 
 def _row(case: Case, prompt: str, mode: str, tps: float, plain_tps: float, summary: Any,
-         identical: bool) -> dict[str, Any]:
+         identical: bool | None) -> dict[str, Any]:
     row: dict[str, Any] = {"pair": case.pair, "target": case.target, "prompt": prompt,
                            "mode": mode, "tokens_per_s": round(tps, 1),
                            "speedup": round(tps / plain_tps, 3), "identical": identical}
@@ -166,8 +191,12 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             f"{get('verify_cost', '-')} | "
             f"{_x(get('predicted'))} | {get('measured_over_predicted', '-')} | "
             f"{_x(get('predicted_with_verify_cost'))} | {get('measured_over_costed', '-')} | "
-            f"{'yes' if r['identical'] else 'NO'} |")
+            f"{_same(r['identical'])} |")
     return "\n".join(lines)
+
+
+def _same(identical: bool | None) -> str:
+    return "-" if identical is None else "yes" if identical else "NO"
 
 
 def _pct(v: float | None) -> str:
@@ -184,6 +213,16 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=200)
     parser.add_argument("--num-draft-tokens", default="5",
                         help="the draft model's gamma, or a comma list measured interleaved")
+    parser.add_argument("--schedules", default="default",
+                        help="the draft model's gamma schedule: a comma list of fixed, "
+                             "adaptive and default (genlib's: adaptive)")
+    parser.add_argument("--pairs", default="code,stories",
+                        help="which pairs to run, a comma list of code and stories")
+    parser.add_argument("--code-prompt", default=CODE_PROMPT,
+                        help="the code pair's open prompt")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="sample at this temperature (default 0: greedy)")
+    parser.add_argument("--seed", type=int, default=1, help="the sampling seed")
     parser.add_argument("--lookup-tokens", type=int, default=10)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--threads", type=int, default=None,
@@ -194,15 +233,18 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    gammas = [int(g) for g in args.num_draft_tokens.split(",")]
     rows = []
-    for case in cases(args.max_new_tokens):
-        rows.extend(bench_case(case, args.repeats, gammas, args.lookup_tokens, args.ngram))
+    pairs = args.pairs.split(",")
+    for case in [c for c in cases(args.max_new_tokens, args.code_prompt) if c.pair in pairs]:
+        rows.extend(bench_case(case, args))
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"torch threads: {torch.get_num_threads()}, greedy, ignore_eos, "
-              f"gamma {args.num_draft_tokens} (lookup {args.lookup_tokens}, n-gram "
+        decoding = (f"sampling at temperature {args.temperature:g}, seed {args.seed}"
+                    if args.temperature else "greedy")
+        print(f"torch threads: {torch.get_num_threads()}, {decoding}, ignore_eos, "
+              f"gamma {args.num_draft_tokens}, {args.schedules} schedule (lookup "
+              f"{args.lookup_tokens}, n-gram "
               f"{args.ngram}), median of {args.repeats} interleaved rounds after a warm-up\n")
         print(markdown(rows))
 

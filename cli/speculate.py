@@ -43,7 +43,7 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
                        draft: LoadedModel | None, prompt_lookup: int | None,
-                       num_draft_tokens: int | None, adaptive: bool, live: bool,
+                       num_draft_tokens: int | None, adaptive: bool | None, live: bool,
                        logprobs: int = 0) -> tuple[list[Event], bool]:
     from cli import render
     from genlib.events import Finish, Token
@@ -195,9 +195,10 @@ def speculate(
     num_draft_tokens: Annotated[int | None, typer.Option(
         "--num-draft-tokens", "-g", rich_help_panel=SPEC_PANEL,
         help="Tokens drafted per step, gamma (default 5; 10 with --prompt-lookup).")] = None,
-    adaptive: Annotated[bool, typer.Option(
-        "--adaptive/--fixed", rich_help_panel=SPEC_PANEL,
-        help="Adapt gamma: +2 after a fully accepted block, -1 after a rejection.")] = False,
+    adaptive: Annotated[bool | None, typer.Option(
+        "--adaptive/--fixed", rich_help_panel=SPEC_PANEL, show_default=False,
+        help="Adapt gamma: +2 after a fully accepted block, -1 after a rejection. "
+             "Default: adaptive with a draft model, fixed with --prompt-lookup.")] = None,
     baseline: Annotated[bool, typer.Option(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
@@ -241,7 +242,7 @@ def speculate(
     Examples:\n
       genlab speculate "def parse(line):" -m TARGET -d DRAFT\n
       genlab speculate "Once upon a time" -m ../shared/models/stories260K --prompt-lookup 3\n
-      genlab speculate "import os" -t 0.8 --seed 1 --adaptive --json
+      genlab speculate "import os" -t 0.8 --seed 1 --fixed -g 3 --json
     """
     from genlib.models import resolve_model_ref
 
@@ -284,12 +285,12 @@ def warm_up(lm: LoadedModel, ids: list[int]) -> None:
 
 def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
            text: str, settings: GenerationSettings, prompt_lookup: int | None,
-           num_draft_tokens: int | None, adaptive: bool, baseline: bool, sink: Sink,
+           num_draft_tokens: int | None, adaptive: bool | None, baseline: bool, sink: Sink,
            logprobs: int = 0) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output, render
     from genlib.events import Finish, Token
-    from genlib.speculative import summarize
+    from genlib.speculative import adapts, summarize
 
     for lm in (target, draft):
         if lm is not None:
@@ -307,7 +308,7 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
     backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
-                      num_draft_tokens, adaptive, backend, tokens)
+                      num_draft_tokens, adapts(adaptive, draft is not None), backend, tokens)
     sink.json_document(doc)
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
     sink.texts([finish.text])

@@ -57,12 +57,13 @@ MAX_DRAFT_TOKENS = 64  # adaptive gamma never grows past this
 class Drafting:
     """Speculative decoding: a draft model (same vocabulary as the target) or prompt
     lookup (the largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for
-    a draft model and 10 for prompt lookup; `adaptive` grows/shrinks it per step."""
+    a draft model and 10 for prompt lookup; `adaptive` grows/shrinks it per step
+    (default: `adapts`)."""
 
     draft_lm: LoadedModel | None = None
     prompt_lookup: int | None = None
     num_draft_tokens: int | None = None
-    adaptive: bool = False
+    adaptive: bool | None = None
 
 
 @dataclass
@@ -112,6 +113,16 @@ class GammaSchedule:
             self.gamma = min(self.gamma + 2, MAX_DRAFT_TOKENS)
         else:
             self.gamma = max(1, self.gamma - 1)
+
+
+def adapts(adaptive: bool | None, draft_model: bool) -> bool:
+    """Whether gamma adapts (`GammaSchedule`): as asked, else for a draft model only. A
+    draft model's acceptance runs in long spells (boilerplate it predicts, then code it
+    does not), which a fixed gamma cannot follow: on three code prompts, greedy, the
+    schedule from 5 ran at 1.04x-1.21x the speed of a fixed 5
+    (benchmarks/results/2026-11-24-speculative-schedules.md). Prompt lookup drafts for
+    free, and keeps transformers' fixed 10."""
+    return draft_model if adaptive is None else adaptive
 
 
 def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int) -> torch.Tensor:
@@ -292,7 +303,7 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                        settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
                        prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-                       adaptive: bool = False, backend: str | None = None,
+                       adaptive: bool | None = None, backend: str | None = None,
                        detail: Detail | None = None) -> Iterator[Event]:
     """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
     Token events (draft=True for accepted draft tokens, False for the target's own),
@@ -300,7 +311,8 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
 
     Give either `draft_lm` (same vocabulary as the target) or `prompt_lookup` (the
     largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for a draft model
-    and 10 for prompt lookup; `adaptive` grows/shrinks it per step. `backend` is the
+    and 10 for prompt lookup; `adaptive` grows/shrinks it per step (default: `adapts`,
+    for a draft model only). `backend` is the
     user's choice for both models (default: each model's own, `LoadedModel.backend`).
     """
     if num_draft_tokens is None:  # 0 is refused by check_request, not taken for "unset"
@@ -315,7 +327,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids), detail=detail)
     row = new_row(target_lm, 0, prompt_ids, settings)
     yield from _speculative_loop(target_lm, target, plan, drafter, row,
-                                 GammaSchedule(gamma, adaptive))
+                                 GammaSchedule(gamma, adapts(adaptive, draft_lm is not None)))
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

@@ -339,3 +339,7 @@ def test_every_command_takes_json_and_its_document_is_validated_here():
     assert {name for name, opts in commands.items() if "-o" not in opts} == set()
     validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS)
     assert set(commands) == validated
+
+
+def test_speculate_reports_the_schedule_that_ran(documents):
+    assert documents["speculate"]["adaptive"] is False  # prompt lookup: fixed unless asked

@@ -27,6 +27,7 @@ from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
     Summary,
+    adapts,
     predicted_speedup,
     process,
     speculative_step,
@@ -343,6 +344,29 @@ def test_draft_context_limit_is_named(stories, xs) -> None:
     assert "lower max_new_tokens" not in str(caught.value)
 
 
+@needs_models
+def test_a_draft_model_adapts_gamma_unless_told_not_to(stories, xs) -> None:
+    settings = resolve_settings({"max_new_tokens": 80})
+    ids = stories.encode("Once upon a time")
+
+    def proposed(**kw) -> list[int]:
+        """Tokens drafted per verify, while the budget left room for a full draft."""
+        _, events = run(stories, ids, settings, draft_lm=xs, num_draft_tokens=4, **kw)
+        done, out = 0, []
+        for verify in (e for e in events if isinstance(e, Verify)):
+            if settings.max_new_tokens - done > 8:
+                out.append(verify.proposed)
+            done += verify.accepted + 1
+        return out
+
+    default = proposed()
+    assert len(set(default)) > 1 and default == proposed(adaptive=True)
+    assert set(proposed(adaptive=False)) == {4}
+    # prompt lookup keeps a fixed gamma unless asked
+    assert (adapts(None, draft_model=True), adapts(None, draft_model=False)) == (True, False)
+    assert (adapts(False, draft_model=True), adapts(True, draft_model=False)) == (False, True)
+
+
 def test_adaptive_gamma_and_predicted_speedup() -> None:
     schedule = GammaSchedule(4, adaptive=True)
     schedule.update(4, 4)
@@ -394,6 +418,8 @@ def test_cli_speculate_json_matches_baseline() -> None:
     assert 0 < stats["acceptance_rate"] < 1
     assert stats["proposed"] >= stats["accepted"] > 0
     assert data["speedup"] > 0 and data["predicted_speedup"] > 0
+    assert data["adaptive"] is True  # a draft model's default schedule
+    assert stats["mean_num_draft_tokens"] != 5
 
 
 @needs_models
