@@ -22,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from genlib import sampling
 from genlib.backends.base import Backend
 from genlib.errors import ModelLoadError
 from genlib.models import LoadedModel
@@ -96,7 +97,7 @@ class ModelDrafter:
             q_logits = process(context, logits, i)
             if self.sample:
                 q = q_logits.softmax(dim=-1)
-                token = int(torch.multinomial(q, 1, generator=generator))
+                token = sampling.draw(q, generator)
                 qs.append(q)
             else:
                 token = int(q_logits.argmax())

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from genlib import grammar, processors, stepdetail
+from genlib import grammar, processors, sampling, stepdetail
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
@@ -253,7 +253,7 @@ def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
 
 
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
+    return sampling.draw(probs, generator)
 
 
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
