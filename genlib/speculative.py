@@ -139,6 +139,20 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
                           step)[0]
 
 
+def process_block(plan: Plan, ids: Sequence[int], drafted: Sequence[int],
+                  logits: torch.Tensor, step: int) -> torch.Tensor:
+    """`process` for a verify's positions at once: logits (k+1, vocab), position i's
+    after ids + drafted[:i], at step + i. With no chain, and EOS suppressed at all of
+    them or at none, the rows go through `process_logits` together."""
+    s = plan.settings
+    last = step + len(logits) - 1
+    same_eos = s.ignore_eos or step >= s.min_new_tokens or last < s.min_new_tokens
+    if not plan.chain and same_eos:
+        return process_logits(s, plan.chain, plan.suppress_eos, None, logits, step)
+    return torch.stack([process(plan, [*ids, *drafted[:i]], logits[i], step + i)
+                        for i in range(len(logits))])
+
+
 def start(target: LoadedModel, backend: Backend, prompt_ids: Sequence[int], plan: Plan,
           drafter: Drafter) -> Speculation:
     """Prefill target and drafter with the prompt (all but its last token)."""
@@ -164,8 +178,7 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     fed = [spec.ids[-1], *draft.tokens]
     raw = spec.backend.extend(torch.tensor(
         [fed], dtype=torch.long, device=spec.target.device))[0]  # (k+1, vocab)
-    p_logits = torch.stack([process(plan, spec.ids + draft.tokens[:i], raw[i], base + i)
-                            for i in range(len(fed))])
+    p_logits = process_block(plan, spec.ids, draft.tokens, raw, base)
     if plan.settings.do_sample:
         accepted, last = verify_sampled(p_logits.softmax(dim=-1), draft, generator)
     else:

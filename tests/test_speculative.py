@@ -30,6 +30,7 @@ from genlib.speculative import (
     adapts,
     predicted_speedup,
     process,
+    process_block,
     speculative_step,
     speculative_stream,
     start,
@@ -365,6 +366,28 @@ def test_a_draft_model_adapts_gamma_unless_told_not_to(stories, xs) -> None:
     # prompt lookup keeps a fixed gamma unless asked
     assert (adapts(None, draft_model=True), adapts(None, draft_model=False)) == (True, False)
     assert (adapts(False, draft_model=True), adapts(True, draft_model=False)) == (False, True)
+
+
+@needs_models
+@pytest.mark.parametrize("flags, step", [
+    ({"ignore_eos": True}, 0),  # EOS suppressed at every position: one call
+    ({"min_new_tokens": 5}, 3),  # suppressed at the first two of four only
+    ({"min_new_tokens": 5}, 9),  # at none
+    ({"repetition_penalty": 1.3, "min_new_tokens": 2}, 0),  # a chain: position by position
+])
+def test_a_verify_block_is_processed_as_its_positions_one_by_one(stories, flags, step):
+    settings = resolve_settings({"max_new_tokens": 20, **flags})
+    plan = make_plan(stories, settings, 1)
+    ids, drafted = stories.encode("Once upon a time"), [300, 301, 302]
+    logits = torch.randn(len(drafted) + 1, stories.vocab_size)
+    expected = torch.stack([process(plan, [*ids, *drafted[:i]], logits[i], step + i)
+                            for i in range(len(logits))])
+    got = process_block(plan, ids, drafted, logits, step)
+    assert torch.equal(got, expected)
+    eos = list(stories.eos_ids)
+    suppressed = (got[:, eos] == float("-inf")).all(dim=-1).tolist()
+    assert suppressed == [settings.ignore_eos or step + i < settings.min_new_tokens
+                          for i in range(len(logits))]
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:
