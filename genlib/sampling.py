@@ -23,12 +23,13 @@ def multinomial(logits: torch.Tensor, generator: torch.Generator | None = None) 
 
 
 def uniform(generator: torch.Generator | None, shape: tuple[int, ...] = (),
-            device: torch.device | None = None) -> torch.Tensor:
+            device: torch.device | None = None, dtype: torch.dtype = torch.float32
+            ) -> torch.Tensor:
     """u ~ U[0, 1) drawn with `generator`: exactly one draw per element, whatever the
     distribution, so two runs from one seed share their draws (common random numbers)."""
     if generator is not None:
         device = generator.device
-    return torch.rand(shape, generator=generator, device=device)
+    return torch.rand(shape, generator=generator, device=device, dtype=dtype)
 
 
 def pick_by_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -41,9 +42,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token x ~ probs (vocab,) (weights: any scale) by inverse CDF, from one uniform
     draw. On a CPU a sixth of torch.multinomial's time at 8,192 tokens (23 us against
     135), which draws an exponential per token: speculative sampling's drafter and
-    verify draw with it, several times a step."""
-    u = uniform(generator, (), probs.device)
-    return int(_first_past(probs.float().cumsum(dim=-1), u))
+    verify draw with it, several times a step. The sums and the draw are float64: in
+    float32 a span under ~6e-8 (a token that unlikely, near the end of the sum) would
+    be lost or widened to the spacing of the numbers, in float64 to ~1e-16."""
+    u = uniform(generator, (), probs.device, torch.float64)
+    return int(_first_past(probs.double().cumsum(dim=-1), u))
 
 
 def _first_past(cdf: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

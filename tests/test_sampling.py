@@ -27,3 +27,18 @@ def test_draw_takes_unnormalized_weights_and_is_seeded() -> None:
     generator = torch.Generator().manual_seed(1)
     counts = Counter(draw(weights, generator) for _ in range(8000))
     assert counts[0] == 0 and abs(counts[2] / 8000 - 0.75) < 0.017
+
+
+def test_draw_gives_each_of_a_long_tail_of_unlikely_tokens_its_own_span(monkeypatch) -> None:
+    """8,000 tokens of probability 1e-9 after a likely one. Sums near 1 kept in float32
+    are 6e-8 apart, so most of these tokens would get no span and a few a span 60 times
+    their probability; draw's float64 gives each its own."""
+    from genlib import sampling
+
+    head = 1.0 - 8e-6
+    probs = torch.cat([torch.tensor([head], dtype=torch.float64),
+                       torch.full((8000,), 1e-9, dtype=torch.float64)])
+    for j in (0, 1, 17, 4000, 7999):  # a u inside tail token j's span picks it
+        u = torch.tensor(head + (j + 0.5) * 1e-9, dtype=torch.float64)
+        monkeypatch.setattr(sampling, "uniform", lambda *args, u=u: u)
+        assert draw(probs, None) == 1 + j
