@@ -147,7 +147,7 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
                 finish: Finish, s: Summary, baseline: tuple[Finish, float] | None,
-                settings: GenerationSettings, num_draft_tokens: int | None, adaptive: bool,
+                settings: GenerationSettings, num_draft_tokens: int, adaptive: bool,
                 backend: dict[str, str], tokens: Sequence[Token] = ()) -> dict[str, Any]:
     """The run as JSON; with --logprobs, each token's in the OpenAI/vLLM shape."""
     from cli import output
@@ -290,7 +290,7 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output, render
     from genlib.events import Finish, Token
-    from genlib.speculative import adapts, summarize
+    from genlib.speculative import adapts, draft_length, summarize
 
     for lm in (target, draft):
         if lm is not None:
@@ -307,8 +307,9 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     tokens = [e for e in events if isinstance(e, Token)]
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
     backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
+    gamma = draft_length(num_draft_tokens, prompt_lookup is not None)
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
-                      num_draft_tokens, adapts(adaptive, draft is not None), backend, tokens)
+                      gamma, adapts(adaptive, draft is not None), backend, tokens)
     sink.json_document(doc)
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
     sink.texts([finish.text])

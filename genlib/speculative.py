@@ -115,6 +115,14 @@ class GammaSchedule:
             self.gamma = max(1, self.gamma - 1)
 
 
+def draft_length(num_draft_tokens: int | None, prompt_lookup: bool) -> int:
+    """Gamma to start with: as asked (0 too, which `check_request` refuses), else 10 for
+    prompt lookup and 5 for a draft model."""
+    if num_draft_tokens is not None:
+        return num_draft_tokens
+    return DEFAULT_LOOKUP_TOKENS if prompt_lookup else DEFAULT_DRAFT_TOKENS
+
+
 def adapts(adaptive: bool | None, draft_model: bool) -> bool:
     """Whether gamma adapts (`GammaSchedule`): as asked, else for a draft model only. A
     draft model's acceptance runs in long spells (boilerplate it predicts, then code it
@@ -328,10 +336,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     for a draft model only). `backend` is the
     user's choice for both models (default: each model's own, `LoadedModel.backend`).
     """
-    if num_draft_tokens is None:  # 0 is refused by check_request, not taken for "unset"
-        num_draft_tokens = DEFAULT_LOOKUP_TOKENS if prompt_lookup is not None \
-            else DEFAULT_DRAFT_TOKENS
-    gamma = num_draft_tokens
+    gamma = draft_length(num_draft_tokens, prompt_lookup is not None)
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
                            backend=backend)

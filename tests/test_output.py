@@ -342,4 +342,5 @@ def test_every_command_takes_json_and_its_document_is_validated_here():
 
 
 def test_speculate_reports_the_schedule_that_ran(documents):
-    assert documents["speculate"]["adaptive"] is False  # prompt lookup: fixed unless asked
+    doc = documents["speculate"]  # prompt lookup: a fixed gamma of 10 unless asked
+    assert doc["adaptive"] is False and doc["num_draft_tokens"] == 10
