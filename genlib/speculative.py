@@ -254,9 +254,9 @@ def verify_sampled(p: torch.Tensor, draft: Draft, generator: torch.Generator | N
         r = torch.rand((), generator=generator, device=p.device)
         if r * q_i[x] < p[i, x]:  # r < min(1, p(x)/q(x)), without dividing by q(x)
             continue
-        return i, _draw(_residual(p[i], q_i), generator)
+        return i, sampling.draw(_residual(p[i], q_i), generator)
     k = len(draft.tokens)
-    return k, _draw(p[k], generator)
+    return k, sampling.draw(p[k], generator)
 
 
 def _residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -271,10 +271,6 @@ def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
     q = torch.zeros(size, device=device)
     q[x] = 1.0
     return q
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return sampling.draw(probs, generator)
 
 
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
