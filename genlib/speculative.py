@@ -115,12 +115,12 @@ class GammaSchedule:
             self.gamma = max(1, self.gamma - 1)
 
 
-def draft_length(num_draft_tokens: int | None, prompt_lookup: bool) -> int:
+def draft_length(num_draft_tokens: int | None, uses_lookup: bool) -> int:
     """Gamma to start with: as asked (0 too, which `check_request` refuses), else 10 for
     prompt lookup and 5 for a draft model."""
     if num_draft_tokens is not None:
         return num_draft_tokens
-    return DEFAULT_LOOKUP_TOKENS if prompt_lookup else DEFAULT_DRAFT_TOKENS
+    return DEFAULT_LOOKUP_TOKENS if uses_lookup else DEFAULT_DRAFT_TOKENS
 
 
 def adapts(adaptive: bool | None, draft_model: bool) -> bool:

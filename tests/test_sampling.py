@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
 import torch
 
 from genlib.sampling import draw
@@ -40,5 +41,15 @@ def test_draw_gives_each_of_a_long_tail_of_unlikely_tokens_its_own_span(monkeypa
                        torch.full((8000,), 1e-9, dtype=torch.float64)])
     for j in (0, 1, 17, 4000, 7999):  # a u inside tail token j's span picks it
         u = torch.tensor(head + (j + 0.5) * 1e-9, dtype=torch.float64)
-        monkeypatch.setattr(sampling, "uniform", lambda *args, u=u: u)
+        asked: list[torch.dtype] = []
+        monkeypatch.setattr(sampling, "uniform",
+                            lambda *args, u=u, asked=asked: asked.append(args[-1]) or u)
         assert draw(probs, None) == 1 + j
+        assert asked == [torch.float64]  # a float32 uniform has 2^-24 steps
+
+
+@pytest.mark.parametrize("weights", [[0.0, 0.0, 0.0], [0.5, float("nan"), 0.5],
+                                     [0.2, float("inf"), 0.3], [0.5, -0.1, 0.6]])
+def test_draw_refuses_weights_no_distribution_has(weights) -> None:
+    with pytest.raises(ValueError, match="cannot draw from these weights"):
+        draw(torch.tensor(weights), torch.Generator().manual_seed(0))

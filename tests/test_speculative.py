@@ -244,6 +244,7 @@ RUNS = 600
 
 
 @pytest.mark.parametrize("flags, gamma, drafter", [
+    ({"do_sample": True}, 2, "model"),  # no processor chain: a verify processed in one call
     ({"temperature": 0.7}, 1, "model"),
     ({"top_k": 3}, 2, "model"),
     ({"top_p": 0.8, "temperature": 1.3}, 1, "model"),
@@ -371,8 +372,11 @@ def test_a_draft_model_adapts_gamma_unless_told_not_to(stories, xs) -> None:
 @needs_models
 @pytest.mark.parametrize("flags, step", [
     ({"ignore_eos": True}, 0),  # EOS suppressed at every position: one call
+    ({"min_new_tokens": 5}, 1),  # steps 1-4, all before min_new_tokens: one call
+    ({"min_new_tokens": 5}, 2),  # steps 2-5: the last is step 5, not suppressed
     ({"min_new_tokens": 5}, 3),  # suppressed at the first two of four only
-    ({"min_new_tokens": 5}, 9),  # at none
+    ({"min_new_tokens": 5}, 5),  # at none: one call
+    ({}, 0),  # no EOS suppression at all: the logits as they are
     ({"repetition_penalty": 1.3, "min_new_tokens": 2}, 0),  # a chain: position by position
 ])
 def test_a_verify_block_is_processed_as_its_positions_one_by_one(stories, flags, step):
