@@ -45,7 +45,16 @@ from genlib.drafters import (
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Prefill, Token, Verify
 from genlib.models import LoadedModel
-from genlib.step import Plan, Row, advance, finish_row, make_plan, new_row, process_logits
+from genlib.step import (
+    Plan,
+    Row,
+    advance,
+    finish_row,
+    make_plan,
+    new_row,
+    process_logits,
+    suppresses_eos,
+)
 from genlib.stepdetail import RAW, Detail, StepDetail
 
 DEFAULT_DRAFT_TOKENS = 5  # draft model: transformers starts its heuristic higher (20)
@@ -137,8 +146,7 @@ def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int)
     """The core loop's processing of one position's logits (vocab,), as in
     `decode.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
     then the settings' chain on the full context."""
-    s = plan.settings
-    eos_now = plan.suppress_eos is not None and (s.ignore_eos or step < s.min_new_tokens)
+    eos_now = plan.suppress_eos is not None and suppresses_eos(plan.settings, step)
     if not plan.chain and not eos_now:
         return logits
     ctx = (torch.tensor([list(context)], dtype=torch.long, device=logits.device)
@@ -152,11 +160,10 @@ def process_block(plan: Plan, ids: Sequence[int], drafted: Sequence[int],
     """`process` for a verify's positions at once: logits (k+1, vocab), position i's
     after ids + drafted[:i], at step + i. With no chain, and EOS suppressed at all of
     them or at none, the rows go through `process_logits` together."""
-    s = plan.settings
     last = step + len(logits) - 1
-    same_eos = s.ignore_eos or step >= s.min_new_tokens or last < s.min_new_tokens
+    same_eos = suppresses_eos(plan.settings, step) == suppresses_eos(plan.settings, last)
     if not plan.chain and same_eos:
-        return process_logits(s, plan.chain, plan.suppress_eos, None, logits, step)
+        return process_logits(plan.settings, plan.chain, plan.suppress_eos, None, logits, step)
     return torch.stack([process(plan, [*ids, *drafted[:i]], logits[i], step + i)
                         for i in range(len(logits))])
 

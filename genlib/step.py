@@ -109,13 +109,19 @@ def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
     return None
 
 
+def suppresses_eos(settings: GenerationSettings, step: int) -> bool:
+    """Whether end tokens are suppressed at `step` (new tokens so far): throughout with
+    `ignore_eos`, else before `min_new_tokens`. True then False as steps go by."""
+    return settings.ignore_eos or step < settings.min_new_tokens
+
+
 def process_logits(settings: GenerationSettings, chain: Sequence[processors.Processor],
                    suppress_eos: processors.Processor | None, context: torch.Tensor | None,
                    logits: torch.Tensor, step: int) -> torch.Tensor:
     """One step's logits (rows, vocab) as every loop processes them (decode, beam,
     speculative): EOS suppressed before `min_new_tokens` (or throughout with
     `ignore_eos`), then the settings' processor chain."""
-    if suppress_eos is not None and (settings.ignore_eos or step < settings.min_new_tokens):
+    if suppress_eos is not None and suppresses_eos(settings, step):
         logits = suppress_eos(context, logits)
     return processors.apply(chain, context, logits)
 
@@ -138,8 +144,7 @@ def choose_with_detail(plan: Plan, context: torch.Tensor | None, logits: torch.T
     (the last one's output is what the sampler draws from), a branch's forced token
     replaces the sampled one after the draw (so later draws are unchanged)."""
     assert plan.detail is not None
-    suppress = plan.suppress_eos if plan.suppress_eos is not None and (
-        plan.settings.ignore_eos or step < plan.settings.min_new_tokens) else None
+    suppress = plan.suppress_eos if suppresses_eos(plan.settings, step) else None
     stages = stepdetail.run_stages(plan.chain, suppress, context, logits)
     processed = stages[-1][1]
     draws = None
