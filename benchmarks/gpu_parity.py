@@ -18,6 +18,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_llamacpp
 PROMPTS = {"story": "Once upon a time", "code": "def fibonacci(n):\n    "}
 
 
@@ -31,11 +32,12 @@ def reference(lm, ids: list[int], n: int, beams: int = 1) -> list[int]:
 
 
 def parted(ours: list[int], theirs: list[int]) -> str:
+    from bench_llamacpp import agreeing
+
     if ours == theirs:
         return f"same {len(ours)} tokens"
-    at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
-              min(len(ours), len(theirs)))
-    return f"DIFFERENT from token {at} ({len(ours)} against {len(theirs)})"
+    return (f"DIFFERENT from token {agreeing(ours, theirs)} ({len(ours)} against "
+            f"{len(theirs)})")
 
 
 def check(path: str, device: str, dtype: str, n: int) -> bool:
