@@ -364,8 +364,8 @@ def comparison_json(comparison: Comparison) -> dict[str, Any]:
         strategies.append(entry)
     return output.document("compare", comparison.model, kind="strategies",
                            prompt=comparison.prompt, prompt_tokens=comparison.prompt_tokens,
-                           seed=comparison.seed, metrics=data["metrics"], best=data["best"],
-                           strategies=strategies)
+                           seed=comparison.seed, random_draws=data["random_draws"],
+                           metrics=data["metrics"], best=data["best"], strategies=strategies)
 
 
 def models_json(comparison: ModelComparison) -> dict[str, Any]:
@@ -567,7 +567,7 @@ def compare(
     quantize: Quantizations = "none",
     as_json: opt.Json = False,
     as_jsonl: opt.Jsonl = False,
-    output: opt.OutputFile = None,
+    output: opt.MachineOutputFile = None,
     markdown_path: MarkdownPath = None,
     logprobs: opt.Logprobs = None,
     device: opt.Device = "auto",

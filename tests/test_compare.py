@@ -392,6 +392,13 @@ def test_cli_logprobs_are_generates_for_the_same_settings(stories):
     assert "logprobs" not in beam[0] and len(beam[0]["token_logprobs"]) == 8
 
 
+def test_cli_json_says_how_the_samples_drew(stories):
+    """`random_draws`: common random numbers by default, independent with --no-crn."""
+    args = ("-n", "4", "-p", "greedy", "--variant", "top_k=5")
+    assert compare_json(*args)["random_draws"] == "common (inverse CDF)"
+    assert compare_json(*args, "--no-crn")["random_draws"] == "independent"
+
+
 def test_cli_logprobs_change_no_draw(stories):
     """Recording does not move the common random numbers: the same tokens with and
     without --logprobs, and the recorded raw logprobs are the token_logprobs."""
