@@ -183,7 +183,7 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling strategies.")] = 0,
     as_json: opt.Json = False,
     as_jsonl: opt.Jsonl = False,
-    output: opt.OutputFile = None,
+    output: opt.MachineOutputFile = None,
     wide: Annotated[bool, typer.Option(
         "--wide", rich_help_panel=opt.OUTPUT_PANEL, help="Show every column of the table "
         "(spreads, latency percentiles, memory, token identity), however wide.")] = False,

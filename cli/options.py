@@ -173,7 +173,7 @@ ShowSettings = Annotated[bool, typer.Option(
     help="List every effective setting and where it came from (stderr).")]
 # The output flags live with the output contract (cli/output.py); here for one import.
 Json, Jsonl, OutputFile = output.Json, output.Jsonl, output.OutputFile
-JsonOutputFile = output.JsonOutputFile
+JsonOutputFile, MachineOutputFile = output.JsonOutputFile, output.MachineOutputFile
 
 
 def refuse_compile(given: bool) -> None:

@@ -35,6 +35,9 @@ Jsonl = Annotated[bool, typer.Option(
 OutputFile = Annotated[str | None, typer.Option(
     "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
     help="Write what would go to stdout (the text, --json or --jsonl) to FILE instead.")]
+MachineOutputFile = Annotated[str | None, typer.Option(
+    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
+    help="Write the --json or --jsonl output to FILE instead of stdout.")]
 JsonOutputFile = Annotated[str | None, typer.Option(
     "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
     help="Write the --json document to FILE instead of stdout.")]
