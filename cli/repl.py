@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cli import render
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail
-from genlib.config import GenerationSettings, parse_assignments, resolve_settings
+from genlib.config import SPECS, GenerationSettings, parse_assignments, resolve_settings
 from genlib.errors import GenlabError, unexpected
 
 if TYPE_CHECKING:
@@ -38,6 +38,7 @@ Commands:
   /help                 this text
   /preset NAME|PATH     use a preset (your /set and command-line settings still win)
   /set KEY=VALUE ...    change settings, e.g. /set temperature=0.7 top_p=0.9
+  /set KEY=             back to the preset's or the default value, e.g. /set logit_bias=
   /show                 every setting, where it came from, and the model's own defaults
   /set logprobs=N       after each answer, each token's logprobs and N alternatives (0: off)
   /branch STEP TOKEN    redo the last answer with TOKEN (text or #id) forced at STEP,
@@ -326,7 +327,10 @@ def command(session: Session, text: str) -> bool:
 def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
           source: str) -> None:
     """Resolve the new flags over the new preset; only a valid result replaces the old."""
+    from genlib.processors import check_for_model
+
     settings = resolve_settings(flags, preset.settings if preset else None, source=source)
+    check_for_model(settings, session.lm.tokenizer, session.lm.vocab_size)
     session.flags, session.preset, session.settings = flags, preset, settings
     render.warn_unused(settings)
 
@@ -340,15 +344,24 @@ def set_values(session: Session, args: str) -> None:
         value = part.partition("=")[2]
         if not value.isdigit() or int(value) > 20:
             raise CommandError(f"/set {part}: logprobs takes 0-20")
-    args = " ".join(p for p in parts if p not in views)
+    cleared = [p[:-1] for p in parts if p.endswith("=") and "=" not in p[:-1]]
+    args = " ".join(p for p in parts if p not in views and p[:-1] not in cleared)
     if views:
         session.logprobs = int(views[-1].partition("=")[2])
         render.info(f"logprobs {session.logprobs}")
-        if not args:
+        if not args and not cleared:
             return
-    changes = parse_assignments(args, "/set")
-    apply(session, {**session.flags, **changes}, session.preset, "/set")
-    render.info("set " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
+    unknown = [key for key in cleared if key not in SPECS]
+    if unknown:
+        raise CommandError(f"/set {unknown[0]}=: no such setting (`genlab presets keys` "
+                           f"lists them)")
+    changes = parse_assignments(args, "/set") if args else {}
+    flags = {k: v for k, v in session.flags.items() if k not in cleared}
+    apply(session, flags | changes, session.preset, "/set")
+    if cleared:
+        render.info(f"cleared {', '.join(cleared)} (the preset's or the default value)")
+    if changes:
+        render.info("set " + ", ".join(f"{k}={v!r}" for k, v in changes.items()))
 
 
 def set_preset(session: Session, args: str) -> None:

@@ -330,7 +330,8 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
     deadline = time.perf_counter() + settings.max_time if settings.max_time else None
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
     chain = processors.build_processors(settings, prompt_width=prompt_width,
-                                        tokenizer=lm.tokenizer, constraint=constraint)
+                                        tokenizer=lm.tokenizer, constraint=constraint,
+                                        vocab_size=lm.vocab_size)
     return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
                  constraints, lm.tokenizer, deadline, record_tree)
 

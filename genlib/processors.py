@@ -440,13 +440,16 @@ class _BuildContext:
     prompt_width: int
     tokenizer: Any
     seed: int
+    vocab_size: int | None = None  # the logits' width, when known: ids are checked
 
     def bias_sequences(self, biases: Sequence[tuple[int | str, float]]
                        ) -> dict[tuple[int, ...], float]:
-        """logit_bias keys as token sequences: ids as they are, text encoded."""
+        """logit_bias keys as token sequences: ids as they are, text encoded; ConfigError
+        for an id outside the vocabulary (it would index no logit, or wrap around)."""
         out: dict[tuple[int, ...], float] = {}
         for token, bias in biases:
             if isinstance(token, int):
+                self._check_id(token)
                 out[(token,)] = bias
                 continue
             if self.tokenizer is None:
@@ -456,6 +459,12 @@ class _BuildContext:
                 raise ConfigError(f"logit_bias {token!r} encodes to no token")
             out[ids] = bias
         return out
+
+    def _check_id(self, token: int) -> None:
+        if token < 0 or (self.vocab_size is not None and token >= self.vocab_size):
+            limit = f"0-{self.vocab_size - 1}" if self.vocab_size is not None else ">= 0"
+            raise ConfigError(f"logit_bias token id {token} is outside the model's "
+                              f"vocabulary ({limit}); give an id in it, or the token's text")
 
     def breaker_ids(self, breakers: Sequence[str]) -> frozenset[int]:
         """Tokens whose text holds a DRY sequence breaker."""
@@ -482,7 +491,8 @@ def stage_order(settings: GenerationSettings) -> tuple[str, ...]:
 
 
 def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
-                     tokenizer: Any = None, constraint: Any = None) -> list[Stage]:
+                     tokenizer: Any = None, constraint: Any = None,
+                     vocab_size: int | None = None) -> list[Stage]:
     """The chain for `settings`: its active stages, in the order used (EOS suppression
     is added per step by the decode loop, not here).
 
@@ -490,9 +500,10 @@ def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
     presence/frequency penalties and the grammar do not count as generated. `tokenizer`
     encodes text in logit_bias and finds DRY's breakers. `constraint`: a grammar compiled
     by `genlib.grammar.compile_for`, run first as stage "grammar" (a mask has to come
-    before truncation, or top-k could keep only tokens the grammar forbids)."""
+    before truncation, or top-k could keep only tokens the grammar forbids).
+    `vocab_size`: the logits' width, which logit_bias ids must fall in."""
     seed = settings.seed if settings.seed is not None else fresh_seed()
-    ctx = _BuildContext(prompt_width, tokenizer, seed)
+    ctx = _BuildContext(prompt_width, tokenizer, seed, vocab_size)
     chain: list[Stage] = []
     if constraint is not None:
         from genlib import grammar
@@ -506,6 +517,13 @@ def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
         if stage is not None:
             chain.append(stage)
     return chain
+
+
+def check_for_model(settings: GenerationSettings, tokenizer: Any, vocab_size: int) -> None:
+    """ConfigError for what a model rejects in settings that are valid on their own: a
+    logit_bias id outside its vocabulary, or text that encodes to no token."""
+    ctx = _BuildContext(0, tokenizer, 0, vocab_size)
+    ctx.bias_sequences(settings.logit_bias)
 
 
 def grammar_of(chain: Sequence[Processor]) -> Any:

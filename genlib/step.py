@@ -88,7 +88,8 @@ def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
     sampling (see `stepdetail.Detail`)."""
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
     chain = processors.build_processors(settings, prompt_width=prompt_width,
-                                        tokenizer=lm.tokenizer, constraint=constraint)
+                                        tokenizer=lm.tokenizer, constraint=constraint,
+                                        vocab_size=lm.vocab_size)
     suppress = suppress_eos_for(lm, settings)
     all_seeds = row_seeds(settings, rows, seeds)
     generators = ([sampling.make_generator(s, lm.device) for s in all_seeds]

@@ -11,6 +11,7 @@ from transformers.generation import logits_process as hf
 
 from genlib import config, generate, processors
 from genlib.config import resolve_settings
+from genlib.errors import ConfigError
 
 NEG = float("-inf")
 
@@ -157,3 +158,17 @@ def test_chain_is_named_stages_in_documented_order():
     assert all(s.name in processors.STAGE_NAMES for s in chain)
     greedy = processors.build_processors(resolve_settings({"repetition_penalty": 1.2}))
     assert [s.name for s in greedy] == ["penalties"]  # sampling stages skipped
+
+
+@pytest.mark.parametrize("token", [-1, 512, 10**6])
+def test_a_bias_id_outside_the_vocabulary_is_refused(token: int):
+    """A negative id would bias a token counted from the end; one past the vocabulary
+    indexes no logit."""
+    settings = resolve_settings({"logit_bias": {token: 2.0}})
+    with pytest.raises(ConfigError, match=f"logit_bias token id {token} is outside the "
+                                          r"model's vocabulary \(0-511\)"):
+        processors.build_processors(settings, vocab_size=512)
+    with pytest.raises(ConfigError, match="outside"):
+        processors.check_for_model(settings, None, 512)
+    assert processors.build_processors(resolve_settings({"logit_bias": {511: 2.0}}),
+                                       vocab_size=512)
