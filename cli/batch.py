@@ -99,9 +99,10 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
     `single_prompt_flags` (e.g. {"--json": True}) are options of the one-prompt mode
     only: given with -i or --input they are refused rather than silently ignored;
     `batch_flags` (--retry-errors, ...) likewise need --input."""
-    batch_only = [name for name, on in (batch_flags or {}).items() if on]
-    if input_path is None and batch_only:
-        raise fail(f"{', '.join(batch_only)} only apply with --input FILE --output FILE")
+    resume_only = [name for name, on in (batch_flags or {}).items() if on]
+    if input_path is None and resume_only:
+        raise fail(f"{', '.join(resume_only)} only {_apply(resume_only)} with --input FILE "
+                   f"--output FILE")
     mode = "--interactive" if interactive else "--input"
     given = [name for name, on in (single_prompt_flags or {}).items() if on]
     if (interactive or input_path is not None) and given:
@@ -109,14 +110,14 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
                    f"drop {'them' if len(given) > 1 else 'it'}")
     if interactive and input_path is not None:
         raise fail("--interactive and --input exclude each other; use one")
+    if input_path is None:  # name what needs --input before blaming the prompt
+        needs = (["--output"] if interactive and output is not None else []) \
+            + (["--batch-size"] if batch_size is not None else []) \
+            + (engine.given() if engine is not None else [])
+        if needs:
+            raise fail(f"{', '.join(needs)} only {_apply(needs)} with --input FILE")
     if prompt is not None:
-        raise fail("a prompt argument cannot be combined with "
-                   + ("--interactive" if interactive else "--input") + "; drop one")
-    if input_path is None and (output is not None or batch_size is not None):
-        raise fail("--output and --batch-size only apply with --input FILE")
-    batch_only = engine.given() if engine is not None else []
-    if input_path is None and batch_only:
-        raise fail(f"{', '.join(batch_only)} only {_apply(batch_only)} with --input FILE")
+        raise fail(f"a prompt argument cannot be combined with {mode}; drop one")
     if engine is not None:
         engine.check()
 

@@ -16,7 +16,7 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail, user_errors
-from cli.output import Sink, opened, sink
+from cli.output import Sink, check_writable, opened, sink
 from genlib.backends.choose import BACKENDS
 from genlib.config import with_seed
 
@@ -467,19 +467,6 @@ def check_threads(threads: int | None) -> None:
         raise fail(f"--threads {threads} is more than {THREADS_PER_CPU} per logical CPU of "
                    f"this machine ({cpus} CPUs: at most {THREADS_PER_CPU * cpus}); pass a "
                    f"count up to {cpus} to use every CPU")
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """Fail before the benchmark runs, not after, when its output file cannot be
-    written: a directory, a missing folder, no permission."""
-    if path.is_dir():
-        raise fail(f"{flag} {path} is a directory; give a file name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise fail(f"{flag} {path}: folder {folder} does not exist")
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise fail(f"{flag} {path} cannot be written (no permission)")
 
 
 def write_csv(records: list[dict[str, Any]], path: str) -> None:

@@ -608,6 +608,11 @@ def compare(
     text = read_prompt(prompt)
     model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend)
     model_refs, quantizations = split_list(models), split_list(quantize) or ["none"]
+    if models is not None and not model_refs:
+        raise fail("--models names no model; give comma-separated hub ids or folders, e.g. "
+                   "--models MODEL_A,MODEL_B")
+    if quantize is not None and not split_list(quantize):
+        raise fail("--quantize names no quantization; give a comma list of none, 8bit, 4bit")
     if len(model_refs) > 1 or len(quantizations) > 1:
         if not preset and not variant:
             greedy = strategy_from_variant("strategy=greedy", flags, label="greedy")
@@ -633,6 +638,10 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
     if target.machine and target.to_stdout and markdown_path == "-":
         raise fail(f"--{target.mode} and --markdown - both want stdout; write one of them to "
                    f"a file (-o FILE or --markdown FILE)")
+    if markdown_path is not None and markdown_path != "-":
+        from cli.output import check_writable
+
+        check_writable(Path(markdown_path), "--markdown")
 
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,

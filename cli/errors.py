@@ -68,6 +68,10 @@ def user_errors(command: F) -> F:
         except OSError as exc:
             if exc.errno == errno.EBADF and not _stdout_open():
                 raise fail(STDOUT_CLOSED, 2) from None
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                where = f" {exc.filename}" if exc.filename else " the output"
+                raise fail(f"cannot write{where}: no space left on the device; free some "
+                           f"space, or write elsewhere", 1) from None
             raise _unexpected(exc) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):

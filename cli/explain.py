@@ -133,6 +133,8 @@ def explain(
     if not target.machine and not target.to_stdout:
         raise fail("-o/--output writes the --json output of explain; add --json, or use "
                    "--html FILE for a readable export")
+    if html_file is not None:
+        output.check_writable(html_file, "--html")
     first, last = parse_steps(steps)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":

@@ -281,14 +281,18 @@ def _read_flag_file(flag: str, path: str) -> str:
 
     from genlib.errors import ConfigError
 
-    if path == "-":
-        if sys.stdin.isatty():
-            raise ConfigError(f"{flag} - reads stdin, but nothing is piped in")
-        return sys.stdin.read()
+    source = "stdin" if path == "-" else path
     try:
+        if path == "-":
+            if sys.stdin.isatty():
+                raise ConfigError(f"{flag} - reads stdin, but nothing is piped in")
+            return sys.stdin.buffer.read().decode("utf-8")
         return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{flag}: {source} is not UTF-8 text (byte {exc.start}); give a "
+                          f"text file") from None
 
 
 def setting_flags(**flags: Any) -> dict[str, Any]:

@@ -259,6 +259,10 @@ def speculate(
     target = load(model_flags)
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend)) \
         if draft_ref is not None else None
+    if draft is not None:  # before the warm-up feeds the draft the target's tokens
+        from genlib.drafters import check_same_vocabulary
+
+        check_same_vocabulary(target, draft)
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
     with opened(target_sink) as out:

@@ -49,9 +49,12 @@ def loads(text: str, text_only: bool = True) -> Any:
         raise JsonLineError(f"holds a lone surrogate (U+{ord(char):04X}) at character "
                             f"{index + 1}, which is not valid Unicode text")
     try:
-        value = json.loads(text)
+        value = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+    except _DuplicateKey as exc:
+        raise JsonLineError(f"has the key {json.dumps(exc.key)} twice in one object; keep "
+                            f"one (JSON readers differ on which one counts)") from None
     except RecursionError:
         raise JsonLineError("not usable JSON: nested too deeply for the parser") from None
     except ValueError as exc:  # e.g. an integer with more digits than Python converts
@@ -59,6 +62,23 @@ def loads(text: str, text_only: bool = True) -> Any:
     if text_only:
         check_text(value)
     return value
+
+
+class _DuplicateKey(ValueError):
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object's members, refusing a repeated name: Python's reader keeps the last,
+    others the first, so a line with both could mean two things."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
 
 
 def check_text(value: Any) -> None:

@@ -92,6 +92,9 @@ def find_preset(ref: str, relative_to: Path | None = None, skip: tuple[Path, ...
         path = Path(ref).expanduser()
         if not path.is_absolute() and relative_to is not None:
             path = relative_to / path
+        if path.is_dir():
+            raise PresetError(f"preset {ref} is a folder; give a preset file (.yaml) or "
+                              f"a preset name")
         if not path.is_file():
             raise PresetError(f"preset file {ref} does not exist")
         return path
@@ -119,6 +122,20 @@ class _NoAliasLoader(yaml.SafeLoader):
                 None, None, "aliases (*name) are not allowed in presets; write the value "
                 "out", event.start_mark)
         return super().compose_node(parent, index)
+
+    def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+        """A mapping whose keys are unique, as YAML requires (PyYAML keeps the last)."""
+        seen: set[tuple[type, Any]] = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, (str, int, float)):
+                continue  # a list or mapping as a key: the constructor refuses it
+            if (type(key), key) in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"the key {key!r} appears twice; keep one",
+                    key_node.start_mark)
+            seen.add((type(key), key))
+        return super().construct_mapping(node, deep=deep)
 
 
 def _read_yaml(path: Path) -> dict[str, Any]:

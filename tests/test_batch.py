@@ -252,8 +252,12 @@ def test_cli_output_dash_writes_jsonl_to_stdout(tmp_path: Path):
 
 @pytest.mark.parametrize(("args", "message"), [
     (["--input", "x.jsonl"], "--input needs --output"),
-    (["--batch-size", "4"], "--output and --batch-size only apply with --input"),
-    (["-i", "--output", "o.jsonl"], "--output and --batch-size only apply with --input"),
+    (["--batch-size", "4"], "--batch-size only applies with --input"),
+    (["hello", "--batch-size", "4"], "--batch-size only applies with --input"),
+    (["hello", "-o", "x", "--batch-size", "4"], "--batch-size only applies with --input"),
+    (["-i", "--output", "o.jsonl"], "--output only applies with --input"),
+    (["-i", "--output", "o.jsonl", "--batch-size", "2"],
+     "--output, --batch-size only apply with --input"),
     (["-i", "--input", "x.jsonl"], "--interactive and --input exclude each other"),
     (["hello", "--input", "x.jsonl", "--output", "o"], "a prompt argument cannot be combined"),
     (["--input", "missing.jsonl", "--output", "o.jsonl"], "input file missing.jsonl does not"),

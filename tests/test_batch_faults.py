@@ -82,6 +82,7 @@ def test_each_poisoned_line_fails_alone_with_a_clear_message(tmp_path: Path):
                 '{"id": "big", "prompt": "x", "seed": 1' + "0" * 5000 + "}",
                 b'{"id": "bytes", "prompt": "caf\xe9"}',
                 {"id": "seed", "prompt": "x", "seed": 2**64},
+                '{"id": "twice", "prompt": "x", "prompt": "y"}',
                 {"id": "ok2", "prompt": "Tom and Lily"})
     items = gb.parse_lines(gb.read_input(src), RUN)
     errors = {i.line: i.message for i in items if isinstance(i, gb.LineError)}
@@ -95,9 +96,24 @@ def test_each_poisoned_line_fails_alone_with_a_clear_message(tmp_path: Path):
     assert errors[6] == "line 6: not valid UTF-8 (byte 0xe9 at character 31)"
     assert errors[7] == ("line 7: seed must be 0 <= seed <= 2**64-1 (18446744073709551615), "
                          "got 18446744073709551616")
+    assert errors[8] == ('line 8: has the key "prompt" twice in one object; keep one (JSON '
+                         'readers differ on which one counts)')
     # Every error record can be written and read back.
     for item in items:
         assert json.loads(jsonl.dumps(gb.error_record(item, "m")))["error"] == "m"
+
+
+def test_a_bias_outside_the_vocabulary_fails_its_line_alone(stories):
+    lines = [json.dumps({"id": "ok", "prompt": "Once upon a time", "max_new_tokens": 4}),
+             json.dumps({"id": "bad", "prompt": "Once upon a time", "max_new_tokens": 4,
+                         "logit_bias": {"99999": 5}})]
+    jobs = gb.parse_lines(lines, RUN)
+    for job in jobs:
+        gb.encode(stories, job, RUN)
+    by_id = {job.id: outcome for job, outcome in gb.generate_jobs(stories, jobs, 2)}
+    assert by_id["ok"].text == ", there was a"  # 4 tokens
+    assert "logit_bias token id 99999 is outside the model's vocabulary (0-511)" in \
+        str(by_id["bad"])
 
 
 def test_a_failing_row_fails_alone_and_its_batch_mates_keep_their_texts(stories, monkeypatch):
@@ -339,8 +355,10 @@ def test_results_without_fingerprints_are_not_taken_as_done(tmp_path: Path):
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--retry-errors", "hi"], "--retry-errors only apply with --input"),
-    (["--redo-changed", "-i"], "--redo-changed only apply with --input"),
+    (["--retry-errors", "hi"], "--retry-errors only applies with --input"),
+    (["--redo-changed", "-i"], "--redo-changed only applies with --input"),
+    (["--redo-changed", "--retry-errors"],
+     "--retry-errors, --redo-changed only apply with --input"),
 ])
 def test_resume_flags_need_input(args: list[str], message: str):
     result = invoke(*args)

@@ -73,6 +73,22 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
     (["bench", *MODEL, "--csv", "/nonexistent-dir/x.csv"], 2, "does not exist"),
     (["bench", *MODEL, "--threads", "100000"], 2, "--threads 100000 is more than 4 per "
                                                   "logical CPU"),
+    (["generate", "x", *MODEL, "-n", "2", "--logit-bias", "600=1"], 2,
+     "logit_bias token id 600 is outside the model's vocabulary (0-511)"),
+    (["beam", "x", *MODEL, "-n", "2", "--logit-bias", "512=1"], 2,
+     "logit_bias token id 512 is outside the model's vocabulary (0-511)"),
+    (["explain", "x", *MODEL, "-n", "2", "--logit-bias", "9999=1"], 2,
+     "logit_bias token id 9999 is outside"),
+    (["speculate", "x", *MODEL, "--prompt-lookup", "2", "--logit-bias", "600=1"], 2,
+     "logit_bias token id 600 is outside"),
+    (["explain", "x", *MODEL, "-n", "2", "--html", "/nonexistent-dir/x.html"], 2,
+     "--html /nonexistent-dir/x.html: folder /nonexistent-dir does not exist"),
+    (["explain", "x", *MODEL, "-n", "2", "--html", "/"], 2, "--html / is a directory"),
+    (["generate", "x", *MODEL, "-n", "2", "-o", "/nonexistent-dir/x.txt"], 2,
+     "-o/--output /nonexistent-dir/x.txt: folder /nonexistent-dir does not exist"),
+    (["compare", "x", *MODEL, "-n", "2", "--markdown", "/"], 2, "--markdown / is a directory"),
+    (["compare", "x", "-n", "2", "--models", ","], 2, "--models names no model"),
+    (["generate", "x", *MODEL, "-p", "/"], 2, "preset / is a folder; give a preset file"),
 ])
 def test_bad_input_is_one_clear_line(args: list[str], code: int, fragment: str):
     assert_clear(invoke(*args), code, fragment)
@@ -98,6 +114,44 @@ def test_huge_values_are_quoted_short():
     with pytest.raises(ConfigError) as caught:
         resolve_settings({"stop_strings": ["x"] * 1_000_000 + [1]})
     assert len(str(caught.value)) < 300
+
+
+def test_a_draft_with_a_smaller_vocabulary_is_refused_before_any_work():
+    """The draft's vocabulary is checked before the warm-up feeds it the target's
+    tokens (code-target's ids go past stories260K's 512)."""
+    from tests.conftest import SHARED_MODELS
+
+    result = invoke("speculate", "def f(", "-m", str(SHARED_MODELS / "code-target"), "-d",
+                    str(STORIES), "-n", "3")
+    assert_clear(result, 2, "does not share the vocabulary of target")
+    assert "(512 vs 8192 output tokens)" in result.stderr
+
+
+def test_a_grammar_file_that_is_not_text_is_refused(tmp_path: Path):
+    binary = tmp_path / "g.bin"
+    binary.write_bytes(b"\xc5\xff\x00root")
+    for flag in ("--grammar", "--json-schema"):
+        assert_clear(invoke("generate", "x", *MODEL, "-n", "2", flag, str(binary)), 2,
+                     f"{flag}: {binary} is not UTF-8 text (byte 0)")
+    assert_clear(invoke("generate", "x", *MODEL, "-n", "2", "--grammar", "-",
+                        input=b"\xff root"), 2, "--grammar: stdin is not UTF-8 text")
+
+
+def test_duplicate_keys_in_a_preset_are_refused(tmp_path: Path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("temperature: 0.5\ntop_p: 0.9\ntemperature: 0.7\n")
+    assert_clear(invoke("generate", "x", *MODEL, "-n", "2", "-p", str(preset)), 2,
+                 "line 3: not valid YAML (the key 'temperature' appears twice; keep one)")
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_disk_is_one_clear_line_not_a_bug():
+    result = subprocess.run([sys.executable, "-m", "cli", "generate", "x", *MODEL, "-n", "2",
+                             "--json", "-o", "/dev/full"], capture_output=True, text=True,
+                            env=ENV, cwd=ROOT)
+    assert result.returncode == 1, result.stderr
+    assert result.stderr.strip() == ("error: cannot write the output: no space left on the "
+                                     "device; free some space, or write elsewhere")
 
 
 def test_binary_stdin_and_non_utf8_arguments_are_refused():
@@ -183,6 +237,17 @@ def test_repl_survives_bad_lines_and_faults_and_keeps_every_answer(
     assert [t["prompt"] for t in turns] == ["Once upon a time", "The cat"]
     assert turns[0]["output"] == ", there was a little g"  # 6 tokens
     assert turns[1]["settings"]["seed"] == 2**64 - 1
+
+
+def test_repl_refuses_a_bias_outside_the_vocabulary_and_clears_a_setting(
+        monkeypatch, session, capsys):
+    drive(monkeypatch, session, ["/set logit_bias=9999=1", "/set logit_bias=400=2",
+                                 "/set nosuch=", "/set logit_bias="])
+    err = capsys.readouterr().err
+    assert "logit_bias token id 9999 is outside the model's vocabulary (0-511)" in err
+    assert "/set nosuch=: no such setting" in err
+    assert "cleared logit_bias" in err
+    assert session.settings.logit_bias == () and "logit_bias" not in session.flags
 
 
 def test_repl_reads_non_utf8_bytes_as_a_refusable_line(monkeypatch):

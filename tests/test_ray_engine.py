@@ -388,6 +388,7 @@ def test_engine_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     (["--input", "x", "--output", "o", "--ray-address", "auto"],
      "--ray-address only applies with --engine ray"),
     (["--engine", "ray"], "--engine only applies with --input FILE"),
+    (["hello", "--engine", "ray"], "--engine only applies with --input FILE"),
     (["--input", "x", "--output", "o", "--engine", "spark"], "--engine must be one of"),
     (["--input", "x", "--output", "o", "--engine", "ray", "--workers", "0"],
      "--workers must be >= 1, got 0"),
