@@ -206,8 +206,13 @@ def check_writable(path: Path, flag: str) -> None:
 
 @contextmanager
 def opened(target: Sink) -> Iterator[Sink]:
-    """Close the sink's file at the end, whatever happens."""
-    try:
-        yield target
-    finally:
-        target.close()
+    """Close the sink's file at the end, whatever happens. While -o FILE takes the
+    plain texts, the view that would have shown them (the streamed text, beam's table)
+    goes to stderr: stdout stays empty, as with any tool's -o."""
+    from cli import render
+
+    with render.view_on_stderr(target.mode == "text" and not target.to_stdout):
+        try:
+            yield target
+        finally:
+            target.close()

@@ -4,7 +4,8 @@ stream is not a terminal or NO_COLOR is set."""
 
 from __future__ import annotations
 
-import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from rich.console import Console
@@ -78,16 +79,29 @@ def _escape(text: str) -> str:
     return escape(text)
 
 
+@contextmanager
+def view_on_stderr(active: bool = True) -> Iterator[None]:
+    """Send the view that goes to stdout (streamed text, tables) to stderr for a while
+    (`out` follows sys.stdout or sys.stderr as they are when it writes)."""
+    if not active:
+        yield
+        return
+    out.stderr = True
+    try:
+        yield
+    finally:
+        out.stderr = False
+
+
 def stream_text(text: str, style: str = TEXT_STYLE) -> None:
     """Print a piece of generated text as it arrives (no wrapping, no markup)."""
     if not text:
         return
     if out.is_terminal:
         out.print(text, end="", style=style or None, markup=False, highlight=False)
-        out.file.flush()
     else:
-        sys.stdout.write(text)
-        sys.stdout.flush()
+        out.file.write(text)
+    out.file.flush()
 
 
 def end_line() -> None:

@@ -160,6 +160,25 @@ def test_output_file_gets_the_document_and_stdout_stays_empty(tmp_path):
     assert errors(doc) == [] and doc["outputs"][0]["text"].startswith(", there")
 
 
+@pytest.mark.parametrize(("command", "extra", "texts"), [
+    ("generate", [], [", there was a little"]),
+    ("beam", ["-k", "2"], [", there was a little", ", there was a big"]),
+    ("speculate", ["--prompt-lookup", "2", "--no-baseline"], [", there was a little"]),
+])
+def test_output_file_gets_the_texts_and_stdout_stays_empty(tmp_path, command, extra, texts):
+    """-o FILE without --json: the plain texts go to FILE, the view that showed them to
+    stderr, and nothing to stdout (it would be the texts a second time); then stdout
+    is stdout again."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    target = tmp_path / "out.txt"
+    result = run(command, PROMPT, *M, "-n", "5", *extra, "-o", str(target))
+    assert result.stdout == ""
+    assert target.read_text().splitlines() == texts
+    assert texts[0] in result.stderr
+    assert run("generate", PROMPT, *M, "-n", "5").stdout == texts[0] + "\n"
+
+
 @pytest.mark.parametrize("command", ["generate", "beam", "speculate", "compare", "bench"])
 def test_json_and_jsonl_together_are_refused(command):
     result = CliRunner().invoke(app, [command, *([PROMPT] if command != "bench" else []),
