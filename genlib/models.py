@@ -5,11 +5,13 @@ dtype and bitsandbytes quantization. Every failure a user can cause becomes a
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from genlib import checkpoint
 from genlib.errors import ModelLoadError
 from genlib.modelinfo import (  # noqa: F401  (LoadedModel, ModelSpec: the loading API's types)
     DEVICES,
@@ -38,6 +40,8 @@ BUILTIN_MODELS = {"builtin:code-small": DEFAULT_MODEL, "builtin:code-tiny": DEFA
 DEFAULT_MODEL_NAME = "builtin:code-small"
 DEFAULT_DRAFT_NAME = "builtin:code-tiny"
 HUB_PROBE_TIMEOUT_S = 2.0  # one request; huggingface_hub itself retries for ~30 s offline
+# What loading a model raises for a model that cannot load as asked.
+LOAD_ERRORS = (OSError, ValueError, ImportError, RuntimeError, KeyError)
 
 
 def resolve_model_ref(flag: str | None, preset_model: str | None = None) -> str:
@@ -112,10 +116,8 @@ def _check_quantizable(config: Any, quantize: str, device: torch.device,
     if quantize != "4bit" or device.type != "cpu":
         return
     import torch
-    from transformers import AutoModelForCausalLM
 
-    with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+    skeleton = checkpoint.skeleton(config, trust_remote_code)
     output = skeleton.get_output_embeddings()
     bad = [f"{name} ({m.in_features}x{m.out_features})"
            for name, m in skeleton.named_modules()
@@ -163,23 +165,29 @@ def _hub_reachable() -> bool:
 
 
 def _load_config(ref: str, spec: ModelSpec, files_only: bool = False) -> Any:
+    from huggingface_hub.errors import StrictDataclassError
     from transformers import AutoConfig
 
     local = _is_local_ref(ref)
     if local:
-        path = Path(ref).expanduser()
-        if not path.exists():
-            raise ModelLoadError(f"model folder {ref} does not exist; give a local folder in "
-                                 f"Hugging Face layout or a hub id like 'org/name'")
-        if not path.is_dir() or not (path / "config.json").is_file():
-            raise ModelLoadError(f"{ref} is not a Hugging Face model folder (no config.json); "
-                                 f"point --model at the folder holding config.json")
+        checkpoint.check_folder(ref)
     try:
-        return AutoConfig.from_pretrained(ref if not local else str(Path(ref).expanduser()),
-                                          trust_remote_code=spec.trust_remote_code,
-                                          local_files_only=files_only)
+        config = AutoConfig.from_pretrained(ref if not local else str(Path(ref).expanduser()),
+                                            trust_remote_code=spec.trust_remote_code,
+                                            local_files_only=files_only)
+    except StrictDataclassError as exc:  # a value of the wrong type, or values that clash
+        raise ModelLoadError(f"cannot load {spec.ref}: config.json is invalid "
+                             f"({_cause(exc)}); {checkpoint.FIX_CONFIG}") from None
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(_load_message(ref, exc)) from None
+    checkpoint.check_sizes(spec.ref, config)
+    return config
+
+
+def _cause(exc: BaseException) -> str:
+    """The first line of what caused `exc` (huggingface_hub's validation errors put it
+    on their second line), without a closing full stop."""
+    return _first_line(exc.__cause__ or exc).rstrip(".")
 
 
 def _load_message(ref: str, exc: BaseException) -> str:
@@ -208,8 +216,6 @@ def _first_line(exc: BaseException) -> str:
 
 def _unknown_model_type(ref: str) -> str | None:
     """The `model_type` of a local folder's config.json when transformers lacks it."""
-    import json
-
     config = Path(ref).expanduser() / "config.json"
     try:
         model_type = json.loads(config.read_text(encoding="utf-8")).get("model_type")
@@ -236,6 +242,69 @@ def _hub_message(ref: str, exc: BaseException) -> str:
             f"check the id, your network, or set HF_HUB_OFFLINE=1 to use the cache only")
 
 
+def _load_tokenizer(ref: str, spec: ModelSpec, files_only: bool) -> Any:
+    """AutoTokenizer's tokenizer for the model; in a local folder, a ModelLoadError that
+    names the tokenizer file at fault."""
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code,
+                                                  local_files_only=files_only)
+    except Exception as exc:
+        error = _tokenizer_error(spec.ref, ref, exc)
+        if error is None:
+            raise
+        raise error from None
+    if _is_local_ref(spec.ref) and len(tokenizer) <= len(set(tokenizer.all_special_ids)):
+        # transformers builds an empty tokenizer where the vocabulary file is missing
+        problem = checkpoint.tokenizer_files_problem(Path(ref)) or (
+            "its tokenizer has no vocabulary beyond its special tokens; restore "
+            "tokenizer.json from the model's source")
+        raise ModelLoadError(f"cannot load {spec.ref}: {problem}")
+    return tokenizer
+
+
+def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError | None:
+    """The ModelLoadError for a tokenizer that did not load (None: a fault of genlab's).
+    Any failure to read a local folder's tokenizer files is the files' fault."""
+    local = _is_local_ref(name)
+    broken = checkpoint.broken_tokenizer_json(Path(source)) if local else None
+    if broken is None and (isinstance(exc, OSError) or "trust_remote_code" in str(exc)):
+        return ModelLoadError(_load_message(name, exc))
+    problem = broken or (checkpoint.no_vocabulary_file(Path(source)) if local else None)
+    if problem is not None:
+        return ModelLoadError(f"cannot load {name}: {problem}")
+    if local:
+        return ModelLoadError(f"cannot load the tokenizer of {name} ({_first_line(exc)}); "
+                              f"restore its tokenizer files (tokenizer.json, "
+                              f"tokenizer_config.json) from the model's source")
+    if isinstance(exc, LOAD_ERRORS):
+        return ModelLoadError(f"cannot load {name}: {_first_line(exc)}")
+    return None
+
+
+def _load_weights(ref: str, spec: ModelSpec, kwargs: dict[str, Any]) -> Any:
+    """transformers' model from `ref`, its failures as ModelLoadErrors."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(ref, **kwargs)
+    except LOAD_ERRORS as exc:
+        first = _first_line(exc)
+        if spec.quantize != "none":
+            raise ModelLoadError(f"--quantize {spec.quantize} failed for {spec.ref}: {first}; "
+                                 f"try --quantize none") from None
+        if isinstance(exc, OSError):
+            raise ModelLoadError(_load_message(spec.ref, exc)) from None
+        raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
+    except Exception as exc:
+        if type(exc).__module__.split(".")[0] != "safetensors":
+            raise
+        raise ModelLoadError(f"the weights of {spec.ref} cannot be read ({_first_line(exc)}); "
+                             f"the file is damaged or incomplete: copy or download it "
+                             f"again") from None
+
+
 def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     """Load model and tokenizer for genlib's decode loop (eval mode, on the device).
 
@@ -254,10 +323,11 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
         if lm is not None:
             return lm
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     quiet_transformers()
     config = _load_config(ref, spec, files_only)
+    if _is_local_ref(spec.ref):
+        checkpoint.check_weights(spec.ref, Path(ref), config, spec.trust_remote_code)
     quant = _quantization_config(spec.quantize, device)
     _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
     dtype = torch.bfloat16 if spec.quantize == "4bit" and spec.dtype == "auto" else \
@@ -268,24 +338,8 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
         kwargs["quantization_config"] = quant
         if device.type != "cpu":
             kwargs["device_map"] = {"": str(device)}
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(ref, trust_remote_code=spec.trust_remote_code,
-                                                  local_files_only=files_only)
-        model = AutoModelForCausalLM.from_pretrained(ref, **kwargs)
-    except (OSError, ValueError, ImportError, RuntimeError, KeyError) as exc:
-        first = _first_line(exc)
-        if spec.quantize != "none":
-            raise ModelLoadError(f"--quantize {spec.quantize} failed for {spec.ref}: {first}; "
-                                 f"try --quantize none") from None
-        if isinstance(exc, OSError):
-            raise ModelLoadError(_load_message(spec.ref, exc)) from None
-        raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
-    except Exception as exc:
-        if type(exc).__module__.split(".")[0] != "safetensors":
-            raise
-        raise ModelLoadError(f"the weights of {spec.ref} cannot be read ({_first_line(exc)}); "
-                             f"the file is damaged or incomplete: copy or download it "
-                             f"again") from None
+    tokenizer = _load_tokenizer(ref, spec, files_only)
+    model = _load_weights(ref, spec, kwargs)
     if quant is None:
         model.to(device)
     model.eval()

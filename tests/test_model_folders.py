@@ -1,0 +1,229 @@
+"""Broken local model folders: one clear line that names the file at fault (and the
+tensor or field), says how to fix it, and exits 2, on both load paths (`generate`'s quick
+start, which hands such folders to transformers' load, and `beam`'s transformers load);
+never the "unexpected" wording of a bug. A config.json that does not describe the
+weights is refused before transformers builds the model it describes (which for a bare
+`{"model_type": "llama"}` is a 7B model: tens of GB)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
+from genlib.errors import ModelLoadError
+from genlib.models import ModelSpec, load_model
+from tests.conftest import STORIES
+
+runner = CliRunner()
+COMMANDS = {"generate": ["generate", "Once", "-n", "2"],  # the quick start first
+            "beam": ["beam", "Once", "-n", "2", "-k", "2"]}  # transformers' load only
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture
+def no_model_build(monkeypatch):
+    """transformers' from_pretrained fails the test: a folder whose config.json does not
+    match its weights must be refused before the model is built (an OOM otherwise)."""
+    from transformers import AutoModelForCausalLM
+
+    def build(*args, **kwargs):
+        pytest.fail("transformers built the model before the weights were compared")
+
+    monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", build)
+
+
+def copy_of_stories(root: Path) -> Path:
+    """stories260K as links to the shared files; a file to change is replaced, not edited."""
+    folder = root / "model"
+    folder.mkdir()
+    for item in STORIES.iterdir():
+        (folder / item.name).symlink_to(item)
+    return folder
+
+
+def write(folder: Path, name: str, text: str) -> None:
+    (folder / name).unlink(missing_ok=True)
+    (folder / name).write_text(text)
+
+
+def edit_config(**changes) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        config = json.loads((STORIES / "config.json").read_text())
+        write(folder, "config.json", json.dumps({**config, **changes}))
+    return change
+
+
+def replace_config(text: str) -> Callable[[Path], None]:
+    return lambda folder: write(folder, "config.json", text)
+
+
+def remove(*names: str) -> Callable[[Path], None]:
+    def change(folder: Path) -> None:
+        for name in names:
+            (folder / name).unlink()
+    return change
+
+
+def assert_refused(args: list[str], *fragments: str) -> None:
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2, (result.output, result.exception)
+    line = result.stderr.strip()
+    assert line.startswith("error: cannot load ") and "\n" not in line, line
+    assert "unexpected" not in line
+    for fragment in fragments:
+        assert fragment in line, line
+
+
+MISMATCH = "config.json does not match the weights ("
+FIX_MISMATCH = "; fix config.json or use the folder the weights came from"
+FIX_CONFIG = "; fix config.json or restore it from the model's source"
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("change", "fragments"), [
+    (replace_config('{"model_type": "llama"}'),
+     [MISMATCH + "model.embed_tokens.weight is (512, 64) in the weights, (32000, 4096) by "
+      "config.json)" + FIX_MISMATCH]),
+    (edit_config(vocab_size=1000),
+     [MISMATCH + "model.embed_tokens.weight is (512, 64) in the weights, (1000, 64) by "
+      "config.json)" + FIX_MISMATCH]),
+    (edit_config(hidden_size=128),
+     [MISMATCH + "model.embed_tokens.weight is (512, 64) in the weights, (512, 128) by "
+      "config.json)"]),
+    (edit_config(num_hidden_layers=3),
+     [MISMATCH + "the weights hold model.layers.3.input_layernorm.weight, which "
+      "config.json's model has no place for)"]),
+    (edit_config(num_hidden_layers=7),
+     [MISMATCH + "the weights lack model.layers.5.", "which config.json's model needs)"]),
+    (edit_config(tie_word_embeddings=False),
+     [MISMATCH + "the weights lack lm_head.weight, which config.json's model needs)"]),
+], ids=["bare-llama", "vocab", "hidden", "fewer-layers", "more-layers", "untied"])
+def test_a_config_that_does_not_match_the_weights_is_refused_before_building(
+        tmp_path, no_model_build, command, change, fragments):
+    folder = copy_of_stories(tmp_path)
+    change(folder)
+    assert_refused([*COMMANDS[command], "-m", str(folder)], *fragments)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("change", "fragments"), [
+    (edit_config(num_hidden_layers="five"),
+     ["config.json is invalid (Field 'num_hidden_layers' expected int, got str (value: "
+      "'five'))" + FIX_CONFIG]),
+    (edit_config(num_attention_heads=3),
+     ["config.json is invalid (The hidden size (64) is not a multiple of the number of "
+      "attention heads (3))" + FIX_CONFIG]),
+    (replace_config("null"), ["config.json holds null, not a JSON object" + FIX_CONFIG]),
+    (replace_config('{"model_type": "llama",\n'),
+     ["config.json is not valid JSON (Expecting property name enclosed in double quotes "
+      "at line 2 column 1)" + FIX_CONFIG]),
+    (edit_config(max_position_embeddings=0),
+     ["config.json sets max_position_embeddings to 0, which must be at least 1"
+      + FIX_CONFIG]),
+], ids=["field-type", "heads", "null", "not-json", "no-positions"])
+def test_bad_config_values_are_load_errors_naming_the_field(tmp_path, command, change,
+                                                            fragments):
+    folder = copy_of_stories(tmp_path)
+    change(folder)
+    assert_refused([*COMMANDS[command], "-m", str(folder)], *fragments)
+
+
+NO_TOKENIZER = ("the folder has no tokenizer file (tokenizer.json or tokenizer.model); copy "
+                "the model's tokenizer files into it from the model's source")
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("change", "fragments"), [
+    (remove("tokenizer.json", "tokenizer_config.json"), [NO_TOKENIZER]),
+    (remove("tokenizer.json"), [NO_TOKENIZER]),  # transformers builds an empty tokenizer
+    (lambda folder: write(folder, "tokenizer.json", '{"version": "1.0",\n'),
+     ["tokenizer.json is not valid JSON (Expecting property name enclosed in double quotes "
+      "at line 2 column 1); restore it from the model's source"]),
+    (lambda folder: write(folder, "tokenizer_config.json", "{\n"),
+     ["tokenizer_config.json is not valid JSON (", "; restore it from the model's source"]),
+    (lambda folder: write(folder, "tokenizer_config.json", "null"),
+     ["tokenizer_config.json holds null, not a JSON object; restore it"]),
+    (lambda folder: write(folder, "tokenizer.json", "{}"),
+     ["cannot load the tokenizer of ", "restore its tokenizer files (tokenizer.json, "
+      "tokenizer_config.json) from the model's source"]),
+], ids=["no-tokenizer-files", "no-tokenizer-json", "tokenizer-json", "tokenizer-config",
+        "tokenizer-config-null", "tokenizer-json-empty"])
+def test_broken_tokenizer_files_are_named_with_the_fix(tmp_path, command, change, fragments):
+    folder = copy_of_stories(tmp_path)
+    change(folder)
+    assert_refused([*COMMANDS[command], "-m", str(folder)], *fragments)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_file_given_as_the_model_folder_names_the_folder(tmp_path, command):
+    folder = copy_of_stories(tmp_path)
+    result = runner.invoke(app, [*COMMANDS[command], "-m", str(folder / "config.json")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (
+        f"error: {folder / 'config.json'} is a file, not a model folder; point --model at "
+        f"the folder holding config.json and the weights: --model {folder}")
+
+
+@pytest.mark.parametrize("quick", [True, False])
+def test_a_sharded_checkpoint_is_compared_shard_by_shard(tmp_path, quick):
+    """model.safetensors.index.json's shards: a matching config loads, a config whose
+    vocabulary differs is refused naming the embedding, a broken index is named."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tmp_path / "sharded"
+    AutoModelForCausalLM.from_pretrained(STORIES).save_pretrained(folder,
+                                                                  max_shard_size="100KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).symlink_to(STORIES / name)
+    assert len(list(folder.glob("model-*.safetensors"))) > 1
+    assert load_model(ModelSpec(str(folder)), quick=quick).encode("Once") == [1, 403]
+    edit_config(vocab_size=1000)(folder)
+    with pytest.raises(ModelLoadError, match=r"model.embed_tokens.weight is \(512, 64\) in "
+                                             r"the weights, \(1000, 64\) by config.json"):
+        load_model(ModelSpec(str(folder)), quick=quick)
+    write(folder, "model.safetensors.index.json", '{"weight_map": \n')
+    with pytest.raises(ModelLoadError, match=r"model.safetensors.index.json is not valid JSON "
+                                             r"\(Expecting value at line 2 column 1\); "
+                                             r"restore it from the model's source$"):
+        load_model(ModelSpec(str(folder)), quick=quick)
+
+
+def test_a_base_model_checkpoint_without_the_prefix_still_loads(tmp_path):
+    """Weights saved from the base model (`layers.0...`, no `model.`) load as transformers
+    loads them; their shapes are still compared."""
+    from safetensors.torch import load_file, save_file
+
+    folder = copy_of_stories(tmp_path)
+    tensors = load_file(STORIES / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    save_file({name.removeprefix("model."): t for name, t in tensors.items()},
+              folder / "model.safetensors", metadata={"format": "pt"})
+    assert load_model(ModelSpec(str(folder))).encode("Once") == [1, 403]
+    edit_config(hidden_size=128)(folder)
+    with pytest.raises(ModelLoadError, match=r"\(512, 64\) in the weights, \(512, 128\)"):
+        load_model(ModelSpec(str(folder)))
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ("{broken", "generation_config.json is not valid JSON (Expecting property name"),
+    ("null", "generation_config.json holds null, not a JSON object"),
+    ("[1, 2]", "generation_config.json holds [1, 2], not a JSON object")])
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_broken_generation_config_is_named(tmp_path, command, text, fragment):
+    """transformers passes over a generation_config.json that is not JSON (the end ids
+    it names are then lost) and fails with a TypeError on JSON that is not an object."""
+    folder = copy_of_stories(tmp_path)
+    write(folder, "generation_config.json", text)
+    result = runner.invoke(app, [*COMMANDS[command], "-m", str(folder)])
+    assert result.exit_code == 2, result.output
+    assert fragment in result.stderr and "fix it, or remove it" in result.stderr
+    assert "unexpected" not in result.stderr and len(result.stderr.splitlines()) == 1
