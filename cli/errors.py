@@ -69,7 +69,7 @@ def user_errors(command: F) -> F:
             if exc.errno == errno.EBADF and not _stdout_open():
                 raise fail(STDOUT_CLOSED, 2) from None
             if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                where = f" {exc.filename}" if exc.filename else " the output"
+                where = f" {exc.filename}" if exc.filename else ""
                 raise fail(f"cannot write{where}: no space left on the device; free some "
                            f"space, or write elsewhere", 1) from None
             raise _unexpected(exc) from None

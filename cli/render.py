@@ -86,11 +86,13 @@ def view_on_stderr(active: bool = True) -> Iterator[None]:
     if not active:
         yield
         return
-    out.stderr = True
+    # Rich settles a console's colours when it is made, from its stream: take stderr's.
+    saved = out.stderr, out._color_system
+    out.stderr, out._color_system = True, err._color_system
     try:
         yield
     finally:
-        out.stderr = False
+        out.stderr, out._color_system = saved
 
 
 def stream_text(text: str, style: str = TEXT_STYLE) -> None:

@@ -338,7 +338,7 @@ def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
 def set_values(session: Session, args: str) -> None:
     if not args:
         raise CommandError("/set needs KEY=VALUE pairs, e.g. /set temperature=0.7")
-    parts = args.split()
+    parts = [p for chunk in args.split(",") for p in chunk.split()]  # as parse_assignments
     views = [p for p in parts if p.startswith("logprobs=")]
     for part in views:
         value = part.partition("=")[2]

@@ -15,6 +15,10 @@ from typing import Any
 
 from genlib.errors import ModelLoadError
 
+# Checkpoint tensors transformers drops without a word whatever the model (besides each
+# model's own `_keys_to_ignore_on_load_unexpected`): rotary tables and position ids.
+IGNORED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
+
 FIX_CONFIG = "fix config.json or restore it from the model's source"
 # Config fields that count something (tokens, widths, layers, positions; aliases such as
 # GPT-2's n_embd read through them): 0 or less makes a model that cannot run.
@@ -177,7 +181,10 @@ def _weights_problem(model: Any, stored: dict[str, tuple[int, ...]]) -> str | No
     if missing and not unmatched:
         return f"the weights lack {missing[0]}, which config.json's model needs"
     kinds = {_kind(name) for name in expected}
-    beyond = [key for key in unmatched if _kind(key) in kinds]
+    ignored = [re.compile(p) for p in (*IGNORED_UNEXPECTED, *(
+        getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()))]
+    beyond = [key for key in unmatched if _kind(key) in kinds
+              and not any(p.search(key) for p in ignored)]
     if beyond and not missing:
         return f"the weights hold {beyond[0]}, which config.json's model has no place for"
     return None

@@ -274,6 +274,8 @@ def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError |
     problem = broken or (checkpoint.no_vocabulary_file(Path(source)) if local else None)
     if problem is not None:
         return ModelLoadError(f"cannot load {name}: {problem}")
+    if isinstance(exc, ImportError) or "pip install" in str(exc):  # a library, not the files
+        return ModelLoadError(f"cannot load the tokenizer of {name}: {_first_line(exc)}")
     if local:
         return ModelLoadError(f"cannot load the tokenizer of {name} ({_first_line(exc)}); "
                               f"restore its tokenizer files (tokenizer.json, "

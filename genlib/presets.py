@@ -127,6 +127,8 @@ class _NoAliasLoader(yaml.SafeLoader):
         """A mapping whose keys are unique, as YAML requires (PyYAML keeps the last)."""
         seen: set[tuple[type, Any]] = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<:` merges a mapping in, as flatten_mapping does after this
             key = self.construct_object(key_node, deep=deep)
             if not isinstance(key, (str, int, float)):
                 continue  # a list or mapping as a key: the constructor refuses it

@@ -457,6 +457,8 @@ class _BuildContext:
             ids = tuple(self.tokenizer.encode(token, add_special_tokens=False))
             if not ids:
                 raise ConfigError(f"logit_bias {token!r} encodes to no token")
+            for token_id in ids:  # a tokenizer's added tokens may lie past the logits
+                self._check_id(token_id)
             out[ids] = bias
         return out
 

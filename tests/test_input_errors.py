@@ -150,8 +150,8 @@ def test_a_full_disk_is_one_clear_line_not_a_bug():
                              "--json", "-o", "/dev/full"], capture_output=True, text=True,
                             env=ENV, cwd=ROOT)
     assert result.returncode == 1, result.stderr
-    assert result.stderr.strip() == ("error: cannot write the output: no space left on the "
-                                     "device; free some space, or write elsewhere")
+    assert result.stderr.strip() == ("error: cannot write: no space left on the device; "
+                                     "free some space, or write elsewhere")
 
 
 def test_binary_stdin_and_non_utf8_arguments_are_refused():
@@ -242,12 +242,14 @@ def test_repl_survives_bad_lines_and_faults_and_keeps_every_answer(
 def test_repl_refuses_a_bias_outside_the_vocabulary_and_clears_a_setting(
         monkeypatch, session, capsys):
     drive(monkeypatch, session, ["/set logit_bias=9999=1", "/set logit_bias=400=2",
-                                 "/set nosuch=", "/set logit_bias="])
+                                 "/set top_p=0.9", "/set nosuch=",
+                                 "/set temperature=0.7,logit_bias=,top_p="])
     err = capsys.readouterr().err
     assert "logit_bias token id 9999 is outside the model's vocabulary (0-511)" in err
     assert "/set nosuch=: no such setting" in err
-    assert "cleared logit_bias" in err
-    assert session.settings.logit_bias == () and "logit_bias" not in session.flags
+    assert "cleared logit_bias, top_p" in err
+    assert session.settings.logit_bias == () and session.settings.top_p == 1.0
+    assert session.settings.temperature == 0.7
 
 
 def test_repl_reads_non_utf8_bytes_as_a_refusable_line(monkeypatch):

@@ -227,3 +227,38 @@ def test_a_broken_generation_config_is_named(tmp_path, command, text, fragment):
     assert result.exit_code == 2, result.output
     assert fragment in result.stderr and "fix it, or remove it" in result.stderr
     assert "unexpected" not in result.stderr and len(result.stderr.splitlines()) == 1
+
+
+def test_tensors_transformers_is_told_to_drop_are_not_a_mismatch(tmp_path, monkeypatch):
+    """A checkpoint may hold tensors the model's class tells transformers to drop (its
+    `_keys_to_ignore_on_load_unexpected`, e.g. Gemma's kv-shared layers): the folder
+    loads, as from_pretrained loads it. Without the rule, the same tensors are refused."""
+    from safetensors.torch import load_file, save_file
+    from transformers import LlamaForCausalLM
+
+    folder = copy_of_stories(tmp_path)
+    tensors = load_file(STORIES / "model.safetensors")
+    extra = {"model.layers.5.self_attn.k_proj.weight":
+             tensors["model.layers.0.self_attn.k_proj.weight"].clone()}
+    (folder / "model.safetensors").unlink()
+    save_file({**tensors, **extra}, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ModelLoadError, match="the weights hold model.layers.5.self_attn"):
+        load_model(ModelSpec(str(folder)))
+    monkeypatch.setattr(LlamaForCausalLM, "_keys_to_ignore_on_load_unexpected",
+                        [r"layers\.5\.self_attn\.k_proj"], raising=False)
+    assert load_model(ModelSpec(str(folder))).encode("Once") == [1, 403]
+
+
+def test_a_tokenizer_that_needs_a_library_says_so_not_to_restore_files(tmp_path,
+                                                                       monkeypatch):
+    from transformers import AutoTokenizer
+
+    def needs_library(*args, **kwargs):
+        raise ImportError("LlamaTokenizer requires the SentencePiece library: "
+                          "pip install sentencepiece")
+
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", needs_library)
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(ModelSpec(str(copy_of_stories(tmp_path))))
+    assert "pip install sentencepiece" in str(caught.value)
+    assert "restore" not in str(caught.value)

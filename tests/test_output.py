@@ -4,6 +4,8 @@ validate against docs/output.schema.json, and name the same facts alike."""
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 from jsonschema import Draft202012Validator
@@ -363,3 +365,24 @@ def test_every_command_takes_json_and_its_document_is_validated_here():
 def test_speculate_reports_the_schedule_that_ran(documents):
     doc = documents["speculate"]  # prompt lookup: a fixed gamma of 10 unless asked
     assert doc["adaptive"] is False and doc["num_draft_tokens"] == 10
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a pseudo-terminal")
+def test_the_view_sent_to_stderr_takes_stderrs_colours(tmp_path):
+    """stdout a terminal, stderr a file, -o FILE: beam's table goes to the file without
+    the escape codes the terminal would have had."""
+    import pty
+    import subprocess
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    leader, follower = pty.openpty()
+    log = tmp_path / "err.log"
+    with log.open("w") as err:
+        done = subprocess.run([sys.executable, "-m", "cli", "beam", PROMPT, *M, "-n", "3",
+                               "-k", "2", "-o", str(tmp_path / "b.txt")], stdout=follower,
+                              stderr=err, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    os.close(follower)
+    os.close(leader)
+    assert done.returncode == 0
+    assert "beam search" in log.read_text() and "\x1b[" not in log.read_text()

@@ -114,3 +114,14 @@ def test_one_broken_preset_does_not_hide_the_others(user_presets):
     listed = dict(list_presets())
     assert isinstance(listed["broken"], PresetError)
     assert listed["creative"].settings["top_p"] == 0.92
+
+
+def test_a_merge_key_still_merges_while_repeated_keys_are_refused(tmp_path):
+    """`<<:` is YAML's merge, not a repeated key: the duplicate check passes over it."""
+    merged = tmp_path / "m.yaml"
+    merged.write_text("<<: {temperature: 0.5}\ntop_p: 0.9\n")
+    assert load_preset(str(merged)).settings == {"temperature": 0.5, "top_p": 0.9}
+    twice = tmp_path / "t.yaml"
+    twice.write_text("top_p: 0.9\ntop_p: 0.8\n")
+    with pytest.raises(PresetError, match="the key 'top_p' appears twice"):
+        load_preset(str(twice))

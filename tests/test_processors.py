@@ -172,3 +172,14 @@ def test_a_bias_id_outside_the_vocabulary_is_refused(token: int):
         processors.check_for_model(settings, None, 512)
     assert processors.build_processors(resolve_settings({"logit_bias": {511: 2.0}}),
                                        vocab_size=512)
+
+
+def test_a_bias_text_that_encodes_past_the_vocabulary_is_refused():
+    """A tokenizer's added tokens may lie past the model's logits."""
+    class AddedTokens:
+        def encode(self, text, add_special_tokens=False):
+            return [600]
+
+    settings = resolve_settings({"logit_bias": {"<extra>": 2.0}})
+    with pytest.raises(ConfigError, match="token id 600 is outside"):
+        processors.check_for_model(settings, AddedTokens(), 512)
