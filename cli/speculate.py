@@ -245,6 +245,7 @@ def speculate(
       genlab speculate "import os" -t 0.8 --seed 1 --fixed -g 3 --json
     """
     from genlib.models import resolve_model_ref
+    from genlib.speculative import check_request, draft_length
 
     flags = opt.decoding_flags(locals() | sampler_flags)
     target_sink = sink(as_json, as_jsonl, output)
@@ -259,11 +260,10 @@ def speculate(
     target = load(model_flags)
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend)) \
         if draft_ref is not None else None
-    if draft is not None:  # before the warm-up feeds the draft the target's tokens
-        from genlib.drafters import check_same_vocabulary
-
-        check_same_vocabulary(target, draft)
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    # before the warm-up, which feeds both models the prompt's first tokens
+    check_request(target, ids, settings, draft,
+                  draft_length(num_draft_tokens, prompt_lookup is not None))
     drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
     with opened(target_sink) as out:
         code = report(target, draft, drafter, ids, text, settings, prompt_lookup,

@@ -28,6 +28,8 @@ POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden
 TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                   "added_tokens.json", "chat_template.json")
 VOCABULARY_FILES = ("tokenizer.json", "*.model", "vocab.json", "vocab.txt", "*.tiktoken")
+
+
 def check_folder(ref: str) -> None:
     """ModelLoadError unless `ref` is a folder holding a config.json that is a JSON object,
     and a generation_config.json that is one if it holds any (transformers passes over
@@ -227,10 +229,10 @@ def _dims(shape: tuple[int, ...]) -> str:
 def tokenizer_files_problem(folder: Path) -> str | None:
     """What is wrong with the tokenizer files in `folder`, with the fix; None when they
     look whole."""
-    return broken_tokenizer_json(folder) or no_vocabulary_file(folder)
+    return _broken_tokenizer_json(folder) or _no_vocabulary_file(folder)
 
 
-def broken_tokenizer_json(folder: Path) -> str | None:
+def _broken_tokenizer_json(folder: Path) -> str | None:
     for file in TOKENIZER_JSON:
         problem = json_problem(folder / file) if (folder / file).is_file() else None
         if problem is not None:
@@ -238,7 +240,7 @@ def broken_tokenizer_json(folder: Path) -> str | None:
     return None
 
 
-def no_vocabulary_file(folder: Path) -> str | None:
+def _no_vocabulary_file(folder: Path) -> str | None:
     if any(next(folder.glob(pattern), None) for pattern in VOCABULARY_FILES):
         return None
     return ("the folder has no tokenizer file (tokenizer.json or tokenizer.model); copy "

@@ -268,12 +268,11 @@ def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError |
     """The ModelLoadError for a tokenizer that did not load (None: a fault of genlab's).
     Any failure to read a local folder's tokenizer files is the files' fault."""
     local = _is_local_ref(name)
-    broken = checkpoint.broken_tokenizer_json(Path(source)) if local else None
-    if broken is None and (isinstance(exc, OSError) or "trust_remote_code" in str(exc)):
-        return ModelLoadError(_load_message(name, exc))
-    problem = broken or (checkpoint.no_vocabulary_file(Path(source)) if local else None)
+    problem = checkpoint.tokenizer_files_problem(Path(source)) if local else None
     if problem is not None:
         return ModelLoadError(f"cannot load {name}: {problem}")
+    if isinstance(exc, OSError) or "trust_remote_code" in str(exc):
+        return ModelLoadError(_load_message(name, exc))
     if isinstance(exc, ImportError) or "pip install" in str(exc):  # a library, not the files
         return ModelLoadError(f"cannot load the tokenizer of {name}: {_first_line(exc)}")
     if local:

@@ -283,8 +283,9 @@ def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
                  draft_lm: LoadedModel | None, prompt_lookup: int | None,
                  backend: str | None = None) -> Drafter:
-    """The drafter asked for: a draft model (vocabulary checked) on the backend
-    `choose_backend` picks for it under the user's `backend`, or prompt lookup."""
+    """The drafter asked for: a draft model (its vocabulary checked by `check_request`)
+    on the backend `choose_backend` picks for it under the user's `backend`, or prompt
+    lookup."""
     if (draft_lm is None) == (prompt_lookup is None):
         raise ConfigError("speculative decoding needs exactly one drafter: a draft model "
                           "(--draft-model) or prompt lookup (--prompt-lookup N)")
@@ -294,7 +295,6 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
                               f"got {prompt_lookup}")
         return PromptLookupDrafter(prompt_lookup)
     assert draft_lm is not None
-    check_same_vocabulary(target, draft_lm)
     draft_backend = choose_backend(draft_lm, Request(rows=1, crop=True,
                                                      backend=backend or draft_lm.backend))
     return ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
@@ -302,7 +302,8 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
                   draft_lm: LoadedModel | None, num_draft_tokens: int) -> None:
-    """ConfigError / ContextLengthError for what speculation cannot do, before any work."""
+    """ConfigError / ContextLengthError / ModelLoadError for what speculation cannot do,
+    before any work (a draft fed the target's tokens would fail on a smaller vocabulary)."""
     if settings.strategy == "beam":
         raise ConfigError("speculative decoding does greedy or sampling, not beam search; "
                           "use `genlab beam` for beams")
@@ -319,6 +320,7 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
                           f"{num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
     if draft_lm is not None:
+        check_same_vocabulary(target, draft_lm)
         draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens,
                             whose=f"the draft model {draft_lm.ref}'s",
                             remedy="use a draft with a longer context (or --prompt-lookup N)")
