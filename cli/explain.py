@@ -116,9 +116,11 @@ def explain(
     backend: opt.Backend = "auto",
     **sampler_flags: Any,
 ) -> None:
-    """Step through a generation: each step's top candidates, their probability after
-    each stage of the sampler chain, the mass each stage removed, the entropy, the
-    chosen token and where the random draw fell.
+    """Step through a generation and see why each token was chosen.
+
+    Each step shows its top candidates and their probability after each sampler stage.
+
+    It also shows the mass each stage removed, the entropy, the chosen token and the draw.
 
     Examples:\n
       genlab explain "Once upon a time" -t 0.8 --top-k 20 --seed 1 -n 10\n

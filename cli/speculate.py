@@ -236,8 +236,9 @@ def speculate(
 ) -> None:
     """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
 
-    The output is the target's own (token-identical when greedy; the same distribution
-    when sampling). Accepted draft tokens print green, the target's own bold.
+    The output is the target's own: token-identical when greedy, the same law when sampling.
+
+    Accepted draft tokens print green, the target's own bold.
 
     Examples:\n
       genlab speculate "def parse(line):" -m TARGET -d DRAFT\n
