@@ -325,13 +325,14 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
                                          settings.max_new_tokens)
     suppress = suppress_eos_for(lm, settings)
     # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
-    # even if the best ones all end.
-    n_keep = min(max(2, 1 + len(eos)) * group_size, group_size * lm.vocab_size)
+    # even if the best ones all end; beam sampling's truncations leave as many per beam.
+    per_beam = max(2, 1 + len(eos))
+    n_keep = min(per_beam * group_size, group_size * lm.vocab_size)
     deadline = time.perf_counter() + settings.max_time if settings.max_time else None
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
     chain = processors.build_processors(settings, prompt_width=prompt_width,
                                         tokenizer=lm.tokenizer, constraint=constraint,
-                                        vocab_size=lm.vocab_size)
+                                        vocab_size=lm.vocab_size, min_keep=per_beam)
     return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
                  constraints, lm.tokenizer, deadline, record_tree)
 

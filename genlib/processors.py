@@ -125,7 +125,11 @@ def temperature(t: float) -> Processor:
     return scale
 
 
-def top_k(k: int) -> Processor:
+def top_k(k: int, min_keep: int = 1) -> Processor:
+    """`min_keep` (here and in the other transformers warpers): keep at least that many,
+    transformers' `min_tokens_to_keep`, which beam sampling raises (`build_processors`)."""
+    k = max(k, min_keep)
+
     def keep_top_k(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """top-k: drop tokens whose logit is below the k-th largest (ties kept)."""
         kth = torch.topk(logits, min(k, logits.shape[-1]), dim=-1).values[..., -1:]
@@ -134,30 +138,33 @@ def top_k(k: int) -> Processor:
     return keep_top_k
 
 
-def top_p(p: float) -> Processor:
+def top_p(p: float, min_keep: int = 1) -> Processor:
     def nucleus(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """top-p: keep the most probable tokens whose total probability reaches p."""
         sorted_logits, order = torch.sort(logits, descending=False, dim=-1)
         cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cumulative <= (1 - p)
-        drop_sorted[..., -1:] = False
+        drop_sorted[..., -min_keep:] = False
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         return logits.masked_fill(drop, NEG_INF)
 
     return nucleus
 
 
-def min_p(p: float) -> Processor:
+def min_p(p: float, min_keep: int = 1) -> Processor:
     def keep_min_p(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """min-p: drop tokens with p < min_p * p_max."""
         probs = logits.softmax(dim=-1)
         threshold = p * probs.amax(dim=-1, keepdim=True)
-        return logits.masked_fill(probs < threshold, NEG_INF)
+        drop = probs < threshold  # never the most probable
+        if min_keep > 1:
+            drop &= ~_top(logits, min_keep)
+        return logits.masked_fill(drop, NEG_INF)
 
     return keep_min_p
 
 
-def typical_p(mass: float) -> Processor:
+def typical_p(mass: float, min_keep: int = 1) -> Processor:
     def typical(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """typical-p: keep tokens whose surprise is closest to the entropy, up to `mass`."""
         logp = logits.log_softmax(dim=-1)
@@ -167,7 +174,7 @@ def typical_p(mass: float) -> Processor:
         cumulative = logits.gather(-1, order).softmax(dim=-1).cumsum(dim=-1)
         last = (cumulative < mass).sum(dim=1).clamp(max=logits.shape[-1] - 1)
         drop_sorted = sorted_distance > sorted_distance.gather(1, last.view(-1, 1))
-        drop_sorted[..., :1] = False
+        drop_sorted[..., :min_keep] = False
         drop = drop_sorted.scatter(1, order, drop_sorted)
         return logits.masked_fill(drop, NEG_INF)
 
@@ -249,7 +256,7 @@ def _dry_repeats(context: list[int], allowed_length: int, breakers: frozenset[in
     suffix matching (llama.cpp finds the same lengths with a reversed Z-algorithm)."""
     tokens = [t for t in context if t >= 0]
     if last_n >= 0:
-        tokens = tokens[len(tokens) - last_n:] if last_n else []
+        tokens = tokens[max(0, len(tokens) - last_n):] if last_n else []
     n = len(tokens)
     if n <= allowed_length:
         return {}
@@ -272,19 +279,18 @@ def _dry_repeats(context: list[int], allowed_length: int, breakers: frozenset[in
     return best
 
 
-def epsilon_cutoff(epsilon: float) -> Processor:
+def epsilon_cutoff(epsilon: float, min_keep: int = 1) -> Processor:
     """transformers' `EpsilonLogitsWarper` (Hewitt et al. 2022, truncation sampling)."""
 
     def cut(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """epsilon cutoff: drop tokens with p < epsilon (the most probable is kept)."""
         probs = logits.softmax(dim=-1)
-        drop = (probs < epsilon) & (logits < logits.amax(dim=-1, keepdim=True))
-        return logits.masked_fill(drop, NEG_INF)
+        return logits.masked_fill((probs < epsilon) & ~_top(logits, min_keep), NEG_INF)
 
     return cut
 
 
-def eta_cutoff(epsilon: float) -> Processor:
+def eta_cutoff(epsilon: float, min_keep: int = 1) -> Processor:
     """transformers' `EtaLogitsWarper` (Hewitt et al. 2022): an entropy-adaptive epsilon."""
 
     def cut(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
@@ -292,10 +298,16 @@ def eta_cutoff(epsilon: float) -> Processor:
         logp = logits.log_softmax(dim=-1)
         entropy = -(logp.exp() * logp).nan_to_num().sum(-1, keepdim=True)
         eta = torch.clamp(math.sqrt(epsilon) * torch.exp(-entropy), max=epsilon)
-        drop = (logp.exp() < eta) & (logits < logits.amax(dim=-1, keepdim=True))
-        return logits.masked_fill(drop, NEG_INF)
+        return logits.masked_fill((logp.exp() < eta) & ~_top(logits, min_keep), NEG_INF)
 
     return cut
+
+
+def _top(logits: torch.Tensor, n: int) -> torch.Tensor:
+    """Whether each logit is >= the row's n-th largest (ties with it included, as
+    transformers' epsilon and eta cutoffs compare)."""
+    nth = torch.topk(logits, min(n, logits.shape[-1]), dim=-1).values[..., -1:]
+    return logits >= nth
 
 
 def top_n_sigma(n: float) -> Processor:
@@ -317,19 +329,22 @@ def top_n_sigma(n: float) -> Processor:
 
 def xtc(threshold: float, probability: float, seed: int) -> Processor:
     """XTC, "exclude top choices", as llama.cpp's `llama_sample_xtc_apply`: with chance
-    `probability`, every token with p >= threshold except the least probable of them is
-    removed (nothing happens unless at least two reach the threshold). The chance is drawn
-    from `seed` and the row's context, so the stage stays a pure function."""
+    `probability`, every candidate with p >= threshold but one, the least probable of
+    them, is removed (nothing happens unless at least two reach the threshold). The
+    candidates are the tokens earlier stages left (llama.cpp's shrunken array), so a
+    threshold of 0 keeps one of them, never none. Among tokens tied at that least
+    probability llama.cpp keeps whichever its sort put last; here, the lowest id. The
+    chance is drawn from `seed` and the row's context, so the stage stays pure."""
 
     def exclude(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """XTC: if u < probability, drop tokens with p >= threshold but the least such."""
+        """XTC: if u < probability, drop the candidates with p >= threshold but one."""
         probs = logits.softmax(dim=-1)
-        above = probs >= threshold
-        least = probs.masked_fill(~above, 2.0).amin(-1, keepdim=True)
+        above = (probs >= threshold) & torch.isfinite(logits)
+        survivor = probs.masked_fill(~above, 2.0).argmin(-1, keepdim=True)
         fire = torch.tensor([_coin(seed, row) <= probability for row in token_ids.tolist()],
                             device=logits.device)[:, None]
-        drop = above & (probs > least) & fire & (above.sum(-1, keepdim=True) >= 2)
-        return logits.masked_fill(drop, NEG_INF)
+        drop = above & fire & (above.sum(-1, keepdim=True) >= 2)
+        return logits.masked_fill(drop.scatter(-1, survivor, False), NEG_INF)
 
     return exclude
 
@@ -370,10 +385,12 @@ def mirostat_v2(state: MirostatState) -> Processor:
     mu after each draw."""
 
     def truncate(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """Mirostat v2: drop tokens with -log2 p > mu (the most probable is kept)."""
+        """Mirostat v2: drop tokens with -log2 p > mu; if that drops all, keep the most
+        probable alone (llama.cpp's `size = 1`; of tied ones, the lowest id)."""
         mu = state.current(logits.shape[0], logits.device)[:, None]
         surprise = -logits.log_softmax(dim=-1) / math.log(2.0)
-        drop = (surprise > mu) & (logits < logits.amax(dim=-1, keepdim=True))
+        # The most probable has the least surprise: kept whenever any token is.
+        drop = (surprise > mu).scatter(-1, logits.argmax(dim=-1, keepdim=True), False)
         return logits.masked_fill(drop, NEG_INF)
 
     return truncate
@@ -395,17 +412,17 @@ def _stage_fn(name: str, s: GenerationSettings, ctx: _BuildContext) -> Stage | N
     elif name == "temperature" and s.temperature != 1.0:
         fn = temperature(s.temperature)
     elif name == "top_k" and s.top_k > 0:
-        fn = top_k(s.top_k)
+        fn = top_k(s.top_k, ctx.min_keep)
     elif name == "top_p" and s.top_p < 1.0:
-        fn = top_p(s.top_p)
+        fn = top_p(s.top_p, ctx.min_keep)
     elif name == "min_p" and s.min_p > 0.0:
-        fn = min_p(s.min_p)
+        fn = min_p(s.min_p, ctx.min_keep)
     elif name == "typical_p" and s.typical_p < 1.0:
-        fn = typical_p(s.typical_p)
+        fn = typical_p(s.typical_p, ctx.min_keep)
     elif name == "epsilon_cutoff" and s.epsilon_cutoff > 0.0:
-        fn = epsilon_cutoff(s.epsilon_cutoff)
+        fn = epsilon_cutoff(s.epsilon_cutoff, ctx.min_keep)
     elif name == "eta_cutoff" and s.eta_cutoff > 0.0:
-        fn = eta_cutoff(s.eta_cutoff)
+        fn = eta_cutoff(s.eta_cutoff, ctx.min_keep)
     elif name == "top_n_sigma" and s.top_n_sigma > 0.0:
         fn = top_n_sigma(s.top_n_sigma)
     elif name == "xtc" and s.xtc_probability > 0.0:
@@ -441,6 +458,7 @@ class _BuildContext:
     tokenizer: Any
     seed: int
     vocab_size: int | None = None  # the logits' width, when known: ids are checked
+    min_keep: int = 1  # the transformers warpers' min_tokens_to_keep
 
     def bias_sequences(self, biases: Sequence[tuple[int | str, float]]
                        ) -> dict[tuple[int, ...], float]:
@@ -494,7 +512,7 @@ def stage_order(settings: GenerationSettings) -> tuple[str, ...]:
 
 def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
                      tokenizer: Any = None, constraint: Any = None,
-                     vocab_size: int | None = None) -> list[Stage]:
+                     vocab_size: int | None = None, min_keep: int = 1) -> list[Stage]:
     """The chain for `settings`: its active stages, in the order used (EOS suppression
     is added per step by the decode loop, not here).
 
@@ -503,9 +521,11 @@ def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
     encodes text in logit_bias and finds DRY's breakers. `constraint`: a grammar compiled
     by `genlib.grammar.compile_for`, run first as stage "grammar" (a mask has to come
     before truncation, or top-k could keep only tokens the grammar forbids).
-    `vocab_size`: the logits' width, which logit_bias ids must fall in."""
+    `vocab_size`: the logits' width, which logit_bias ids must fall in. `min_keep`: the
+    fewest tokens top-k, top-p, min-p, typical-p and the epsilon and eta cutoffs leave
+    (transformers' `min_tokens_to_keep`: 1, and more for beam sampling)."""
     seed = settings.seed if settings.seed is not None else fresh_seed()
-    ctx = _BuildContext(prompt_width, tokenizer, seed, vocab_size)
+    ctx = _BuildContext(prompt_width, tokenizer, seed, vocab_size, min_keep)
     chain: list[Stage] = []
     if constraint is not None:
         from genlib import grammar

@@ -12,6 +12,7 @@ from transformers.generation import logits_process as hf
 from genlib import config, generate, processors
 from genlib.config import resolve_settings
 from genlib.errors import ConfigError
+from genlib.step import make_plan
 
 NEG = float("-inf")
 
@@ -84,7 +85,19 @@ HF_PAIRS = [
 ]
 
 
-@pytest.mark.parametrize("ours,theirs", HF_PAIRS, ids=lambda p: getattr(p, "__name__", ""))
+# Beam sampling's min_tokens_to_keep (transformers: the end ids + 1): each warper keeps 3.
+HF_MIN_KEEP_PAIRS = [
+    (processors.top_k(1, 3), hf.TopKLogitsWarper(1, min_tokens_to_keep=3)),
+    (processors.top_p(0.05, 3), hf.TopPLogitsWarper(0.05, min_tokens_to_keep=3)),
+    (processors.min_p(0.9, 3), hf.MinPLogitsWarper(0.9, min_tokens_to_keep=3)),
+    (processors.typical_p(0.05, 3), hf.TypicalLogitsWarper(0.05, min_tokens_to_keep=3)),
+    (processors.epsilon_cutoff(0.2, 3), hf.EpsilonLogitsWarper(0.2, min_tokens_to_keep=3)),
+    (processors.eta_cutoff(0.2, 3), hf.EtaLogitsWarper(0.2, min_tokens_to_keep=3)),
+]
+
+
+@pytest.mark.parametrize("ours,theirs", HF_PAIRS + HF_MIN_KEEP_PAIRS,
+                         ids=lambda p: getattr(p, "__name__", ""))
 def test_each_processor_matches_transformers(ours, theirs):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 64, generator=gen) * 3
@@ -183,3 +196,23 @@ def test_a_bias_text_that_encodes_past_the_vocabulary_is_refused():
     settings = resolve_settings({"logit_bias": {"<extra>": 2.0}})
     with pytest.raises(ConfigError, match="token id 600 is outside"):
         processors.check_for_model(settings, AddedTokens(), 512)
+
+
+def test_beam_sampling_keeps_as_many_tokens_as_transformers(stories):
+    """transformers' beam sampling builds its warpers with min_tokens_to_keep = the end
+    ids + 1 (at least 2), so a beam always has a continuation that does not end; plain
+    sampling keeps 1. stories260K has two end ids: top-p 0.01 on a peaked row keeps 1
+    token when sampling, 3 with beams."""
+    from genlib import beam
+
+    assert len(stories.eos_ids) == 2
+    peaked = probs([0.96, 0.02, 0.012, 0.008])
+    for strategy, kept_count in (("sample", 1), ("beam", 3)):
+        flags = {"top_p": 0.01, "do_sample": True, "strategy": strategy, "seed": 0}
+        if strategy == "beam":
+            flags["num_beams"] = 2
+            chain = beam._make_plan(stories, resolve_settings(flags), False, 1).chain
+        else:
+            chain = make_plan(stories, resolve_settings(flags), 1).chain
+        [stage] = [st for st in chain if st.name == "top_p"]
+        assert sum(kept(stage(None, peaked))) == kept_count

@@ -101,6 +101,16 @@ def test_dry_grows_with_repeat_length_and_stops_at_breakers():
     assert out[0].tolist() == [0.0] * 5
 
 
+@pytest.mark.parametrize("last_n", [10, 12, 15, 19, 20, 64])
+def test_dry_window_longer_than_the_context_scans_all_of_it(last_n):
+    """llama.cpp scans min(context, last_n) tokens: a window past the context's length
+    (10 here) gives the whole-context penalties of the worked example above."""
+    a, b, c, y = 0, 1, 2, 3
+    context = torch.tensor([[a, b, c, c, b, c, y, a, b, c]])
+    out = processors.dry(1.0, 2.0, 1, frozenset(), last_n)(context, torch.zeros(1, 5))
+    assert out[0].tolist() == [0.0, -1.0, -4.0, -2.0, 0.0]
+
+
 # --- truncation ---------------------------------------------------------------------
 
 @pytest.mark.parametrize("threshold,expected", [  # llama.cpp test_xtc
@@ -113,6 +123,23 @@ def test_xtc_matches_llama_cpp_vectors(threshold, expected):
     out = processors.xtc(threshold, 1.0, seed=0)(torch.tensor([[5]]),
                                                  logits_of([0.4, 0.3, 0.2, 0.1]))
     assert kept(out) == expected
+
+
+def test_xtc_takes_only_the_candidates_earlier_stages_left():
+    """llama.cpp's XTC sees the array top-k shrank: with threshold 0 every candidate
+    qualifies and the least probable of them stays. Tokens already removed do not count
+    (they once left no token at all, and sampling failed)."""
+    logits = logits_of([0.3, 0.25, 0.2, 0.15, 0.1])
+    out = processors.xtc(0.0, 1.0, seed=0)(torch.tensor([[5]]), processors.top_k(3)(None, logits))
+    assert kept(out) == [False, False, True, False, False]
+
+
+def test_xtc_keeps_one_of_tokens_tied_at_the_least_probability():
+    """llama.cpp removes the first pos_last tokens of its sorted array, so exactly one of
+    the tied least probable survives (which one is its sort's; here the lowest id)."""
+    out = processors.xtc(0.2, 1.0, seed=0)(torch.tensor([[5]]),
+                                           logits_of([0.4, 0.25, 0.25, 0.1]))
+    assert kept(out) == [False, True, False, True]
 
 
 def test_xtc_fires_with_its_probability():
@@ -168,6 +195,13 @@ def test_mirostat_truncates_by_surprise_and_adapts_mu():
     assert kept(fn(None, logits_of([0.5, 0.3, 0.15, 0.05]))) == [True, True, False, False]
     state.reorder(torch.tensor([0, 0]))  # rows follow the batch
     assert state.mu.shape == (2,)
+
+
+def test_mirostat_keeps_one_token_when_none_is_within_mu():
+    """llama.cpp's `size = 1`: uniform over 8 tokens, each 3 bits of surprise, mu 2 bits
+    (tau 1): the first token alone stays, not all eight tied at the top."""
+    fn = processors.mirostat_v2(processors.MirostatState(tau=1.0, eta=0.1))
+    assert kept(fn(None, torch.zeros(1, 8))) == [True] + [False] * 7
 
 
 def test_mirostat_holds_average_surprise_near_tau():
