@@ -106,7 +106,12 @@ class LoadedModel:
         len(text) / that many tokens. Tokenizing megabytes would take minutes first."""
         if self.max_positions is None:
             return
-        room = max(self.max_positions - max_new_tokens, 1)
+        if max_new_tokens >= self.max_positions:
+            raise ContextLengthError(
+                f"max_new_tokens {max_new_tokens} leaves no room for the prompt in the "
+                f"model's {self.max_positions} positions; lower max_new_tokens below "
+                f"{self.max_positions}")
+        room = self.max_positions - max_new_tokens
         most = room * self.longest_token * 4
         if len(text) > most:
             raise ContextLengthError(

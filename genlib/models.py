@@ -264,6 +264,10 @@ def _load_tokenizer(ref: str, spec: ModelSpec, files_only: bool) -> Any:
     return tokenizer
 
 
+# transformers' words when it finds neither a fast tokenizer's file nor a slow one to convert
+NO_TOKENIZER_FILE = "Couldn't instantiate the backend tokenizer"
+
+
 def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError | None:
     """The ModelLoadError for a tokenizer that did not load (None: a fault of genlab's).
     Any failure to read a local folder's tokenizer files is the files' fault."""
@@ -275,6 +279,11 @@ def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError |
         return ModelLoadError(_load_message(name, exc))
     if isinstance(exc, ImportError) or "pip install" in str(exc):  # a library, not the files
         return ModelLoadError(f"cannot load the tokenizer of {name}: {_first_line(exc)}")
+    if not local and NO_TOKENIZER_FILE in str(exc):  # a snapshot cached in part, say
+        return ModelLoadError(
+            f"cannot load the tokenizer of {name}: its files have no tokenizer.json, nor a "
+            f"slow tokenizer this install can convert (that needs sentencepiece or "
+            f"tiktoken); download the model again in full, or give a local folder")
     if local:
         return ModelLoadError(f"cannot load the tokenizer of {name} ({_first_line(exc)}); "
                               f"restore its tokenizer files (tokenizer.json, "

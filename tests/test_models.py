@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from genlib import generate
@@ -36,6 +38,29 @@ def test_uncached_hub_id_while_offline(monkeypatch, tmp_path):
     monkeypatch.setenv("HF_HOME", str(tmp_path))
     with pytest.raises(ModelLoadError, match="not in the local Hugging Face cache"):
         load_model(ModelSpec("genlab-tests/surely-not-cached-model"))
+
+
+def test_hub_model_cached_without_its_tokenizer_files(monkeypatch, tmp_path):
+    """A snapshot in the cache with config.json alone (a download cut short): one line
+    naming the missing tokenizer files and the fix, not the first line of transformers'
+    five-line message."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path))
+    repo = tmp_path / "models--genlab-tests--partial"
+    (repo / "snapshots" / "abc123").mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    shutil.copy(STORIES / "config.json", repo / "snapshots" / "abc123" / "config.json")
+    with pytest.raises(ModelLoadError) as caught:
+        load_model(ModelSpec("genlab-tests/partial"))
+    message = str(caught.value)
+    assert "\n" not in message
+    assert message.startswith("cannot load the tokenizer of genlab-tests/partial: its files "
+                              "have no tokenizer.json")
+    assert message.endswith("download the model again in full, or give a local folder")
 
 
 def test_unavailable_device_and_bad_names():
