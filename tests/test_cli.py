@@ -341,3 +341,24 @@ def test_sampling_flags_under_greedy_are_named_in_one_warning():
     assert result.exit_code == 0, result.output
     assert "warning: temperature only applies when sampling; strategy is greedy" \
         in result.stderr
+
+
+def test_show_settings_keeps_every_value_readable_at_80_columns(tmp_path):
+    """A preset's path in the source column once took the whole width and left the value
+    column none; the path now wraps, each value stays whole, and the model column is
+    there only when the model has a generation_config.json to compare."""
+    folder = tmp_path / "a-rather-long-folder-name-for-presets" / "and-another-level"
+    folder.mkdir(parents=True)
+    preset = folder / "mine.yaml"
+    preset.write_text("name: mine\ntop_p: 0.85\n")
+    result = runner.invoke(app, ["generate", "Once", *MODEL, "-n", "2", "-t", "0.9",
+                                 "-p", str(preset), "--show-settings"],
+                           env={"COLUMNS": "80"})
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line.split("│") for line in result.stderr.splitlines()
+            if "│" in line and line.split()[0] != "│"}
+    assert rows["temperature"][1].strip() == "0.9"
+    assert rows["top_p"][1].strip() == "0.85" and "preset mine" in rows["top_p"][2]
+    assert rows["top_k"][1].strip() == "0"
+    assert all(len(line) <= 80 for line in result.stderr.splitlines())
+    assert "generation_config" not in result.stderr.splitlines()[1]  # stories260K has none to show
