@@ -4,7 +4,7 @@ settings (flag > preset > defaults), load the model once and encode the prompt."
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -27,10 +27,16 @@ class ModelFlags:
     backend: str = "auto"
 
 
-def settings_for(preset_ref: str | None, flags: dict[str, Any]
+def settings_for(preset_ref: str | None, flags: dict[str, Any],
+                 defaults: Mapping[str, Any] | None = None
                  ) -> tuple[GenerationSettings, Preset | None]:
+    """The settings of flag > preset > `defaults` (a command's own, explain's 20 new
+    tokens) > genlab's defaults, and the preset."""
     preset = load_preset(preset_ref) if preset_ref else None
-    settings = resolve_settings(flags, preset.settings if preset else None)
+    own = preset.settings if preset else {}
+    # The command's defaults go under the preset, as a batch run's flags go under a
+    # line's preset; only the preset counts as one (for beam sampling's inference).
+    settings = resolve_settings(flags, {**(defaults or {}), **own}, presets=[own])
     from cli.render import warn_unused
 
     warn_unused(settings)

@@ -18,6 +18,10 @@ if TYPE_CHECKING:
     from genlib.config import GenerationSettings
     from genlib.models import LoadedModel
 
+# explain's own defaults: a layer between genlab's defaults and the preset, so a
+# preset's max_new_tokens (and a flag, above both) overrides them.
+EXPLAIN_DEFAULTS = {"max_new_tokens": 20}
+
 
 def parse_steps(text: str | None) -> tuple[int, int | None]:
     """`--steps A:B` -> (A, B) (B exclusive, None = to the end); `A` alone is one step."""
@@ -35,13 +39,30 @@ def parse_steps(text: str | None) -> tuple[int, int | None]:
     return first, last
 
 
+def runs_of(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The record's runs: the original and, with --branch, the branch."""
+    return [record["original"], *([record["branch"]] if "branch" in record else [])]
+
+
+def warn_if_no_step(steps: str, first: int, runs: list[dict[str, Any]]) -> None:
+    """A warning when `--steps A:B` selects none of the steps the view would show."""
+    from cli.render import warn
+
+    count = max(len(run["steps"]) for run in runs)
+    if first >= count:
+        which = "the run has" if len(runs) == 1 else "the longer run has"
+        have = "no steps" if count == 0 else f"{count} steps (0-{count - 1})"
+        warn(f"--steps {steps} selects no step: {which} {have}")
+
+
 def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, int]:
     """`--branch STEP:TOKEN` -> (step, token id)."""
     from genlib.explain import parse_token
 
     step_text, sep, token = text.partition(":")
     if not sep or not step_text.isdigit() or not token:
-        raise fail(f"--branch {text!r}: give STEP:TOKEN, e.g. 3:dog or 3:#421 (a token id)")
+        raise fail(f"--branch {text!r}: give STEP:TOKEN, e.g. 3:#421 (a token id) or "
+                   "\"3: the\" (a text that is one token of the model)")
     step = int(step_text)
     if step >= max_new_tokens:
         raise fail(f"--branch step {step} is past --max-new-tokens ({max_new_tokens})")
@@ -78,7 +99,7 @@ def explain(
     strategy: opt.Strategy = None,
     max_new_tokens: Annotated[int | None, typer.Option(
         "--max-new-tokens", "-n", rich_help_panel=opt.DECODING_PANEL,
-        help="Tokens to generate at most (default 20 here).")] = None,
+        help="Tokens to generate at most (default: the preset's, else 20).")] = None,
     min_new_tokens: opt.MinNewTokens = None,
     temperature: opt.Temperature = None,
     top_k: opt.TopK = None,
@@ -97,19 +118,21 @@ def explain(
     system: opt.System = None,
     steps: Annotated[str | None, typer.Option(
         "--steps", rich_help_panel=opt.OUTPUT_PANEL,
-        help="Steps to show, A:B (0-based, B excluded; default all).")] = None,
+        help="Steps to show, A:B (0-based, B excluded; default all), in the terminal "
+        "view or the --html page.")] = None,
     top: Annotated[int, typer.Option(
         "--top", min=1, max=20, rich_help_panel=opt.OUTPUT_PANEL,
         help="Candidates shown per step (the raw model's most probable).")] = 5,
     branch: Annotated[str | None, typer.Option(
-        "--branch", help="STEP:TOKEN: force TOKEN (text, or #id) at STEP and continue with "
-        "the same random draws; shows both runs side by side.")] = None,
+        "--branch", help="STEP:TOKEN: force TOKEN (a text that is one token, or #id) at "
+        "STEP and continue with the same random draws; shows both runs and where they "
+        "diverge.")] = None,
     as_json: opt.Json = False,
     output_file: opt.JsonOutputFile = None,
     html_file: Annotated[Path | None, typer.Option(
         "--html", rich_help_panel=opt.OUTPUT_PANEL,
         help="Write one self-contained page: tokens coloured by probability, click one "
-        "for its step.")] = None,
+        "for its step (with --branch, both runs).")] = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
@@ -124,21 +147,23 @@ def explain(
 
     Examples:\n
       genlab explain "Once upon a time" -t 0.8 --top-k 20 --seed 1 -n 10\n
-      genlab explain "Once upon a time" --seed 1 -t 0.8 --branch 2:dog\n
+      genlab explain "def add(a, b):" --seed 1 -t 0.8 --branch "1: pass"\n
       genlab explain "def add(a, b):" --html explain.html
     """
     from cli import render, render_explain
 
     flags = opt.decoding_flags(locals() | sampler_flags)
-    flags.setdefault("max_new_tokens", 20)
     target = output.sink(as_json, False, output_file)
     if not target.machine and not target.to_stdout:
         raise fail("-o/--output writes the --json output of explain; add --json, or use "
                    "--html FILE for a readable export")
+    if steps and target.machine and html_file is None:
+        raise fail("--steps selects the steps of the terminal view or the --html page; "
+                   "--json writes every step (drop --steps, or add --html FILE)")
     if html_file is not None:
         output.check_writable(html_file, "--html")
     first, last = parse_steps(steps)
-    settings, loaded_preset = settings_for(preset, flags)
+    settings, loaded_preset = settings_for(preset, flags, EXPLAIN_DEFAULTS)
     if settings.strategy == "beam":
         raise fail("explain steps through greedy or sampled decoding, not beam search "
                    "(see `genlab beam --tree`)")
@@ -150,10 +175,12 @@ def explain(
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
     render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)
+    if steps:  # the page shows both runs' steps, the terminal view the original's
+        warn_if_no_step(steps, first, runs_of(record) if html_file else [record["original"]])
     if html_file is not None:
         from cli.explain_html import page
 
-        html_file.write_text(page(record), encoding="utf-8")
+        html_file.write_text(page(record, first, last), encoding="utf-8")
         render.info(f"wrote {html_file}")
     if target.machine:
         with output.opened(target):

@@ -1,24 +1,28 @@
 """`explain --html`: one self-contained page (inline CSS and script, no network). Each
 generated token is a <span class="tok"> coloured by its processed probability; a click
 shows that step's waterfall (the candidates' probability after each stage), as does
-opening the page at `#step-N`."""
+opening the page at `#step-N` (`#branch-step-N` for the branch's). With `--branch` the
+branch's text is under the original's, its forced token and the tokens from the
+divergence on marked; with `--steps` only the steps chosen are coloured and clickable."""
 
 from __future__ import annotations
 
 import html
 import json
+import math
 from typing import Any
 
 PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>genlab explain</title>
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
-#text {{ font-family: ui-monospace, monospace; font-size: 1.1em; line-height: 1.8;
+.text {{ font-family: ui-monospace, monospace; font-size: 1.1em; line-height: 1.8;
         white-space: pre-wrap; border: 1px solid #ccc; padding: 1em; }}
-.prompt {{ color: #777; }}
+.prompt, .skip {{ color: #777; }}
 .tok {{ cursor: pointer; border-radius: 3px; padding: 1px 0; }}
 .tok.sel {{ outline: 2px solid #333; }}
 .tok.forced {{ text-decoration: underline wavy; }}
+.tok.diverged {{ box-shadow: inset 0 3px 0 #333; }}
 table {{ border-collapse: collapse; margin-top: 1em; }}
 td, th {{ border: 1px solid #ddd; padding: 2px 8px; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; }}
@@ -29,23 +33,26 @@ td:first-child, th:first-child {{ text-align: left; }}
 <h1>genlab explain</h1>
 <p>{meta}</p>
 <p>Tokens are coloured by the probability the sampler gave them (red: unlikely, green:
-likely). Click a token to see its step.</p>
-<div id="text"><span class="prompt">{prompt}</span>{tokens}</div>
+likely). Click a token to see its step.{note}</p>
+{texts}
 <div id="step"><p>Click a token.</p></div>
 <script>
-const STEPS = {steps};
+const STEPS = {steps};  // run -> step number -> step
+const BRANCHED = "branch" in STEPS;
 function pct(p) {{ return p === 0 ? "0" : (p * 100).toFixed(p >= 0.001 ? 1 : 3) + "%"; }}
 const ENT = {{"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}};
 function esc(s) {{ return s.replace(/[&<>"]/g, c => ENT[c]); }}
 function cells(s, f) {{ return s.stages.map(x => "<td>" + f(x) + "</td>").join(""); }}
-function show(i) {{
+function show(run, i) {{
   document.querySelectorAll(".tok.sel").forEach(e => e.classList.remove("sel"));
-  document.querySelector('.tok[data-step="' + i + '"]').classList.add("sel");
-  const s = STEPS[i], names = s.stages.map(x => x.name);
+  document.querySelector('.tok[data-run="' + run + '"][data-step="' + i + '"]')
+    .classList.add("sel");
+  const s = STEPS[run][i], names = s.stages.map(x => x.name);
   let rows = s.candidates.slice();
   if (!rows.some(c => c.id === s.chosen.id)) rows.push(s.chosen);
-  let h = "<h2>step " + s.step + ": " + esc(JSON.stringify(s.chosen.token)) +
-          (s.forced ? " (forced by the branch)" : "") + "</h2><table><tr><th>token</th>" +
+  let h = "<h2>" + (BRANCHED ? run + ", " : "") + "step " + s.step + ": " +
+          esc(JSON.stringify(s.chosen.token)) + (s.forced ? " (forced by the branch)" : "") +
+          "</h2><table><tr><th>token</th>" +
           names.map(n => "<th>" + n + "</th>").join("") + "<th>removed by</th></tr>";
   for (const c of rows) {{
     const cls = c.id === s.chosen.id ? "chosen" : (c.removed_by ? "removed" : "");
@@ -55,17 +62,20 @@ function show(i) {{
       "<td>" + (c.removed_by || "") + "</td></tr>";
   }}
   h += "<tr><td>mass removed</td>" + cells(s, x => pct(x.removed_mass)) + "<td></td></tr>";
-  h += "<tr><td>entropy (nats)</td>" + cells(s, x => Math.abs(x.entropy).toFixed(2)) +
+  h += "<tr><td>entropy (nats)</td>" + cells(s, x => x.entropy.toFixed(2)) +
        "<td></td></tr></table>";
   h += s.draw === null ? "<p>greedy: the most probable token after the chain</p>" :
-       "<p>draw u = " + s.draw.toFixed(4) + "; chosen span [" + s.interval[0].toFixed(4) + ", " +
-       s.interval[1].toFixed(4) + ")</p>";
+       "<p>draw u = " + s.draw.toFixed(4) +
+       (s.forced ? " (ignored: the branch forced this token)" : "") +
+       "; chosen span [" + s.interval[0].toFixed(4) + ", " + s.interval[1].toFixed(4) + ")</p>";
   document.getElementById("step").innerHTML = h;
 }}
 document.querySelectorAll(".tok").forEach(
-  e => e.addEventListener("click", () => show(+e.dataset.step)));
-const linked = location.hash.match(/^#step-(\d+)$/);  // page.html#step-3 opens step 3
-if (linked && STEPS[+linked[1]]) show(+linked[1]);
+  e => e.addEventListener("click", () => show(e.dataset.run, +e.dataset.step)));
+// page.html#step-3 opens the original's step 3, #branch-step-3 the branch's
+const linked = location.hash.match(/^#(branch-)?step-(\d+)$/);
+const linkedRun = linked && linked[1] ? "branch" : "original";
+if (linked && STEPS[linkedRun] && STEPS[linkedRun][+linked[2]]) show(linkedRun, +linked[2]);
 </script></body></html>
 """
 
@@ -75,19 +85,67 @@ def colour(p: float) -> str:
     return f"hsl({round(120 * p)}, 75%, 78%)"
 
 
-def page(record: dict[str, Any]) -> str:
-    """The whole page for an `explain --json` record."""
-    steps = record["original"]["steps"]
+def token_span(run: str, step: dict[str, Any], diverged: bool) -> str:
+    """One generated token, coloured by its probability, that shows its step when clicked."""
+    lp = step["chosen"]["processed_logprob"]
+    p = 0.0 if lp is None else math.exp(lp)
+    classes = "tok" + (" forced" if step["forced"] else "") + (" diverged" if diverged else "")
+    return (f'<span class="{classes}" data-run="{run}" data-step="{step["step"]}" '
+            f'style="background:{colour(p)}" title="p={p:.3f}">'
+            f'{html.escape(step["token"]) or "&#8203;"}</span>')
+
+
+def run_text(run: str, steps: list[dict[str, Any]], prompt: str, shown: range | None,
+             at: int | None) -> str:
+    """A run's text: the prompt, then its tokens; those outside `shown` (--steps) plain
+    grey, those from the divergence `at` on marked."""
     spans = []
-    for i, s in enumerate(steps):
-        lp = s["chosen"]["processed_logprob"]
-        p = 0.0 if lp is None else 2.718281828459045 ** lp
-        forced = " forced" if s["forced"] else ""
-        spans.append(f'<span class="tok{forced}" data-step="{i}" style="background:'
-                     f'{colour(p)}" title="p={p:.3f}">{html.escape(s["token"]) or "&#8203;"}'
-                     f'</span>')
+    for s in steps:
+        if shown is None or s["step"] in shown:
+            spans.append(token_span(run, s, at is not None and s["step"] >= at))
+        else:
+            spans.append(f'<span class="skip">{html.escape(s["token"])}</span>')
+    return (f'<div class="text" id="{run}"><span class="prompt">{html.escape(prompt)}</span>'
+            f'{"".join(spans)}</div>')
+
+
+def branch_note(branch: dict[str, Any]) -> str:
+    """What the page says of the branch: where it diverges and how that is marked."""
+    step, at = branch["step"], branch["diverges_at"]
+    if len(branch["steps"]) <= step:
+        return (f" The run ended after {len(branch['steps'])} steps, before step {step}: "
+                f"the branch forced nothing, the two runs are the same.")
+    forced = html.escape(repr(branch["steps"][step]["token"]))
+    if at is None:
+        return (f" The branch forced {forced} at step {step} (wavy underline), the token the "
+                f"original chose there: no divergence, the two runs are the same.")
+    return (f" The branch forced {forced} at step {step} (wavy underline) and "
+            f"continued with the same random draws; the runs diverge at step {at}: from "
+            f"there on tokens have a bar above.")
+
+
+def page(record: dict[str, Any], first: int = 0, last: int | None = None) -> str:
+    """The whole page for an `explain --json` record: the original run and, with a
+    branch, the branch below it; only steps first to last - 1 (--steps) clickable."""
+    runs = {"original": record["original"]}
+    if "branch" in record:
+        runs["branch"] = record["branch"]
+    at = record["branch"]["diverges_at"] if "branch" in record else None
+    longest = max(len(run["steps"]) for run in runs.values())
+    shown = None if first == 0 and last is None else \
+        range(first, longest if last is None else last)
+    texts, data = [], {}
+    for name, run in runs.items():
+        if "branch" in runs:
+            texts.append(f"<h3>{name}</h3>")
+        texts.append(run_text(name, run["steps"], record["prompt"], shown, at))
+        data[name] = {s["step"]: s for s in run["steps"] if shown is None or s["step"] in shown}
+    note = branch_note(record["branch"]) if "branch" in record else ""
+    if shown is not None:
+        which = f"step {first}" if len(shown) == 1 else \
+            f"steps {first} on" if last is None else f"steps {first} to {last - 1}"
+        note += f" Only {which} (--steps) can be clicked; the other tokens are grey."
     meta = html.escape(f"model {record['model']} · strategy {record['settings']['strategy']}"
                        f" · seed {record['settings'].get('seed')}")
-    data = json.dumps(steps).replace("</", "<\\/")  # no "</script>" inside the script
-    return PAGE.format(meta=meta, prompt=html.escape(record["prompt"]), tokens="".join(spans),
-                       steps=data)
+    steps = json.dumps(data).replace("</", "<\\/")  # no "</script>" inside the script
+    return PAGE.format(meta=meta, note=note, texts="\n".join(texts), steps=steps)

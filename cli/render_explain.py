@@ -45,7 +45,7 @@ def step_table(step: dict[str, Any]) -> Table:
                       style=style)
     table.add_row("mass removed", "", *[_pct(s["removed_mass"]) if s["removed_mass"] else ""
                                        for s in step["stages"]], "", style="dim")
-    table.add_row("entropy (nats)", "", *[f"{abs(s['entropy']):.2f}" for s in step["stages"]], "",
+    table.add_row("entropy (nats)", "", *[f"{s['entropy']:.2f}" for s in step["stages"]], "",
                   style="dim")
     table.add_row("tokens left", "", *[str(s["kept"]) for s in step["stages"]], "",
                   style="dim")
@@ -78,8 +78,16 @@ def show_branch(original: dict[str, Any], branch: dict[str, Any], at: int | None
     table.add_column("branch")
     table.add_row(_marked(original["steps"], at), _marked(branch["steps"], at))
     out.print(table)
-    where = "no divergence" if at is None else f"they diverge at step {at}"
-    out.print(Text(f"{where} (marked); steps after it used the same random draws", style="dim"))
+    step, length = branch["step"], len(branch["steps"])
+    if at is None and length <= step:
+        note = (f"no divergence: the run ended after {length} steps, before step {step}, so "
+                f"nothing was forced and the two runs are the same")
+    elif at is None:
+        note = (f"no divergence: the token forced at step {step} is the one the original "
+                f"chose there, so the two runs are the same")
+    else:
+        note = f"they diverge at step {at} (marked); steps after it used the same random draws"
+    out.print(Text(note, style="dim"))
 
 
 def _marked(steps: Sequence[dict[str, Any]], at: int | None) -> Text:

@@ -447,7 +447,9 @@ def branch(session: Session, args: str) -> None:
         raise CommandError("/branch needs an answer first: type a prompt")
     step, _, token = args.partition(" ")
     if not step or not token:
-        raise CommandError("/branch needs STEP TOKEN, e.g. /branch 3 dog or /branch 3 #421")
+        raise CommandError("/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) or "
+                           "/branch 3 the (a text that is one token; a leading space is "
+                           "tried too)")
     ids, settings = session.last
     forced = parse_branch(session.lm, f"{step}:{token.strip()}", settings.max_new_tokens)
     record = explain_record(session.lm, ids, "", settings, 1, forced)

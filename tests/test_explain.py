@@ -4,14 +4,18 @@ CLI, and the --html page in a real headless browser."""
 from __future__ import annotations
 
 import json
+import math
+import re
+import shlex
 import shutil
 import subprocess
+from html.parser import HTMLParser
 
 import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.conftest import STORIES
+from tests.conftest import ROOT, SHARED_MODELS, STORIES
 
 runner = CliRunner()
 MODEL = ["-m", str(STORIES)]
@@ -65,6 +69,172 @@ def test_explain_terminal_view_and_errors(stories):
     assert beam.exit_code == 2 and "beam" in beam.output
     past = runner.invoke(app, ["explain", "Once", *MODEL, "-n", "3", "--branch", "5:#3"])
     assert past.exit_code == 2 and "--max-new-tokens" in past.output
+
+
+def explain_steps(*args: str) -> tuple[int, int]:
+    """(steps explained, the max_new_tokens the record says it ran with)."""
+    record = run_json("explain", "Once upon a time", *MODEL, "--ignore-eos", *args)
+    return len(record["original"]["steps"]), record["settings"]["max_new_tokens"]
+
+
+def test_explain_max_new_tokens_is_flag_then_preset_then_20(stories, tmp_path):
+    preset = tmp_path / "seven.yaml"
+    preset.write_text("name: seven\nmax_new_tokens: 7\n")
+    assert explain_steps() == (20, 20)
+    assert explain_steps("-p", str(preset)) == (7, 7)
+    assert explain_steps("-p", str(preset), "-n", "5") == (5, 5)
+
+
+def test_explain_steps_past_the_run_warn_and_json_refuses_steps(stories):
+    result = runner.invoke(app, ["explain", "Once upon a time", *MODEL, "-n", "3",
+                                 "--steps", "5:8"])
+    assert result.exit_code == 0 and result.stdout == ""
+    assert result.stderr.strip() == \
+        "warning: --steps 5:8 selects no step: the run has 3 steps (0-2)"
+    inside = runner.invoke(app, ["explain", "Once upon a time", *MODEL, "-n", "3",
+                                 "--steps", "2:8"])
+    assert "step 2:" in inside.stdout and "warning" not in inside.stderr
+    with_json = runner.invoke(app, ["explain", "Once", *MODEL, "--steps", "1:2", "--json"])
+    assert with_json.exit_code == 2 and with_json.stdout == ""
+    assert "--json writes every step" in with_json.stderr
+
+
+def test_forcing_the_chosen_token_says_there_is_no_divergence(record):
+    chosen = record["original"]["token_ids"][4]
+    result = runner.invoke(app, ["explain", "Once upon a time", *MODEL, *SAMPLED,
+                                 "--steps", "4", "--branch", f"4:#{chosen}"])
+    assert result.exit_code == 0, result.output
+    assert "no divergence: the token forced at step 4 is the one the original chose " \
+           "there, so the two runs are the same" in result.stdout
+    assert "(marked)" not in result.stdout
+    moved = runner.invoke(app, ["explain", "Once upon a time", *MODEL, *SAMPLED,
+                                "--steps", "4", "--branch", "4:#370"])
+    assert "they diverge at step 4 (marked)" in moved.stdout
+    ended = runner.invoke(app, ["explain", "Once upon a time", *MODEL, "--stop", " was",
+                                "--steps", "0", "--branch", "5:#370"])
+    assert ended.exit_code == 0, ended.output
+    assert "no divergence: the run ended after 3 steps, before step 5, so nothing was " \
+           "forced and the two runs are the same" in ended.stdout
+
+
+def test_json_entropy_of_a_one_token_stage_is_plus_zero(record):
+    entropies = [stage["entropy"] for step in record["original"]["steps"]
+                 for stage in step["stages"]]
+    assert 0.0 in entropies  # top-p kept one token at some step
+    assert all(math.copysign(1, e) == 1 for e in entropies)
+
+
+def help_examples(command: str) -> list[list[str]]:
+    """The command lines under "Examples:" in a command's --help."""
+    text = runner.invoke(app, [command, "--help"], env={"COLUMNS": "250"}).stdout
+    return [shlex.split(line.strip(" │"))[1:] for line in text.splitlines()
+            if line.strip(" │").startswith(f"genlab {command} ")]
+
+
+def test_explains_help_examples_run(tmp_path, monkeypatch):
+    """Each example in `genlab explain --help` runs (the default model; --branch's TOKEN
+    is one token of it)."""
+    examples = help_examples("explain")
+    assert len(examples) == 3 and any("--branch" in e for e in examples)
+    monkeypatch.chdir(tmp_path)  # --html explain.html is written here
+    for example in examples:
+        result = runner.invoke(app, example)
+        assert result.exit_code == 0, (example, result.output)
+    assert (tmp_path / "explain.html").is_file()
+
+
+def test_the_explain_outputs_in_the_docs_are_real(stories):
+    """Every `$ genlab explain ...` block in docs/explain.md prints what it shows."""
+    page = (ROOT / "docs" / "explain.md").read_text()
+    blocks = re.findall(r"```\n\$ genlab (explain .*?)\n(.*?)```", page, re.S)
+    assert len(blocks) == 2
+    for command, shown in blocks:
+        args = shlex.split(command.replace("../shared/models/", f"{SHARED_MODELS}/"))
+        result = runner.invoke(app, args, env={"COLUMNS": "120"})
+        assert result.exit_code == 0, result.output
+        printed = "\n".join(line.rstrip() for line in result.stdout.splitlines())
+        assert printed.strip("\n") == shown.strip("\n"), command
+
+
+class Spans(HTMLParser):
+    """The token spans of an --html page: (run, step, classes, text), and the others'
+    text (tokens outside --steps)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tokens: list[list] = []
+        self.skipped: list[str] = []
+        self._in: str | None = None
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        a = dict(attrs)
+        classes = (a.get("class") or "").split()
+        if tag == "span" and "tok" in classes:
+            self.tokens.append([a["data-run"], int(a["data-step"]), set(classes), ""])
+            self._in = "tok"
+        elif tag == "span" and "skip" in classes:
+            self.skipped.append("")
+            self._in = "skip"
+
+    def handle_data(self, data: str) -> None:
+        if self._in == "tok":
+            self.tokens[-1][3] += data
+        elif self._in == "skip":
+            self.skipped[-1] += data
+
+    def handle_endtag(self, tag: str) -> None:
+        self._in = None
+
+
+def html_page(tmp_path, *args: str) -> tuple[Spans, dict, str]:
+    """Run explain --html; the page's spans, its STEPS data and the page."""
+    html_file = tmp_path / "explain.html"
+    result = runner.invoke(app, ["explain", "Once upon a time", *MODEL, *SAMPLED, *args,
+                                 "--html", str(html_file)])
+    assert result.exit_code == 0, result.output
+    page = html_file.read_text()
+    spans = Spans()
+    spans.feed(page)
+    data = json.loads(re.search(r"const STEPS = (.*?);  //", page).group(1))
+    return spans, data, page
+
+
+def test_html_page_shows_the_branch(record, tmp_path):
+    spans, data, page = html_page(tmp_path, "--branch", "2:#370")
+    original, branch = record["original"], record["branch"]
+    at = branch["diverges_at"]
+    assert at == 2
+    for name, run in (("original", original), ("branch", branch)):
+        mine = [t for t in spans.tokens if t[0] == name]
+        assert [t[1] for t in mine] == list(range(len(run["steps"])))
+        assert "".join(t[3] for t in mine) == run["text"]
+        assert [t[1] for t in mine if "diverged" in t[2]] == list(range(at, len(mine)))
+        assert [t[1] for t in mine if "forced" in t[2]] == ([2] if name == "branch" else [])
+        assert [s["chosen"]["id"] for s in data[name].values()] == run["token_ids"]
+    assert data["branch"]["2"]["forced"] and not data["original"]["2"]["forced"]
+    assert "The branch forced &#x27; big&#x27; at step 2" in page
+    assert "the runs diverge at step 2" in page
+    same = tmp_path / "same"
+    same.mkdir()
+    chosen = original["token_ids"][2]
+    spans, _, page = html_page(same, "--branch", f"2:#{chosen}")
+    assert not any("diverged" in t[2] for t in spans.tokens)
+    assert [t[:2] for t in spans.tokens if "forced" in t[2]] == [["branch", 2]]
+    assert "the token the original chose there: no divergence, the two runs are the " \
+           "same" in page
+    ended = tmp_path / "ended"
+    ended.mkdir()
+    spans, _, page = html_page(ended, "--stop", " was", "--branch", "7:#370")
+    assert len(spans.tokens) == 2 * len(record["original"]["steps"][:3])
+    assert "The run ended after 3 steps, before step 7: the branch forced nothing" in page
+
+
+def test_html_page_honours_steps(record, tmp_path):
+    spans, data, page = html_page(tmp_path, "--steps", "2:4")
+    steps = record["original"]["steps"]
+    assert [t[1] for t in spans.tokens] == [2, 3] and list(data["original"]) == ["2", "3"]
+    assert spans.skipped == [s["token"] for s in steps if s["step"] not in (2, 3)]
+    assert "Only steps 2 to 3 (--steps) can be clicked" in page
 
 
 def test_generate_logprobs_json_shape(stories):
@@ -174,8 +344,9 @@ def test_html_page_renders_in_a_browser(record, tmp_path):
             "--window-size=1000,900", "--virtual-time-budget=2000"]
     dom = subprocess.run([*base, "--dump-dom", url], capture_output=True, text=True,
                          timeout=120).stdout
-    assert dom.count('class="tok') == len(record["original"]["steps"])
-    assert "<h2>step 2:" in dom and "top_p</th>" in dom  # the script ran: step 2's waterfall
+    assert dom.count('class="tok') == len(record["original"]["steps"]) + \
+        len(record["branch"]["steps"])
+    assert "<h2>original, step 2:" in dom and "top_p</th>" in dom  # the script ran
     shot = tmp_path / "shot.png"
     subprocess.run([*base, f"--screenshot={shot}", url], capture_output=True, timeout=120)
     image = pil.open(shot).convert("L")
