@@ -162,8 +162,9 @@ TruncatePrompt = Annotated[bool, typer.Option(
 Logprobs = Annotated[int | None, typer.Option(
     "--logprobs", min=0, max=20, rich_help_panel=OUTPUT_PANEL,
     help="Per token: its logprob under the raw model and the processed distribution, and "
-         "the N most probable alternatives (0-20; --json: a logprobs object per output, "
-         "in the OpenAI/vLLM shape).")]
+         "the N most probable alternatives (1-20; 0 turns them off, where vLLM's 0 keeps "
+         "the chosen token's; --json: a logprobs object per output, in the OpenAI/vLLM "
+         "shape).")]
 ColorBy = Annotated[str | None, typer.Option(
     "--color-by", rich_help_panel=OUTPUT_PANEL,
     help="Colour each streamed token by prob, entropy or rank (on a terminal; a legend "
