@@ -97,8 +97,8 @@ def read_prompt(prompt: str | None) -> str:
     except UnicodeDecodeError as exc:
         raise fail(f"stdin is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
                    f"{exc.start}); genlab reads prompts as UTF-8") from None
-    if text.endswith("\n"):
-        text = text[:-1]
+    # The line end `echo` or a Windows editor leaves (CRLF too), not the prompt's own.
+    text = text.removesuffix("\n").removesuffix("\r")
     if not text:
         raise fail("the prompt read from stdin is empty")
     return text

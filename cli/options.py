@@ -257,9 +257,34 @@ def decoding_flags(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
     parameters are `params` (the command's `locals()`), plus the command's own `extra`."""
     picked = {setting: params[name] for name, setting in DECODING_PARAMS.items()
               if name in params}
+    check_one_stdin(params)
     picked |= grammar_flags(params.get("json_schema"), params.get("regex"),
                             params.get("grammar"))
     return setting_flags(**(picked | extra))
+
+
+def check_one_stdin(params: dict[str, Any]) -> None:
+    """ConfigError, before anything reads it, when two inputs of a command (`params`, its
+    locals) would both come from stdin: the first would take it all, the other get
+    nothing (`--input -` with `--json-schema -` ran zero lines)."""
+    from genlib.errors import ConfigError
+
+    readers = [flag for flag, name in (("--json-schema -", "json_schema"),
+                                       ("--grammar -", "grammar")) if params.get(name) == "-"]
+    if params.get("input_file") is not None:
+        readers += ["--input -"] if str(params["input_file"]) == "-" else []
+    elif "prompt" in params and params["prompt"] in (None, "-") and \
+            not params.get("interactive") and (params["prompt"] == "-" or _stdin_piped()):
+        readers.append("the prompt")
+    if len(readers) > 1:
+        raise ConfigError(f"{' and '.join(readers)} would both read stdin; give all but "
+                          f"one as a file or an argument")
+
+
+def _stdin_piped() -> bool:
+    import sys
+
+    return sys.stdin is not None and not sys.stdin.isatty()
 
 
 def grammar_flags(json_schema: str | None, regex: str | None, grammar: str | None

@@ -140,6 +140,31 @@ def test_a_grammar_file_that_is_not_text_is_refused(tmp_path: Path):
                         input=b"\xff root"), 2, "--grammar: stdin is not UTF-8 text")
 
 
+def test_two_inputs_from_stdin_are_refused_before_either_reads_it(tmp_path: Path):
+    """The first reader took all of stdin and the other got nothing: `--input -` with
+    `--json-schema -` ran zero lines and wrote an empty results file, exit 0."""
+    out = tmp_path / "out.jsonl"
+    line = '{"id": "q1", "prompt": "Once upon a time"}\n'
+    assert_clear(invoke("generate", *MODEL, "--input", "-", "-o", str(out), "--json-schema",
+                        "-", input=line), 2,
+                 "--json-schema - and --input - would both read stdin; give all but one as "
+                 "a file or an argument")
+    assert not out.exists()
+    for prompt in ([], ["-"]):
+        assert_clear(invoke("generate", *prompt, *MODEL, "--grammar", "-",
+                            input='root ::= "a"'), 2,
+                     "--grammar - and the prompt would both read stdin")
+    result = invoke("generate", "Num:", *MODEL, "-n", "2", "--json-schema", "-",
+                    input='{"type": "integer"}')
+    assert result.exit_code == 0, result.output  # the prompt is an argument: one reader
+
+
+def test_a_crlf_line_end_on_stdin_is_not_part_of_the_prompt():
+    result = invoke("generate", *MODEL, "-n", "3", "--json", input="Once upon a time\r\n")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["prompt"] == "Once upon a time"
+
+
 def test_duplicate_keys_in_a_preset_are_refused(tmp_path: Path):
     preset = tmp_path / "p.yaml"
     preset.write_text("temperature: 0.5\ntop_p: 0.9\ntemperature: 0.7\n")
