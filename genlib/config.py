@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import reprlib
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -419,11 +420,18 @@ def validate_settings(data: Mapping[str, Any], source: str,
     return out
 
 
+# YAML 1.1's base-60 numbers, which PyYAML reads as ints and floats: 1:30 is 90.
+SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+
+
 def parse_value(key: str, text: str, source: str = "value") -> Any:
-    """Type a `KEY=VALUE` string the way YAML would (`0.7` -> float, `true` -> bool)."""
+    """Type a `KEY=VALUE` string the way YAML would (`0.7` -> float, `true` -> bool),
+    but for YAML 1.1's base-60 numbers, which stay text (`top_k=1:0` is not 60)."""
     try:
         value = yaml.safe_load(text) if text.strip() else None
     except yaml.YAMLError:
+        value = text
+    if SEXAGESIMAL.fullmatch(text.strip()):
         value = text
     spec = SPECS.get(key)
     if spec is not None and spec.kind in ("str", "strings", "choice") and not isinstance(

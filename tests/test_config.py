@@ -89,6 +89,16 @@ def test_cross_field_rules():
         resolve_settings({"strategy": "sample", "num_beams": 3})
 
 
+def test_base_60_numbers_are_not_read_as_numbers():
+    """PyYAML reads 1:0 as 60 and 1:30 as 90 (YAML 1.1); a setting given so is refused
+    as the text it is, not taken as a number nobody wrote."""
+    with pytest.raises(ConfigError, match="top_k"):
+        parse_assignments("top_k=1:0", "/set")
+    with pytest.raises(ConfigError, match="seed"):
+        parse_assignments("seed=1:30", "/set")
+    assert parse_assignments("stop_strings=12:30", "/set")["stop_strings"] == ("12:30",)
+
+
 def test_parse_assignments_types_values_like_yaml():
     parsed = parse_assignments("temperature=0.7, top_k=5 stop_strings=END", "--variant")
     assert parsed == {"temperature": 0.7, "top_k": 5, "stop_strings": ("END",)}
