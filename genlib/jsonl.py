@@ -51,7 +51,9 @@ def loads(text: str, text_only: bool = True) -> Any:
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
-        raise JsonLineError(f"not valid JSON ({exc.msg} at column {exc.colno})") from None
+        # Some of json's messages end in "at" themselves ("Invalid control character at").
+        reason = exc.msg.removesuffix(" at")
+        raise JsonLineError(f"not valid JSON ({reason} at column {exc.colno})") from None
     except _DuplicateKey as exc:
         raise JsonLineError(f"has the key {json.dumps(exc.key)} twice in one object; keep "
                             f"one (JSON readers differ on which one counts)") from None

@@ -20,12 +20,12 @@ record written, `record_of` for each result read back when resuming.
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from genlib import jsonl
 from genlib.config import shown
 from genlib.errors import ConfigError
 
@@ -45,13 +45,15 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
 
 def detect(lines: Iterable[str]) -> str:
     """"openai" if the first JSON object line is a batch request (it has a `body`),
-    else "genlab"."""
+    else "genlab". Lines that cannot be read (any fault `jsonl.loads` reports: bad JSON,
+    nesting too deep, an integer too long) are passed over: each gets its own error when
+    the lines are parsed, as on any other line."""
     for text in lines:
         if not text.strip():
             continue
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError:
+            data = jsonl.loads(text, text_only=False)
+        except jsonl.JsonLineError:
             continue
         if isinstance(data, dict):
             return "openai" if "body" in data else "genlab"
@@ -242,12 +244,15 @@ def results_format(path: Path) -> str | None:
     except OSError:
         return None
     try:
-        data = json.loads(first)
-    except json.JSONDecodeError:
-        return None  # a half-written line: ResultsFile.read repairs or refuses the file
+        data = jsonl.loads(first, text_only=False)
+    except jsonl.JsonLineError:
+        return None  # half-written, or not results: ResultsFile.read repairs or refuses
     if not isinstance(data, dict):
         return None
-    return "openai" if "custom_id" in data and "response" in data else "genlab"
+    if "custom_id" in data and "response" in data:
+        return "openai"
+    # Not a genlab record either (no text or error): no format to keep; read() refuses it.
+    return "genlab" if "text" in data or "error" in data else None
 
 
 def line_writer(endpoints: Mapping[str, str], model: str

@@ -98,17 +98,32 @@ def find_preset(ref: str, relative_to: Path | None = None, skip: tuple[Path, ...
         if not path.is_file():
             raise PresetError(f"preset file {ref} does not exist")
         return path
+    found = _find_named(ref, skip)
+    if found is None:
+        raise _no_preset_named(ref, paths_allowed=True)
+    return found
+
+
+def _find_named(name: str, skip: tuple[Path, ...] = ()) -> Path | None:
+    """The file of the preset `name` in the user's folder or the built-ins, if any."""
     for folder in _search_dirs():
         for suffix in SUFFIXES:
-            candidate = folder / f"{ref}{suffix}"
+            candidate = folder / f"{name}{suffix}"
             if candidate.is_file() and candidate.resolve() not in skip:
                 return candidate
+    return None
+
+
+def _no_preset_named(name: str, paths_allowed: bool) -> PresetError:
+    """The error for an unknown name; it suggests a path only where one may be given
+    (the user's own --preset, not an input line)."""
     from genlib.config import closest_key
 
-    hint = closest_key(ref, available_names())
+    hint = closest_key(name, available_names())
     extra = f" (did you mean {hint!r}?)" if hint else ""
-    raise PresetError(f"no preset named {ref!r}{extra}; `genlab presets list` shows them, "
-                      f"or pass a path to a .yaml file")
+    also = ", or pass a path to a .yaml file" if paths_allowed else ""
+    return PresetError(f"no preset named {name!r}{extra}; `genlab presets list` shows "
+                       f"them{also}")
 
 
 class _NoAliasLoader(yaml.SafeLoader):
@@ -215,6 +230,8 @@ def load_named_preset(name: str) -> Preset:
         raise PresetError("preset must be the name of one of your presets or a built-in "
                           "(letters, digits, '-', '_', '.'; `genlab presets list` shows "
                           "them), not a path: input lines may not name files")
+    if _find_named(name) is None:
+        raise _no_preset_named(name, paths_allowed=False)
     return load_preset(name)
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import stat
 import sys
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -225,20 +226,25 @@ class ResultsFile:
     # ------------------------------------------------------------ reading
 
     def read(self) -> dict[str, Prior]:
-        """Every id the file holds a record for (the last record wins); cuts off a
-        half-written last line (counted in `repaired_bytes`). BatchFileError if a line
-        is not a genlab record: the file is then not one to resume or append to."""
+        """Every id the file holds a record for (the last record wins). BatchFileError
+        if a line is not a genlab record: the file is then not one to resume or append
+        to, and is left as it is. A last line without its newline is cut off only when
+        it is a half-written record (`half_written`, counted in `repaired_bytes`); a
+        whole record there gets its newline."""
         if self._fd is None:
             return {}
         found: dict[str, Prior] = {}
         self._last = {}
         self.duplicates = 0
         for number, offset, raw in self._lines():
-            if not raw.endswith(b"\n"):  # only the last line can lack one
+            ended = raw.endswith(b"\n")  # only the last line can lack one
+            if not ended and half_written(raw):
                 self.repaired_bytes = len(raw)
                 os.ftruncate(self._fd, offset)
                 break
             record = self._record(raw, number)
+            if not ended:  # every line before it is a record too, so the file is ours
+                _write_all(self._fd, b"\n")
             if record is None:
                 continue
             key = id_key(record["id"])
@@ -259,20 +265,26 @@ class ResultsFile:
                 offset += len(raw)
 
     def _record(self, raw: bytes, number: int) -> dict[str, Any] | None:
+        """The record of one line (None for a blank one); BatchFileError naming the
+        line if it is not one."""
         if not raw.strip():
             return None
         try:
             record = jsonl.loads(jsonl.decode_line(raw.rstrip(b"\r\n")))
         except jsonl.JsonLineError as exc:
-            raise BatchFileError(f"{self.path} line {number} is {exc}, so the run cannot "
-                                 f"resume from it; fix or move the file") from None
+            raise self._foreign(number, f"is {exc}") from None
         if self._record_of is not None and isinstance(record, dict):
             record = dict(self._record_of(record))
-        if not isinstance(record, dict) or not isinstance(record.get("id"), (str, int)) \
-                or isinstance(record.get("id"), bool):
-            raise BatchFileError(f"{self.path} line {number} is not a genlab result (no "
-                                 f"id); give another --output file")
+        if not is_record(record):
+            what = ("an OpenAI batch result (one has custom_id and response)"
+                    if self._record_of else
+                    'a genlab result (one has "id" and "text" or "error")')
+            raise self._foreign(number, f"is not {what}")
         return record
+
+    def _foreign(self, number: int, why: str) -> BatchFileError:
+        return BatchFileError(f"{self.path} line {number} {why}: genlab appends only to "
+                              f"its own results files; pick another --output (-o) file")
 
     # ------------------------------------------------------------ rewriting
 
@@ -351,6 +363,42 @@ class ResultsFile:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def is_record(value: Any) -> bool:
+    """Whether a parsed line is a result record: what `genlib.batch.result_record` and
+    `error_record` always write (and genlab wrote before fingerprints), an id (a string
+    or an integer) with a "text" or an "error"."""
+    return isinstance(value, dict) and isinstance(value.get("id"), (str, int)) \
+        and not isinstance(value["id"], bool) and ("text" in value or "error" in value)
+
+
+# Every line genlab appends begins `{"id": ID, ` and then its "text" or "error" (its
+# records) or "custom_id" (OpenAI's format, `genlib.openai_batch.result_line`).
+_HEAD = b'{"id": '
+_SECOND_KEYS = (b', "text"', b', "error"', b', "custom_id"')
+_ID = re.compile(rb'-?[0-9]+|"(?:[^"\\]|\\.)*"')  # a string or an integer, whole
+_ID_CUT = re.compile(rb'-?[0-9]*|"(?:[^"\\]|\\.)*\\?')  # one cut short
+
+
+def half_written(raw: bytes) -> bool:
+    """Whether a last line without its newline is what an interrupted `append` leaves:
+    not a whole JSON value, and a beginning of a line genlab writes (`_HEAD`, an id,
+    one of `_SECOND_KEYS`). Any other text there is not genlab's to cut."""
+    try:
+        jsonl.loads(jsonl.decode_line(raw), text_only=False)
+    except jsonl.JsonLineError:
+        pass
+    else:
+        return False  # whole: a record short of its newline, or not a record at all
+    if not raw.startswith(_HEAD):
+        return _HEAD.startswith(raw)
+    rest = raw[len(_HEAD):]
+    whole_id = _ID.match(rest)
+    if whole_id is None:
+        return _ID_CUT.fullmatch(rest) is not None
+    after = rest[whole_id.end():]
+    return any(key.startswith(after[:len(key)]) for key in _SECOND_KEYS)
 
 
 def _write_all(fd: int, data: bytes) -> None:

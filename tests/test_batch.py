@@ -78,6 +78,36 @@ def test_bad_lines_are_reported_with_their_line_number():
         [2, 4, "x", "y", "z", 8, "w", "v", "u", "t"]
 
 
+def test_openai_names_of_settings_point_to_genlab_s():
+    """`stop` was refused with "did you mean 'top_p'?" (the closest spelling), while the
+    docs listed it as a line key; the setting is stop_strings."""
+    items = gb.parse_lines(lines_of(
+        {"id": "s", "prompt": "a", "stop": ["."]},
+        {"id": "m", "prompt": "a", "max_tokens": 4},
+        {"id": "t", "prompt": "a", "temprature": 0.5, "stop": ["."]},  # the first one counts
+        {"id": "ok", "prompt": "a", "stop_strings": ["."], "max_new_tokens": 4},
+    ), RUN)
+    hint = "; `genlab presets keys` lists them all"
+    assert [i.message for i in items[:3]] == [
+        f"line 1: unknown setting 'stop' (did you mean 'stop_strings'?){hint}",
+        f"line 2: unknown setting 'max_tokens' (did you mean 'max_new_tokens'?){hint}",
+        f"line 3: unknown setting 'temprature' (did you mean 'temperature'?){hint}"]
+    assert items[3].settings.stop_strings == (".",) and items[3].settings.max_new_tokens == 4
+
+
+def test_the_line_keys_batch_md_names_are_settings():
+    """Every setting docs/batch.md gives as an example of a line key is accepted."""
+    import re
+
+    from genlib.config import SPECS
+
+    row = next(line for line in (ROOT / "docs" / "batch.md").read_text().splitlines()
+               if line.startswith("| any generation setting |"))
+    examples = re.search(r"`GenerationConfig` \(([^;]*);", row).group(1)
+    named = re.findall(r"`(\w+)`", examples)
+    assert "stop_strings" in named and all(key in SPECS for key in named), named
+
+
 def test_duplicate_ids_refuse_the_file():
     with pytest.raises(gb.BatchFileError, match="line 3: id 1 is also the id of line 1"):
         gb.parse_lines(lines_of({"prompt": "a"}, {"id": "b", "prompt": "b"},
@@ -201,7 +231,7 @@ def test_scan_output_repairs_a_half_written_last_line(tmp_path: Path):
 
 def test_scan_output_refuses_a_file_that_is_not_results(tmp_path: Path):
     out = tmp_path / "out.jsonl"
-    out.write_text('{"id": "a"}\nnot json\n{"id": "b"}\n')
+    out.write_text('{"id": "a", "text": "x"}\nnot json\n{"id": "b", "text": "y"}\n')
     with pytest.raises(gb.BatchFileError, match="line 2 is not valid JSON"):
         scan_output(out)
 

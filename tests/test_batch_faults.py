@@ -103,6 +103,31 @@ def test_each_poisoned_line_fails_alone_with_a_clear_message(tmp_path: Path):
         assert json.loads(jsonl.dumps(gb.error_record(item, "m")))["error"] == "m"
 
 
+@pytest.mark.parametrize(("first", "message"), [
+    ('{"id": ' + "9" * 5000 + ', "prompt": "x"}',
+     "line 1: not usable JSON (Exceeds the limit (4300 digits)"),
+    ("[" * 100_000, "line 1: not usable JSON: nested too deeply for the parser"),
+], ids=["long-integer", "deep-nesting"])
+def test_a_poisoned_first_line_fails_alone_too(tmp_path: Path, first: str, message: str):
+    """Telling the file's format read the first line with json.loads and stopped the run
+    on anything but a JSONDecodeError: exit 1, `unexpected ValueError`, nothing written."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, first, {"id": "ok", "prompt": "Once upon a time"})
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert result.exit_code == 1 and "unexpected" not in result.stderr
+    assert "Traceback" not in result.output
+    records = by_id(out)
+    assert records[1]["error"].startswith(message)
+    assert records["ok"]["text"] == ", there was a"
+    assert "2 lines · 1 generated · 1 failed" in result.stderr
+
+
+def test_a_raw_control_character_is_named_once():
+    """json's own message ends in "at" ("Invalid control character at"): "at at"."""
+    (item,) = gb.parse_lines(['{"id": "c", "prompt": "a\x01b"}'], RUN)
+    assert item.message == "line 1: not valid JSON (Invalid control character at column 25)"
+
+
 def test_a_bias_outside_the_vocabulary_fails_its_line_alone(stories):
     lines = [json.dumps({"id": "ok", "prompt": "Once upon a time", "max_new_tokens": 4}),
              json.dumps({"id": "bad", "prompt": "Once upon a time", "max_new_tokens": 4,
@@ -190,6 +215,21 @@ def test_a_line_preset_is_a_name_never_a_path_and_no_file_content_is_quoted(
                                 "show mine` says why")
     assert all("SECRET" not in m and "abc123" not in m for m in messages.values())
     assert items[-1].settings.temperature == 0.3  # a name in the presets folder works
+
+
+def test_an_unknown_line_preset_suggests_names_never_a_path(tmp_path: Path, monkeypatch):
+    """A line may not name a path, so its message must not suggest one; --preset may."""
+    from genlib.presets import load_preset
+
+    monkeypatch.setenv("GENLAB_PRESETS_DIR", str(tmp_path))
+    (item,) = gb.parse_lines([json.dumps({"id": "a", "prompt": "x", "preset": "nosuch"})], RUN)
+    assert item.message == ("line 1: no preset named 'nosuch'; `genlab presets list` shows "
+                            "them")
+    (near,) = gb.parse_lines([json.dumps({"prompt": "x", "preset": "creativ"})], RUN)
+    assert near.message == ("line 1: no preset named 'creativ' (did you mean 'creative'?); "
+                            "`genlab presets list` shows them")
+    with pytest.raises(PresetError, match="or pass a path to a .yaml file"):
+        load_preset("nosuch")
 
 
 def test_yaml_alias_bomb_deep_extends_and_huge_presets_are_refused(tmp_path: Path):
@@ -296,6 +336,59 @@ def test_special_outputs_are_written_not_read(tmp_path: Path):
     assert got and json.loads(got[0]) == {"id": 1, "text": "x"}
     with pytest.raises(gb.BatchFileError, match="is a directory"):
         gb.ResultsFile.open(tmp_path)
+
+
+FOREIGN = 'line {n} is not a genlab result (one has "id" and "text" or "error")'
+
+
+@pytest.mark.parametrize(("content", "why"), [
+    (b'{"id":"x","prompt":"A cat"}\n{"id":"y","prompt":"A dog"}', FOREIGN.format(n=1)),
+    (b'{"id":"x","prompt":"A cat"}\n{"id":"y","prompt":"A dog"}\n', FOREIGN.format(n=1)),
+    (b"my notes", "line 1 is not valid JSON (Expecting value at column 1)"),
+    (b'{"id": "a", "text": "x"}\nmy notes', "line 2 is not valid JSON"),
+    (b'{"id": "a", "text": "x"}\n{"id": "y", "prompt": "A do', "line 2 is not valid JSON"),
+    (b'{"id": "a", "text": "x"}\n{"id": "b"}', FOREIGN.format(n=2)),
+    (b"[" * 100_000, "line 1 is not usable JSON: nested too deeply for the parser"),
+], ids=["prompts", "prompts-ended", "notes", "record-then-notes", "record-then-cut-prompt",
+        "record-then-id-only", "deep-nesting"])
+def test_an_output_file_that_is_not_results_is_refused_untouched(
+        tmp_path: Path, content: bytes, why: str):
+    """Its last line, whole but without a newline, was cut as "half-written", and the
+    results appended after lines that are not results (exit 0)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "other.jsonl"
+    write_lines(src, {"id": "a", "prompt": "Once upon a time"})
+    out.write_bytes(content)
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert result.exit_code == 2, result.output
+    assert out.read_bytes() == content
+    assert result.stderr.startswith(f"error: {out} {why}")
+    assert result.stderr.rstrip("\n").endswith(": genlab appends only to its own results "
+                                                "files; pick another --output (-o) file")
+    assert len(result.stderr.splitlines()) == 1 and "half-written" not in result.stderr
+
+
+def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, {"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "Tom"})
+    assert invoke("--input", str(src), "--output", str(out), "-n", "4").exit_code == 0
+    done = out.read_bytes()
+    out.write_bytes(done.rstrip(b"\n"))  # another tool, or an editor, dropped it
+    again = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert again.exit_code == 0, again.output
+    assert "half-written" not in again.stderr and "2 already done" in again.stderr
+    assert out.read_bytes() == done
+
+
+def test_only_a_record_cut_short_is_taken_for_a_half_written_line():
+    from genlib.results import half_written
+
+    for cut in (b"{", b'{"id": ', b'{"id": "p1', b'{"id": 12', b'{"id": "a\\"b", "te',
+                b'{"id": "p15", "text": "half', b'{"id": 3, "error": "li',
+                b'{"id": "genlab-a", "custom_id": "a", "resp'):
+        assert half_written(cut), cut
+    for other in (b"my notes", b'{"id": "a", "text": "x"}', b'{"id":"y","prompt":"A do',
+                  b'{"id": "y", "prompt": "A do', b'{"id": ["x"', b"[[[", b"   "):
+        assert not half_written(other), other
 
 
 # ---------------------------------------------------------------- CLI resume flags

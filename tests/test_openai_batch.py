@@ -83,6 +83,28 @@ def test_format_detection():
     assert ob.detect([]) == "genlab"
 
 
+def test_format_detection_passes_over_any_line_it_cannot_read():
+    """json.loads raised ValueError (a 5000-digit integer) or RecursionError (deep
+    nesting) out of detect, which caught only JSONDecodeError, and the run stopped."""
+    for bad in ('{"id": ' + "9" * 5000 + ', "prompt": "x"}', "[" * 100_000,
+                '{"a": 1, "a": 2}', '"\\ud800"', "caf\udce9"):
+        assert ob.detect([bad, request("a", prompt="x")]) == "openai", bad[:20]
+        assert ob.detect([bad, '{"id": 1, "prompt": "x"}']) == "genlab", bad[:20]
+
+
+def test_an_openai_bad_first_line_fails_alone(tmp_path: Path):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("[" * 100_000 + "\n" + request("a", prompt="Once upon a time",
+                                                   max_tokens=4) + "\n")
+    result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                                 str(out)])
+    assert result.exit_code == 1 and "unexpected" not in result.stderr
+    by_custom_id = {line["custom_id"]: line for line in read_results(out)}
+    assert by_custom_id["1"]["error"]["message"] == \
+        "line 1: not usable JSON: nested too deeply for the parser"
+    assert by_custom_id["a"]["response"]["body"]["choices"][0]["text"] == ", there was a"
+
+
 def test_result_lines_round_trip_and_vllm_lines_read_back():
     record = {"id": 3, "text": "hi", "finish_reason": "eos", "prompt_tokens": 4,
               "new_tokens": 2, "settings": {"seed": 1}}
