@@ -30,13 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genlib import jsonl
-from genlib.config import (
-    SPECS,
-    GenerationSettings,
-    resolve_settings,
-    shown,
-    validate_settings,
-)
+from genlib.config import GenerationSettings, resolve_settings, shown, validate_settings
 from genlib.errors import (
     ChatTemplateError,
     ConfigError,
@@ -248,7 +242,6 @@ def _job(data: Mapping[str, Any], job_id: str | int, number: int, run: RunDefaul
     where = f"line {number}"
     prompt, messages = _prompt_of(data, where)
     overrides = {k: v for k, v in data.items() if k not in INPUT_KEYS}
-    _check_other_names(overrides, where)
     validate_settings(overrides, where)
     line_preset: Mapping[str, Any] = {}
     if "preset" in data:
@@ -261,22 +254,6 @@ def _job(data: Mapping[str, Any], job_id: str | int, number: int, run: RunDefaul
                           f"or --logprobs from the command)")
     return Job(id=job_id, line=number, settings=settings, prompt=prompt, messages=messages,
                logprobs=logprobs)
-
-
-def _check_other_names(overrides: Mapping[str, Any], where: str) -> None:
-    """A first unknown key that is OpenAI's name for a setting (`stop`, `max_tokens`:
-    `genlib.openai_batch.RENAMED`, which maps them in OpenAI batch files) is refused
-    naming genlab's setting; the closest spelling would point elsewhere (`stop` is
-    nearest to `top_p`). Any other unknown key is left to `validate_settings`."""
-    from genlib.openai_batch import RENAMED
-
-    for key in overrides:
-        if key in SPECS:
-            continue
-        if key in RENAMED:
-            raise ConfigError(f"{where}: unknown setting {shown(key)} (did you mean "
-                              f"{RENAMED[key]!r}?); `genlab presets keys` lists them all")
-        return
 
 
 def line_logprobs(data: Mapping[str, Any], run: RunDefaults, where: str) -> int | None:

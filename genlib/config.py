@@ -247,6 +247,13 @@ class GenerationSettings:
         return resolve_settings(changes, self.to_dict())
 
 
+# Other tools' names for genlab's settings (OpenAI's request fields, which OpenAI batch
+# files may use; elsewhere an unknown key named so is pointed to genlab's name).
+OTHER_NAMES = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
+               "min_tokens": "min_new_tokens", "stop": "stop_strings",
+               "n": "num_return_sequences"}
+
+
 def closest_key(key: str, valid: Iterable[str]) -> str | None:
     if len(key) > 64:  # no setting name is this long, and difflib would be slow on it
         return None
@@ -412,7 +419,7 @@ def validate_settings(data: Mapping[str, Any], source: str,
             continue
         spec = SPECS.get(key)
         if spec is None:
-            hint = closest_key(key, [*SPECS, *extra])
+            hint = OTHER_NAMES.get(key) or closest_key(key, [*SPECS, *extra])
             extra_msg = f" (did you mean {hint!r}?)" if hint else ""
             raise ConfigError(f"{source}: unknown setting {shown(key)}{extra_msg}; "
                               f"`genlab presets keys` lists them all")

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from genlib import jsonl
-from genlib.config import shown
+from genlib.config import OTHER_NAMES, shown
 from genlib.errors import ConfigError
 
 FORMATS = ("auto", "genlab", "openai")
@@ -34,9 +34,6 @@ COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 
-# Request fields that are genlab settings under another name.
-RENAMED = {"max_tokens": "max_new_tokens", "max_completion_tokens": "max_new_tokens",
-           "min_tokens": "min_new_tokens", "stop": "stop_strings", "n": "num_return_sequences"}
 # Request fields that do not change the output: which model is genlab's -m, not the file's.
 IGNORED = ("model", "user", "metadata", "store")
 # genlab's finish reasons as OpenAI's: "stop" (an end token or a stop string) or "length".
@@ -147,7 +144,7 @@ def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
             out["strategy"] = "sample"
         if key == "stop" and isinstance(value, str):
             value = [value]
-        out[RENAMED.get(key, key)] = value  # genlab's own checks name anything unknown
+        out[OTHER_NAMES.get(key, key)] = value  # genlab's own checks name anything unknown
     return out
 
 
