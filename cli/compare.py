@@ -210,11 +210,12 @@ class View:
 
 
 def console_for(target: Sink, markdown_path: str | None) -> Console:
-    """The view goes to stdout, unless JSON or the Markdown export uses stdout."""
+    """The view goes to stdout without --json/--jsonl and --markdown -; otherwise to
+    stderr, so stdout holds the JSON or the Markdown only (and with -o FILE, nothing)."""
     from cli import render
 
-    to_stdout = (target.machine and target.to_stdout) or markdown_path == "-"
-    return render.err if to_stdout else render.out
+    on_stderr = target.machine or markdown_path == "-"
+    return render.err if on_stderr else render.out
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],

@@ -7,16 +7,20 @@ import functools
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import IO, TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import typer
 
 from genlib.errors import GenlabError
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
 F = TypeVar("F", bound=Callable[..., Any])
 
 INTERRUPTED = 130  # the exit status of a command Ctrl-C stopped (128 + SIGINT)
 BROKEN_PIPE = 141  # the exit status when the reader of stdout went away (128 + SIGPIPE)
+TERMINATED = 143  # the exit status of a command SIGTERM stopped (128 + SIGTERM)
 
 
 STDOUT_CLOSED = ("standard output is closed; redirect it to a file (> out.txt) or to "
@@ -59,11 +63,8 @@ def user_errors(command: F) -> F:
                        f"PYTHONIOENCODING=utf-8 or use a UTF-8 locale", 1) from None
         except KeyboardInterrupt:  # outside the loops that keep what they produced
             raise fail("interrupted", INTERRUPTED) from None
-        except BrokenPipeError:
-            # The reader went away (`genlab generate ... | head -c 100`): stop quietly, as
-            # shell tools do, with the status SIGPIPE would give (128 + 13). Later writes
-            # to stdout (the exit's flush) go nowhere instead of raising again.
-            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except BrokenPipeError:  # `genlab generate ... | head -c 100`
+            reader_gone(sys.stdout)
             raise typer.Exit(BROKEN_PIPE) from None
         except OSError as exc:
             if exc.errno == errno.EBADF and not _stdout_open():
@@ -79,6 +80,26 @@ def user_errors(command: F) -> F:
             raise _unexpected(exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def reader_gone(stream: IO[str]) -> None:
+    """The reader of `stream` went away, so the command stops quietly, as shell tools
+    do, with the status SIGPIPE would give (BROKEN_PIPE): later writes to the stream (the
+    exit's flush) go nowhere instead of raising again."""
+    try:
+        fd = stream.fileno()
+    except (OSError, ValueError):  # not a file (a test's buffer): nothing to redirect
+        return
+    os.dup2(os.open(os.devnull, os.O_WRONLY), fd)
+
+
+def on_broken_pipe(console: Console) -> NoReturn:
+    """Rich's hook for a console whose reader went away (`genlab beam ... | head`), where
+    Rich's own exits with 1: the same quiet BROKEN_PIPE as any other write. SystemExit,
+    so that no `except Exception` on the way mistakes it for a failure."""
+    console.quiet = True
+    reader_gone(console.file)
+    raise SystemExit(BROKEN_PIPE)
 
 
 def _unexpected(exc: Exception) -> typer.Exit:

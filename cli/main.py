@@ -6,6 +6,7 @@ Nothing here imports torch or transformers; subcommands import them when they ru
 from __future__ import annotations
 
 import gc
+import signal
 from typing import Annotated
 
 import typer
@@ -31,8 +32,9 @@ app = typer.Typer(
 def _print_version(value: bool) -> None:
     if value:
         from cli.output import version
+        from cli.render import out
 
-        typer.echo(f"genlab {version()}")
+        out.print(f"genlab {version()}", markup=False, highlight=False)
         raise typer.Exit()
 
 
@@ -54,9 +56,32 @@ app.add_typer(presets_cmd.app, name="presets")
 
 
 def run() -> None:
-    """Console-script entry point."""
+    """Console-script entry point, and the process's rules for every command: a reader of
+    stdout that goes away (`genlab beam ... | head`) ends the command quietly with
+    BROKEN_PIPE (141); SIGTERM (`timeout`, `kill`) stops it as Ctrl-C does, so what it
+    produced is still written and documents stay whole, then ends it with TERMINATED (143)."""
+    from rich.console import Console
+
+    from cli.errors import INTERRUPTED, TERMINATED, on_broken_pipe
+
+    # Rich's hook for a closed pipe (its own exits with 1), set on the class so that the
+    # consoles Typer makes for --help follow it too.
+    Console.on_broken_pipe = on_broken_pipe  # type: ignore[method-assign]
+    terminated = False
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        nonlocal terminated
+        terminated = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
+        raise KeyboardInterrupt  # the loops keep what they produced, as for Ctrl-C
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     try:
         app()
+    except SystemExit as exc:
+        if terminated and exc.code == INTERRUPTED:
+            raise SystemExit(TERMINATED) from None
+        raise
     finally:
         # Interpreter shutdown garbage-collects every object torch and transformers
         # created, about half a second after the work is done; frozen objects are left to

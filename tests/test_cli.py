@@ -278,6 +278,96 @@ def test_ctrl_c_keeps_printed_text_and_exits_130():
     assert len(first + rest) < 6000  # stopped long before 1000 tokens
 
 
+PROMPT = "Once upon a time"
+PIPED = {
+    "beam": ["beam", PROMPT, *MODEL, "-n", "30", "-k", "3"],
+    "compare": ["compare", PROMPT, *MODEL, "-n", "8", "-p", "greedy"],
+    "explain": ["explain", PROMPT, *MODEL, "-n", "4"],
+    "presets list": ["presets", "list"],
+    "presets keys": ["presets", "keys"],
+    "help": ["--help"],
+    "version": ["--version"],
+    "generate --json": ["generate", PROMPT, *MODEL, "-n", "8", "--json"],
+}
+
+
+@pytest.mark.parametrize("args", PIPED.values(), ids=PIPED.keys())
+def test_a_reader_gone_before_the_output_ends_any_command_quietly_with_141(args):
+    """`genlab beam ... | true`: tables, panels and --help (Rich's consoles, whose own
+    answer is exit 1) stop like the streamed text and the JSON do: no message, 141."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})
+    proc.stdout.close()  # the reader goes away before reading anything
+    _, err = proc.communicate(timeout=120)
+    assert err.decode() == ""
+    assert proc.returncode == 141
+
+
+def terminated_json(wait_s: float) -> dict:
+    """`genlab generate --json` on code-target (1000 tokens take a minute), sent SIGTERM
+    `wait_s` after the model is loaded (--show-settings' table on stderr): its document."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "def g():", "-m",
+                             str(CODE_TARGET), "-n", "1000", "--ignore-eos", "--backend",
+                             "transformers", "--json", "--show-settings"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})
+    for line in proc.stderr:
+        if line.split()[:1] == [b"grammar"]:  # the table's last row
+            break
+    time.sleep(wait_s)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert b"Traceback" not in err and b"error:" not in err
+    return json.loads(out)
+
+
+def test_sigterm_writes_the_json_so_far_and_exits_143():
+    """`timeout 60 genlab generate --json ...`: SIGTERM stops the run as Ctrl-C does (a
+    whole document, the output marked interrupted), not with nothing on stdout; the
+    status is SIGTERM's (128 + 15)."""
+    if not CODE_TARGET.is_dir():
+        pytest.skip("code-target not present")
+    for wait_s in (2.0, 5.0, 10.0):  # until the signal lands after the first token
+        doc = terminated_json(wait_s)
+        if doc["outputs"]:
+            break
+    (output,) = doc["outputs"]
+    assert output["finish_reason"] == "interrupted"
+    assert 0 < output["new_tokens"] < 1000
+
+
+@pytest.mark.slow
+def test_sigterm_ends_a_batch_run_with_whole_lines_and_143(tmp_path):
+    """A batch run under SIGTERM keeps what it wrote: every line whole, each id once,
+    and a rerun finishes the rest, as after Ctrl-C."""
+    src, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("".join(json.dumps({"id": f"p{i}", "prompt": f"Once upon a time {i}"})
+                           + "\n" for i in range(200)))
+    command = [sys.executable, "-m", "cli", "generate", *MODEL, "--input", str(src), "-o",
+               str(results), "-n", "200", "--ignore-eos", "--batch-size", "1"]
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if results.exists() and results.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 143, err
+    assert b"Traceback" not in err
+    ids = [json.loads(line)["id"] for line in results.read_text().splitlines()]
+    assert 2 <= len(ids) < 200 and len(set(ids)) == len(ids)
+    rerun = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                           timeout=600)
+    assert rerun.returncode == 0, rerun.stderr
+    ids = [json.loads(line)["id"] for line in results.read_text().splitlines()]
+    assert sorted(ids) == sorted(f"p{i}" for i in range(200))
+
+
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 

@@ -279,6 +279,23 @@ def test_cli_json_to_stdout_keeps_the_view_off_stdout(stories):
     assert "output" in result.stderr  # the table went to stderr
 
 
+@pytest.mark.parametrize("form", ["--json", "--jsonl"])
+@pytest.mark.parametrize("kind", [[], ["--quantize", "none,none"]], ids=["strategies", "models"])
+def test_cli_json_to_a_file_leaves_stdout_empty(tmp_path, stories, form, kind):
+    """With -o FILE the view goes to stderr, as generate's and bench's do: stdout stays
+    empty (it used to get the whole view) and FILE holds the JSON."""
+    out = tmp_path / "c.json"
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
+                                 "--seed", "1", "-p", "greedy", *kind, form, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert result.stdout == ""
+    assert "output" in result.stderr  # the view, on stderr
+    text = out.read_text()
+    docs = [json.loads(text)] if form == "--json" else [json.loads(x) for x in text.splitlines()]
+    assert docs and all(d["command"] == "compare" for d in docs)
+    assert ", there was" in text
+
+
 def test_cli_ctrl_c_shows_what_ran_and_exits_130(stories, ctrl_c_at):
     ctrl_c_at(7 + 2)  # the 2nd step of the second strategy (8 greedy tokens: 7 steps)
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "8",
