@@ -600,6 +600,7 @@ def compare(
     if model is not None and models is not None:
         raise fail("-m/--model and --models exclude each other: give every model to "
                    "--models (comma-separated), or one with -m")
+    opt.check_one_stdin({"prompt": prompt, "json_schema": json_schema, "grammar": grammar})
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
                               **opt.grammar_flags(json_schema, regex, grammar))

@@ -26,12 +26,12 @@ if TYPE_CHECKING:
 def run_document(lm: LoadedModel, prompt: str, ids: list[int],
                  settings: GenerationSettings, prefill: Prefill | None) -> dict[str, Any]:
     """The run's JSON document (docs/output.md), its outputs to be filled in: with the
-    backend that ran and why (the Prefill event's)."""
+    backend that ran and why (the Prefill event's; none when the run stopped before)."""
     from cli import output
 
-    backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else None
-    return output.run_document("generate", lm.ref, settings, prompt, len(ids), [],
-                               backend=backend)
+    ran = {"backend": {"name": prefill.backend, "reason": prefill.backend_reason}} \
+        if prefill else {}
+    return output.run_document("generate", lm.ref, settings, prompt, len(ids), [], **ran)
 
 
 def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,

@@ -6,7 +6,9 @@ Nothing here imports torch or transformers; subcommands import them when they ru
 from __future__ import annotations
 
 import gc
+import os
 import signal
+import sys
 from typing import Annotated
 
 import typer
@@ -76,6 +78,8 @@ def run() -> None:
         raise KeyboardInterrupt  # the loops keep what they produced, as for Ctrl-C
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    if sys.stdin is None:  # started with stdin closed (`<&-`): read it as empty
+        sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (the process's)
     try:
         app()
     except SystemExit as exc:

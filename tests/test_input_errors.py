@@ -150,10 +150,11 @@ def test_two_inputs_from_stdin_are_refused_before_either_reads_it(tmp_path: Path
                  "--json-schema - and --input - would both read stdin; give all but one as "
                  "a file or an argument")
     assert not out.exists()
-    for prompt in ([], ["-"]):
-        assert_clear(invoke("generate", *prompt, *MODEL, "--grammar", "-",
-                            input='root ::= "a"'), 2,
-                     "--grammar - and the prompt would both read stdin")
+    for command in ("generate", "compare"):
+        for prompt in ([], ["-"]):
+            assert_clear(invoke(command, *prompt, *MODEL, "--grammar", "-",
+                                input='root ::= "a"'), 2,
+                         "--grammar - and the prompt would both read stdin")
     result = invoke("generate", "Num:", *MODEL, "-n", "2", "--json-schema", "-",
                     input='{"type": "integer"}')
     assert result.exit_code == 0, result.output  # the prompt is an argument: one reader
@@ -187,6 +188,18 @@ def test_binary_stdin_and_non_utf8_arguments_are_refused():
                  "stdin is not UTF-8 text (byte 0xff at offset 1)")
     assert_clear(invoke("generate", "caf\udce9", *MODEL), 2,
                  "the prompt argument is not valid UTF-8 text (character 4)")
+
+
+def test_a_closed_stdin_reads_as_empty():
+    """Started with stdin closed (`<&-`), a command that reads it said "unexpected
+    AttributeError"; it now reads it as empty and says so."""
+    for prompt in ("", "-"):
+        closed = subprocess.run(
+            ["sh", "-c", f"exec {sys.executable} -m cli generate {prompt} -m {STORIES} "
+                         f"-n 2 <&-"], cwd=ROOT, env=ENV, capture_output=True, text=True,
+            timeout=120)
+        assert closed.returncode == 2, closed.stderr
+        assert closed.stderr.strip() == "error: the prompt read from stdin is empty"
 
 
 def test_closed_stdout_and_an_encoding_that_lacks_characters():

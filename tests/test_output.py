@@ -386,3 +386,20 @@ def test_the_view_sent_to_stderr_takes_stderrs_colours(tmp_path):
     os.close(leader)
     assert done.returncode == 0
     assert "beam search" in log.read_text() and "\x1b[" not in log.read_text()
+
+
+def test_a_run_stopped_before_any_backend_ran_is_still_a_valid_document(monkeypatch):
+    """Ctrl-C (or SIGTERM) during the prompt's prefill: no backend has run, and the
+    document said "backend": null, which its schema refuses; the key is now left out."""
+    from genlib.backends.base import Backend
+
+    def interrupted(self, rows, capacity):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Backend, "prefill", interrupted)
+    result = CliRunner().invoke(app, ["generate", "Once", "-m", str(STORIES), "-n", "4",
+                                      "--json"])
+    assert result.exit_code == 130, result.output
+    doc = json.loads(result.stdout)
+    assert "backend" not in doc
+    VALIDATOR.validate(doc)
