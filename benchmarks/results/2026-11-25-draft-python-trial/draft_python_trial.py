@@ -81,7 +81,8 @@ def main() -> None:
     spec(as_is)
     spec(bare_propose)
     ratios = []
-    print("| round | plain tok/s | drafter as is vs plain | bare drafter vs plain | bare vs as is |")
+    print("| round | plain tok/s | drafter as is vs plain | bare drafter vs plain "
+          "| bare vs as is |")
     print("| --- | --- | --- | --- | --- |")
     for r in range(args.rounds):
         plain, plain_ids = timed(stream(target, [ids], settings))
