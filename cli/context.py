@@ -129,15 +129,8 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
             lm.check_prompt_chars(prompt, max_new_tokens)
         ids = lm.encode(prompt)
     if truncate and lm.max_positions is not None:
+        lm.check_room(max_new_tokens)
         room = lm.max_positions - max_new_tokens
-        if room < 1:
-            from genlib.errors import ContextLengthError
-
-            raise ContextLengthError(
-                f"max_new_tokens ({max_new_tokens}) leaves no room for the prompt in the "
-                f"model's {lm.max_positions} positions; lower it to at most "
-                f"{lm.max_positions - 1} (--truncate-prompt keeps a prompt's "
-                f"last tokens in whatever room is left)")
         if len(ids) > room:
             ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
                 else ids[len(ids) - room:]

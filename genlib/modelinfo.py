@@ -99,6 +99,15 @@ class LoadedModel:
             ids = ids["input_ids"]
         return [int(i) for i in ids]
 
+    def check_room(self, max_new_tokens: int) -> None:
+        """ContextLengthError when max_new_tokens alone fills the model's positions: no
+        prompt fits, however short or truncated."""
+        if self.max_positions is not None and max_new_tokens >= self.max_positions:
+            raise ContextLengthError(
+                f"max_new_tokens ({max_new_tokens}) leaves no room for the prompt in the "
+                f"model's {self.max_positions} positions; lower it to at most "
+                f"{self.max_positions - 1}")
+
     def check_prompt_chars(self, text: str, max_new_tokens: int) -> None:
         """ContextLengthError, before tokenizing, for a prompt too long to fit however it
         tokenizes: no token stands for more than the vocabulary's longest token string
@@ -106,11 +115,7 @@ class LoadedModel:
         len(text) / that many tokens. Tokenizing megabytes would take minutes first."""
         if self.max_positions is None:
             return
-        if max_new_tokens >= self.max_positions:
-            raise ContextLengthError(
-                f"max_new_tokens {max_new_tokens} leaves no room for the prompt in the "
-                f"model's {self.max_positions} positions; lower max_new_tokens below "
-                f"{self.max_positions}")
+        self.check_room(max_new_tokens)
         room = self.max_positions - max_new_tokens
         most = room * self.longest_token * 4
         if len(text) > most:

@@ -68,8 +68,8 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
     (["generate", "Once " * 2_000_000, *MODEL], 2,
      "characters) cannot fit in the model's 512 positions with max_new_tokens 128"),
     (["generate", "Once " * 300, *MODEL, "-n", "600"], 2,
-     "max_new_tokens 600 leaves no room for the prompt in the model's 512 positions; "
-     "lower max_new_tokens below 512"),
+     "max_new_tokens (600) leaves no room for the prompt in the model's 512 positions; "
+     "lower it to at most 511"),
     (["speculate", "x", *MODEL, "--prompt-lookup", "2", "--num-draft-tokens", "0"], 2,
      "--num-draft-tokens must be 1 to 64, got 0"),
     (["bench", *MODEL, "--csv", "/", "--runs", "1"], 2, "--csv / is a directory"),
