@@ -13,6 +13,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+from genlib import jsonl
 from genlib.errors import ModelLoadError
 
 # Checkpoint tensors transformers drops without a word whatever the model (besides each
@@ -60,7 +61,8 @@ def json_problem(path: Path) -> str | None:
     try:
         value = json.loads(path.read_bytes())
     except json.JSONDecodeError as exc:
-        return f"is not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        return (f"is not valid JSON ({jsonl.syntax_error(exc)} at line {exc.lineno} column "
+                f"{exc.colno})")
     except UnicodeDecodeError:
         return "is not UTF-8 text"
     except RecursionError:

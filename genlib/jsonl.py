@@ -36,6 +36,12 @@ def decode_line(raw: bytes) -> str:
     return raw.decode("utf-8", errors="surrogateescape")
 
 
+def syntax_error(exc: json.JSONDecodeError) -> str:
+    """json's words for what is wrong, to be followed by " at" and the place: some of its
+    messages end in "at" themselves ("Invalid control character at")."""
+    return exc.msg.removesuffix(" at")
+
+
 def loads(text: str, text_only: bool = True) -> Any:
     """Parse one line; JsonLineError with a one-line reason for anything that is not a
     JSON value (made of valid Unicode text unless `text_only` is False: the caller then
@@ -51,9 +57,8 @@ def loads(text: str, text_only: bool = True) -> Any:
     try:
         value = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as exc:
-        # Some of json's messages end in "at" themselves ("Invalid control character at").
-        reason = exc.msg.removesuffix(" at")
-        raise JsonLineError(f"not valid JSON ({reason} at column {exc.colno})") from None
+        raise JsonLineError(f"not valid JSON ({syntax_error(exc)} at column "
+                            f"{exc.colno})") from None
     except _DuplicateKey as exc:
         raise JsonLineError(f"has the key {json.dumps(exc.key)} twice in one object; keep "
                             f"one (JSON readers differ on which one counts)") from None

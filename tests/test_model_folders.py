@@ -126,10 +126,13 @@ def test_a_config_that_does_not_match_the_weights_is_refused_before_building(
     (replace_config('{"model_type": "llama",\n'),
      ["config.json is not valid JSON (Expecting property name enclosed in double quotes "
       "at line 2 column 1)" + FIX_CONFIG]),
+    (replace_config('{"model_type": "lla\tma"}'),  # json's own message ends in "at"
+     ["config.json is not valid JSON (Invalid control character at line 1 column 20)"
+      + FIX_CONFIG]),
     (edit_config(max_position_embeddings=0),
      ["config.json sets max_position_embeddings to 0, which must be at least 1"
       + FIX_CONFIG]),
-], ids=["field-type", "heads", "null", "not-json", "no-positions"])
+], ids=["field-type", "heads", "null", "not-json", "control-character", "no-positions"])
 def test_bad_config_values_are_load_errors_naming_the_field(tmp_path, command, change,
                                                             fragments):
     folder = copy_of_stories(tmp_path)
