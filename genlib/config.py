@@ -427,18 +427,38 @@ def validate_settings(data: Mapping[str, Any], source: str,
     return out
 
 
-# YAML 1.1's base-60 numbers, which PyYAML reads as ints and floats: 1:30 is 90.
-SEXAGESIMAL = re.compile(r"[-+]?[0-9][0-9_]*(:[0-5]?[0-9])+(\.[0-9_]*)?")
+class SettingsLoader(yaml.SafeLoader):
+    """safe_load with YAML 1.2's numbers, for settings (KEY=VALUE and presets): PyYAML
+    reads YAML 1.1's, where 1:30 is 90 (base 60) and 010 is 8 (octal). Here 1:30 is
+    text and 010 is 10; 0o17 and 0x1f are octal and hex, as YAML 1.2 writes them."""
+
+
+_INT, _FLOAT = "tag:yaml.org,2002:int", "tag:yaml.org,2002:float"
+SettingsLoader.yaml_implicit_resolvers = {
+    first: [(tag, rx) for tag, rx in resolvers if tag not in (_INT, _FLOAT)]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+SettingsLoader.add_implicit_resolver(
+    _INT, re.compile(r"^(?:[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+)$"), list("-+0123456789"))
+SettingsLoader.add_implicit_resolver(
+    _FLOAT, re.compile(r"^(?:[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)(?:[eE][-+]?[0-9]+)?"
+                       r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"), list("-+0123456789."))
+
+
+def _yaml_12_int(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> int:
+    text = loader.construct_scalar(node)
+    base = {"0o": 8, "0x": 16}.get(text[:2], 10)
+    return int(text[2:] if base != 10 else text, base)
+
+
+SettingsLoader.add_constructor(_INT, _yaml_12_int)
 
 
 def parse_value(key: str, text: str, source: str = "value") -> Any:
-    """Type a `KEY=VALUE` string the way YAML would (`0.7` -> float, `true` -> bool),
-    but for YAML 1.1's base-60 numbers, which stay text (`top_k=1:0` is not 60)."""
+    """Type a `KEY=VALUE` string the way YAML 1.2 would (`0.7` -> float, `true` -> bool;
+    `SettingsLoader`)."""
     try:
-        value = yaml.safe_load(text) if text.strip() else None
+        value = yaml.load(text, Loader=SettingsLoader) if text.strip() else None  # noqa: S506
     except yaml.YAMLError:
-        value = text
-    if SEXAGESIMAL.fullmatch(text.strip()):
         value = text
     spec = SPECS.get(key)
     if spec is not None and spec.kind in ("str", "strings", "choice") and not isinstance(

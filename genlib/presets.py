@@ -22,7 +22,13 @@ from typing import Any
 
 import yaml
 
-from genlib.config import PRESET_META_KEYS, ConfigError, shown, validate_settings
+from genlib.config import (
+    PRESET_META_KEYS,
+    ConfigError,
+    SettingsLoader,
+    shown,
+    validate_settings,
+)
 from genlib.errors import PresetError
 
 SUFFIXES = (".yaml", ".yml")
@@ -126,9 +132,9 @@ def _no_preset_named(name: str, paths_allowed: bool) -> PresetError:
                        f"them{also}")
 
 
-class _NoAliasLoader(yaml.SafeLoader):
-    """safe_load without aliases: `*name` may repeat a node exponentially often (the
-    "billion laughs" bomb), and settings never need one."""
+class _NoAliasLoader(SettingsLoader):
+    """The settings' YAML (safe, YAML 1.2's numbers) without aliases: `*name` may repeat
+    a node exponentially often (the "billion laughs" bomb), and settings never need one."""
 
     def compose_node(self, parent: Any, index: Any) -> Any:
         if self.check_event(yaml.AliasEvent):

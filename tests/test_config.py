@@ -89,14 +89,17 @@ def test_cross_field_rules():
         resolve_settings({"strategy": "sample", "num_beams": 3})
 
 
-def test_base_60_numbers_are_not_read_as_numbers():
-    """PyYAML reads 1:0 as 60 and 1:30 as 90 (YAML 1.1); a setting given so is refused
-    as the text it is, not taken as a number nobody wrote."""
+def test_numbers_are_read_as_yaml_1_2_writes_them():
+    """PyYAML reads YAML 1.1, where 1:0 is 60, 1:30 is 90 and 010 is 8; a setting given
+    so is refused as the text it is, or read in base 10, not taken as a number nobody
+    wrote."""
     with pytest.raises(ConfigError, match="top_k"):
         parse_assignments("top_k=1:0", "/set")
     with pytest.raises(ConfigError, match="seed"):
         parse_assignments("seed=1:30", "/set")
     assert parse_assignments("stop_strings=12:30", "/set")["stop_strings"] == ("12:30",)
+    assert parse_assignments("top_k=010 seed=0x1f", "/set") == {"top_k": 10, "seed": 31}
+    assert parse_assignments("temperature=1e-1", "/set")["temperature"] == 0.1
 
 
 def test_parse_assignments_types_values_like_yaml():

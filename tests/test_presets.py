@@ -125,3 +125,14 @@ def test_a_merge_key_still_merges_while_repeated_keys_are_refused(tmp_path):
     twice.write_text("top_p: 0.9\ntop_p: 0.8\n")
     with pytest.raises(PresetError, match="the key 'top_p' appears twice"):
         load_preset(str(twice))
+
+
+def test_numbers_in_a_preset_are_read_as_yaml_1_2_writes_them(tmp_path):
+    """PyYAML's YAML 1.1 read `top_k: 010` as 8 and `seed: 1:30` as 90 (base 60)."""
+    preset = tmp_path / "numbers.yaml"
+    preset.write_text("top_k: 010\nseed: 0x1f\nstop_strings: [12:30]\n")
+    assert load_preset(str(preset)).settings == {"top_k": 10, "seed": 31,
+                                                 "stop_strings": ("12:30",)}
+    preset.write_text("seed: 1:30\n")
+    with pytest.raises(PresetError, match="seed must be an integer, got '1:30'"):
+        load_preset(str(preset))
