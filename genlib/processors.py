@@ -157,8 +157,9 @@ def min_p(p: float, min_keep: int = 1) -> Processor:
         probs = logits.softmax(dim=-1)
         threshold = p * probs.amax(dim=-1, keepdim=True)
         drop = probs < threshold  # never the most probable
-        if min_keep > 1:
-            drop &= ~_top(logits, min_keep)
+        if min_keep > 1:  # the first min_keep of topk, exactly (ties too), as transformers
+            k = min(min_keep, probs.shape[-1])
+            drop = drop.scatter(-1, torch.topk(probs, k, dim=-1).indices, False)
         return logits.masked_fill(drop, NEG_INF)
 
     return keep_min_p

@@ -101,6 +101,7 @@ HF_MIN_KEEP_PAIRS = [
 def test_each_processor_matches_transformers(ours, theirs):
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(3, 64, generator=gen) * 3
+    logits[2, :4] = logits[2].max() + torch.tensor([1.0, 0.0, 0.0, 0.0])  # a tie below the top
     ids = torch.randint(0, 64, (3, 12), generator=gen)
     ids[:, 3] = ids[:, 7]  # make repeated bigrams likely
     ids[:, 4] = ids[:, 8]
@@ -208,6 +209,7 @@ def test_beam_sampling_keeps_as_many_tokens_as_transformers(stories):
     assert len(stories.eos_ids) == 2
     peaked = probs([0.96, 0.02, 0.012, 0.008])
     for strategy, kept_count in (("sample", 1), ("beam", 3)):
+        theirs = hf.TopPLogitsWarper(0.01, min_tokens_to_keep=kept_count)(None, peaked.clone())
         flags = {"top_p": 0.01, "do_sample": True, "strategy": strategy, "seed": 0}
         if strategy == "beam":
             flags["num_beams"] = 2
@@ -216,3 +218,4 @@ def test_beam_sampling_keeps_as_many_tokens_as_transformers(stories):
             chain = make_plan(stories, resolve_settings(flags), 1).chain
         [stage] = [st for st in chain if st.name == "top_p"]
         assert sum(kept(stage(None, peaked))) == kept_count
+        torch.testing.assert_close(stage(None, peaked), theirs)
