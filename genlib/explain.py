@@ -86,12 +86,6 @@ def _num(x: float) -> float | None:
     return None if math.isinf(x) or math.isnan(x) else round(x, 6)
 
 
-def _entropy(nats: float) -> float:
-    """An entropy for JSON: a one-token distribution's is written 0.0, not the -0.0
-    that -sum(p * log p) gives for p = 1."""
-    return round(nats, 6) or 0.0
-
-
 def token_text(lm: LoadedModel, token_id: int) -> str:
     """A token's text as it reads after other text (with its leading space, which
     decoding a token alone drops for sentencepiece vocabularies): decode it after an
@@ -139,7 +133,7 @@ def step_dict(lm: LoadedModel, t: Token) -> dict[str, Any]:
         "forced": d.forced, "draw": d.draw,
         "interval": [round(x, 6) for x in d.interval] if d.interval else None,
         "stages": [{"name": s.name, "removed_mass": round(s.removed_mass, 6), "kept": s.kept,
-                    "entropy": _entropy(s.entropy)} for s in d.stages],
+                    "entropy": round(s.entropy, 6)} for s in d.stages],
         "candidates": [candidate_dict(lm, c, names) for c in d.top],
     }
 

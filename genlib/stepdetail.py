@@ -98,8 +98,9 @@ def run_stages(chain: Sequence[processors.Stage], suppress: processors.Processor
 
 
 def entropy(logp: torch.Tensor) -> torch.Tensor:
-    """-sum p log p over the last dimension (0 log 0 = 0)."""
-    return -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1)
+    """-sum p log p over the last dimension (0 log 0 = 0); a one-token distribution's
+    is 0.0, not the -0.0 the negation gives for p = 1."""
+    return -(logp.exp() * logp).nan_to_num(0.0, 0.0, 0.0).sum(-1) + 0.0
 
 
 def details(stages: list[tuple[str, torch.Tensor]], tokens: torch.Tensor,
