@@ -28,6 +28,7 @@ from typing import Any
 from genlib import jsonl
 from genlib.config import OTHER_NAMES, shown
 from genlib.errors import ConfigError
+from genlib.results import is_record
 
 FORMATS = ("auto", "genlab", "openai")
 COMPLETIONS = "/v1/completions"
@@ -244,12 +245,10 @@ def results_format(path: Path) -> str | None:
         data = jsonl.loads(first, text_only=False)
     except jsonl.JsonLineError:
         return None  # half-written, or not results: ResultsFile.read repairs or refuses
-    if not isinstance(data, dict):
-        return None
-    if "custom_id" in data and "response" in data:
+    if isinstance(data, dict) and "custom_id" in data and "response" in data:
         return "openai"
-    # Not a genlab record either (no text or error): no format to keep; read() refuses it.
-    return "genlab" if "text" in data or "error" in data else None
+    # Not a genlab record either: no format to keep; ResultsFile.read refuses it.
+    return "genlab" if is_record(data) else None
 
 
 def line_writer(endpoints: Mapping[str, str], model: str
