@@ -27,7 +27,6 @@ from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
     Summary,
-    adapts,
     predicted_speedup,
     process,
     process_block,
@@ -364,9 +363,15 @@ def test_a_draft_model_adapts_gamma_unless_told_not_to(stories, xs) -> None:
     default = proposed()
     assert len(set(default)) > 1 and default == proposed(adaptive=True)
     assert set(proposed(adaptive=False)) == {4}
-    # prompt lookup keeps a fixed gamma unless asked
-    assert (adapts(None, draft_model=True), adapts(None, draft_model=False)) == (True, False)
-    assert (adapts(False, draft_model=True), adapts(True, draft_model=False)) == (False, True)
+    # prompt lookup keeps a fixed gamma unless asked: its default drafts as --fixed does
+    lookup = resolve_settings({"max_new_tokens": 120})
+
+    def looked_up(**kw) -> list[int]:
+        _, events = run(stories, ids, lookup, prompt_lookup=3, **kw)
+        return [e.proposed for e in events if isinstance(e, Verify)]
+
+    fixed = looked_up(adaptive=False)
+    assert max(fixed) == 10 and looked_up() == fixed != looked_up(adaptive=True)
 
 
 @needs_models
