@@ -102,6 +102,25 @@ def on_broken_pipe(console: Console) -> NoReturn:
     raise SystemExit(BROKEN_PIPE)
 
 
+def is_usage_error(exc: BaseException) -> bool:
+    """Whether `exc` is Typer's error for a command line it could not take (`-n abc`,
+    `--frob`, a missing argument): Click's classes, which Typer vendors from 0.26."""
+    return (type(exc).__module__.startswith(("typer", "click"))
+            and hasattr(exc, "format_message") and isinstance(getattr(exc, "exit_code", None), int))
+
+
+def usage_error(exc: Exception) -> typer.Exit:
+    """One `error:` line for a usage error, like every other error, naming the help to
+    read, in place of Typer's boxed usage."""
+    message = exc.format_message().replace("\n", " ").rstrip(".")  # type: ignore[attr-defined]
+    if message[:1].isupper() and message[1:2].islower():
+        message = message[0].lower() + message[1:]
+    ctx = getattr(exc, "ctx", None)
+    if ctx is not None and ctx.command.get_help_option(ctx) is not None:
+        message += f"; see '{ctx.command_path} {ctx.help_option_names[0]}'"
+    return fail(message, exc.exit_code)  # type: ignore[attr-defined]
+
+
 def _unexpected(exc: Exception) -> typer.Exit:
     """A bug or an environment failure: still one line for the user, and the traceback
     on request (GENLAB_DEBUG=1) for a bug report."""

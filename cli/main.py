@@ -64,7 +64,14 @@ def run() -> None:
     produced is still written and documents stay whole, then ends it with TERMINATED (143)."""
     from rich.console import Console
 
-    from cli.errors import INTERRUPTED, TERMINATED, on_broken_pipe
+    from cli.errors import (
+        INTERRUPTED,
+        TERMINATED,
+        fail,
+        is_usage_error,
+        on_broken_pipe,
+        usage_error,
+    )
 
     # Rich's hook for a closed pipe (its own exits with 1), set on the class so that the
     # consoles Typer makes for --help follow it too.
@@ -81,17 +88,24 @@ def run() -> None:
     if sys.stdin is None:  # started with stdin closed (`<&-`): read it as empty
         sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (the process's)
     try:
-        app()
+        # Not standalone, so that usage errors come here to be one line; a command's
+        # typer.Exit comes back as its code.
+        code = app(standalone_mode=False) or 0
+    except typer.Abort:
+        code = fail("aborted", 1).exit_code
     except SystemExit as exc:
-        if terminated and exc.code == INTERRUPTED:
-            raise SystemExit(TERMINATED) from None
-        raise
-    finally:
-        # Interpreter shutdown garbage-collects every object torch and transformers
-        # created, about half a second after the work is done; frozen objects are left to
-        # the process exit. Files, atexit handlers and stream flushing run as usual.
-        gc.freeze()
-
+        code = exc.code
+    except Exception as exc:
+        if not is_usage_error(exc):
+            raise
+        code = exc.exit_code  # type: ignore[attr-defined]
+        if type(exc).__name__ != "NoArgsIsHelpError":  # `genlab presets`: help, shown
+            usage_error(exc)
+    # Interpreter shutdown garbage-collects every object torch and transformers created,
+    # about half a second after the work is done; frozen objects are left to the process
+    # exit. Files, atexit handlers and stream flushing run as usual.
+    gc.freeze()
+    raise SystemExit(TERMINATED if terminated and code == INTERRUPTED else code)
 
 if __name__ == "__main__":
     run()

@@ -243,6 +243,30 @@ def test_help_does_not_import_torch():
     assert "HEAVY=" in proc.stderr and proc.stderr.strip().endswith("HEAVY="), proc.stderr
 
 
+@pytest.mark.parametrize("args,line", [
+    (["generate", "-n", "abc", "x"],
+     "error: invalid value for '--max-new-tokens' / '-n': Input should be a valid integer, "
+     "unable to parse string as an integer; see 'genlab generate -h'"),
+    (["beam", "--zqx", "x"], "error: no such option: --zqx; see 'genlab beam -h'"),
+    (["nosuch"], "error: no such command 'nosuch'; see 'genlab -h'"),
+    (["presets", "show"], "error: missing argument 'name'; see 'genlab presets show -h'"),
+])
+def test_usage_errors_are_one_line(args, line):
+    """A flag Typer cannot take reads like every other error: one line, exit 2, stdout
+    untouched (Typer's own is a usage line, a hint and a box)."""
+    code = ("import sys; from cli.main import run; sys.argv = ['genlab', *sys.argv[1:]]; "
+            "run()")
+    proc = subprocess.run([sys.executable, "-c", code, *args], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"}, timeout=60)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (2, "", line + "\n")
+
+
+def test_no_arguments_still_show_the_help():
+    proc = subprocess.run([sys.executable, "-m", "cli", "presets"], capture_output=True,
+                          text=True, cwd=ROOT, env={**os.environ, "NO_COLOR": "1"}, timeout=60)
+    assert proc.returncode == 2 and "list" in proc.stdout and "show" in proc.stdout
+
+
 def genlab_exe() -> list[str]:
     """The installed console script when there is one (CI installs it), else the module."""
     found = shutil.which("genlab")
