@@ -55,7 +55,7 @@ def loads(text: str, text_only: bool = True) -> Any:
         raise JsonLineError(f"holds a lone surrogate (U+{ord(char):04X}) at character "
                             f"{index + 1}, which is not valid Unicode text")
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_integer)
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({syntax_error(exc)} at column "
                             f"{exc.colno})") from None
@@ -64,11 +64,28 @@ def loads(text: str, text_only: bool = True) -> Any:
                             f"one (JSON readers differ on which one counts)") from None
     except RecursionError:
         raise JsonLineError("not usable JSON: nested too deeply for the parser") from None
-    except ValueError as exc:  # e.g. an integer with more digits than Python converts
+    except _LongInteger as exc:
+        raise JsonLineError(f"not usable JSON: an integer of {exc.digits:,} digits, more "
+                            f"than Python reads; no setting takes one, so fix or drop the "
+                            f"line") from None
+    except ValueError as exc:  # nothing else known: json's own words
         raise JsonLineError(f"not usable JSON ({exc})") from None
     if text_only:
         check_text(value)
     return value
+
+
+class _LongInteger(ValueError):
+    def __init__(self, digits: int) -> None:
+        super().__init__(digits)
+        self.digits = digits
+
+
+def _integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:  # more digits than sys.get_int_max_str_digits()
+        raise _LongInteger(len(text.lstrip("-"))) from None
 
 
 class _DuplicateKey(ValueError):

@@ -92,7 +92,8 @@ def test_each_poisoned_line_fails_alone_with_a_clear_message(tmp_path: Path):
     assert errors[3].startswith("line 3: id holds a lone surrogate escape (\\udc00)")
     assert [i.id for i in items if isinstance(i, gb.LineError)][:2] == ["sur", 3]
     assert errors[4] == "line 4: not usable JSON: nested too deeply for the parser"
-    assert errors[5].startswith("line 5: not usable JSON (Exceeds the limit")
+    assert errors[5] == ("line 5: not usable JSON: an integer of 5,001 digits, more than "
+                         "Python reads; no setting takes one, so fix or drop the line")
     assert errors[6] == "line 6: not valid UTF-8 (byte 0xe9 at character 31)"
     assert errors[7] == ("line 7: seed must be 0 <= seed <= 2**64-1 (18446744073709551615), "
                          "got 18446744073709551616")
@@ -105,7 +106,8 @@ def test_each_poisoned_line_fails_alone_with_a_clear_message(tmp_path: Path):
 
 @pytest.mark.parametrize(("first", "message"), [
     ('{"id": ' + "9" * 5000 + ', "prompt": "x"}',
-     "line 1: not usable JSON (Exceeds the limit (4300 digits)"),
+     "line 1: not usable JSON: an integer of 5,000 digits, more than Python reads; no "
+     "setting takes one, so fix or drop the line"),
     ("[" * 100_000, "line 1: not usable JSON: nested too deeply for the parser"),
 ], ids=["long-integer", "deep-nesting"])
 def test_a_poisoned_first_line_fails_alone_too(tmp_path: Path, first: str, message: str):
