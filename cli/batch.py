@@ -60,6 +60,10 @@ class EngineFlags:
             raise fail(f"{' and '.join(ray_only)} only {_apply(ray_only)} with --engine ray")
         if self.workers is not None and self.workers < 1:
             raise fail(f"--workers must be >= 1, got {self.workers}")
+        if self.ray_address is not None:
+            from genlib.ray_cluster import check_address
+
+            check_address(self.ray_address)  # before the output file is touched
 
 
 @dataclass

@@ -191,8 +191,9 @@ def generate(
         "--engine", help="Where --input runs: local (this process) or ray (the workers of "
         "a Ray cluster; needs the ray extra).")] = "local",
     ray_address: Annotated[str | None, typer.Option(
-        "--ray-address", help="--engine ray: the cluster to join (auto: the one `ray start` "
-        "runs here; default: start a private one on this machine).")] = None,
+        "--ray-address", help="--engine ray: the cluster to join, auto (the one `ray start` "
+        "runs here) or the head's HOST:PORT (default: start a private one on this "
+        "machine).")] = None,
     workers: Annotated[int | None, typer.Option(
         "--workers", help="--engine ray: workers, each with the model loaded (default: one "
         "per CPU of the cluster, or per GPU with --device cuda).")] = None,

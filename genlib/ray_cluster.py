@@ -19,8 +19,11 @@ A cluster that has room but none free (other jobs hold it) is waited for, with a
 from __future__ import annotations
 
 import os
+import re
 import secrets
+import signal
 import socket
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -29,6 +32,8 @@ from genlib.errors import GenlabError, UserInputError
 INSTALL_HINT = 'install it with: pip install "genlab[ray]" (in a checkout: pip install ".[ray]")'
 AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication: "token" or "disabled"
 PROBE_TIMEOUT_S = 10.0  # for a TCP connection to the cluster's address
+# What --ray-address takes: auto, HOST:PORT (an IPv6 host in brackets), ray://...
+ADDRESS = re.compile(r"auto|ray://\S+|(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]@]+):(?P<port>\d{1,5})")
 
 
 class RayMissingError(UserInputError):
@@ -74,6 +79,8 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
     """Join the cluster at `address` ("auto": the one `ray start` runs here), or start a
     private one on this machine (loopback only) when there is none. True if this call
     started Ray (the caller shuts it down). A Ray already initialised is used as it is."""
+    if address is not None:
+        check_address(address)
     ray = require_ray(private_cluster=address is None)
     if ray.is_initialized():
         return False
@@ -83,6 +90,7 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
     auth_asked = os.environ.get(AUTH_MODE)
     failures: tuple[type[BaseException], ...] = (ConnectionError, RuntimeError, ValueError,
                                                  ray.exceptions.RayError)
+    on_sigterm = signal.getsignal(signal.SIGTERM)
     try:
         # "local": a new cluster even where `ray start` runs one (ray.init's default
         # would join that), so a run without --ray-address never lands on another's.
@@ -90,6 +98,8 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
                  include_dashboard=False, logging_level="ERROR", log_to_driver=True)
     except failures as exc:
         raise RayEngineError(_init_failed(address, exc)) from None
+    finally:
+        keep_sigterm(on_sigterm)
     if address is not None and os.environ.get(AUTH_MODE) == "token":
         try:
             check_workers_start(ray, found or address, auto_enabled=auth_asked is None)
@@ -97,6 +107,28 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
             ray.shutdown()
             raise
     return True
+
+
+def check_address(address: str) -> None:
+    """UserInputError unless `address` is one that --ray-address takes: `auto`, the
+    head's HOST:PORT or a Ray Client ray://HOST:PORT. Ray would take others (`local`,
+    or an empty one, starts a cluster that is not private; a malformed one prints a
+    traceback) or answer them with a message about something else."""
+    match = ADDRESS.fullmatch(address)
+    port = match.group("port") if match else None
+    if match is None or (port is not None and not 1 <= int(port) <= 65535):
+        raise UserInputError(
+            f"--ray-address must be auto or the head's HOST:PORT (`ray start --head` "
+            f"prints it), got {address!r}; leave it out to start a private cluster on "
+            f"this machine")
+
+
+def keep_sigterm(handler: Any) -> None:
+    """Put back the process's SIGTERM handler, which ray.init replaces with an exit(15)
+    behind a C++ handler that prints a stack dump: a run stopped by `kill` or `timeout`
+    then ended without its summary, and with the wrong status."""
+    if handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, handler)
 
 
 def resolve(address: str) -> str | None:

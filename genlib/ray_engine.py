@@ -11,7 +11,9 @@ that loads the model once (on the spec's backend), then for each batch of lines 
 local engine's own functions: `parse_line`, `encode` and `generate_jobs`. A line's seed
 comes from the run seed and its id, never from where it ran, so its text is the local
 engine's; its fingerprint is the one the driver computed, so the results file cannot
-tell which engine wrote a record.
+tell which engine wrote a record (a line the worker parses otherwise, say with a preset
+that differs on its node, is that line's error). A worker that cannot load the model
+says so as data, which the driver turns into one error line.
 
 If a worker dies, Ray restarts it and runs its batch again; rows of a batch that had
 already come back are dropped here, so each line yields once. Starting or joining the
@@ -67,16 +69,29 @@ class WorkerPlan:
 # ---------------------------------------------------------------- worker side
 
 
-def generate_lines(lm: LoadedModel, numbered: Sequence[tuple[int, str]], plan: WorkerPlan
+# A line that the worker parses into other settings than the driver did: generated, its
+# record would name the driver's settings and fingerprint beside the worker's text.
+SETTINGS_DIFFER = ("its settings on the Ray worker differ from those here (a preset of "
+                   "the same name that differs between the nodes, or another genlab "
+                   "version); make presets and genlab the same on every node")
+
+# A worker's input row: line number, the line as read, the fingerprint the driver gave it.
+Row = tuple[int, str, str]
+
+
+def generate_lines(lm: LoadedModel, numbered: Sequence[Row], plan: WorkerPlan
                    ) -> list[tuple[int, dict[str, Any]]]:
-    """A worker's batch: (line number, text) pairs -> (line number, outcome), where an
-    outcome is {"finish": Finish's fields} or {"error": message without the line}."""
+    """A worker's batch: rows -> (line number, outcome), where an outcome is
+    {"finish": Finish's fields} or {"error": message without the line}."""
     out: list[tuple[int, dict[str, Any]]] = []
     ready: list[Job] = []
-    for number, text in numbered:
+    for number, text, driver_fingerprint in numbered:
         item = parse_line(text, number, plan.run, plan.adapt)
         if isinstance(item, LineError):  # the driver parsed it fine: a worker's own files
             out.append((number, {"error": item.message.removeprefix(f"line {number}: ")}))
+            continue
+        if item.fingerprint != driver_fingerprint:
+            out.append((number, {"error": SETTINGS_DIFFER}))
             continue
         try:
             encode(lm, item, plan.run)
@@ -93,9 +108,18 @@ def generate_lines(lm: LoadedModel, numbered: Sequence[tuple[int, str]], plan: W
     return out
 
 
+def load_failed(numbered: Sequence[Row], message: str
+                ) -> list[tuple[int, dict[str, Any]]]:
+    """A batch given to a worker that could not load the model: every line's outcome is
+    {"load_error": message}, on which the driver stops the run with that message. Raised
+    in the worker's constructor instead, the error would reach the driver as Ray's
+    (its traceback printed twice, the message naming neither the model nor the cause)."""
+    return [(number, {"load_error": message}) for number, *_ in numbered]
+
+
 class GenerateWorker:
     """A Ray Data actor: loads the model once, then generates every batch it is given
-    (columns `line` and `text` in, `line` and `outcome` as JSON out)."""
+    (columns `line`, `text` and `fingerprint` in, `line` and `outcome` as JSON out)."""
 
     def __init__(self, plan: WorkerPlan):
         import torch
@@ -107,13 +131,22 @@ class GenerateWorker:
         # (--output -): anything a library prints goes to stderr instead.
         sys.stdout = sys.stderr
         self.plan = plan
-        self.lm = load_model(plan.spec, quick=plan.quick)
+        self.lm: LoadedModel | None = None
+        self.load_error: str | None = None
+        try:
+            self.lm = load_model(plan.spec, quick=plan.quick)
+        except Exception as exc:  # noqa: BLE001  (sent back as data: see load_failed)
+            self.load_error = str(exc) if isinstance(exc, GenlabError) else unexpected(exc)
 
     def __call__(self, batch: dict[str, Any]) -> dict[str, Any]:
         import numpy as np
 
-        numbered = [(int(n), str(t)) for n, t in zip(batch["line"], batch["text"])]
-        done = generate_lines(self.lm, numbered, self.plan)
+        numbered = [(int(n), str(t), str(f)) for n, t, f
+                    in zip(batch["line"], batch["text"], batch["fingerprint"])]
+        if self.lm is None:
+            done = load_failed(numbered, self.load_error or "")
+        else:
+            done = generate_lines(self.lm, numbered, self.plan)
         return {"line": np.array([n for n, _ in done], dtype=np.int64),
                 "outcome": np.array([json.dumps(o) for _, o in done], dtype=object)}
 
@@ -160,7 +193,8 @@ def _stream(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan, workers
     ray.data.DataContext.get_current().enable_progress_bars = False
     logging.getLogger("ray.data").setLevel(logging.ERROR)
     by_line = {job.line: job for job in jobs}
-    rows = [{"line": job.line, "text": lines[job.line - 1]} for job in jobs]
+    rows = [{"line": job.line, "text": lines[job.line - 1], "fingerprint": job.fingerprint}
+            for job in jobs]
     # One block per batch: each worker task is one batch, so a result comes back (and a
     # retry after a crash repeats) one batch at a time.
     blocks = math.ceil(len(rows) / plan.batch_size)
@@ -200,6 +234,8 @@ def _outcome(data: dict[str, Any]) -> Finish | str:
     LineFinish (its logprobs object, a JSON object, as it came)."""
     from genlib.batch import LineFinish
 
+    if "load_error" in data:
+        raise RayEngineError(f"a Ray worker cannot load the model: {data['load_error']}")
     if "error" in data:
         return str(data["error"])
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in data["finish"].items()}
@@ -207,18 +243,6 @@ def _outcome(data: dict[str, Any]) -> Finish | str:
 
 
 def _reason(exc: BaseException) -> str:
-    """Why a Ray run failed: genlab's own message where a worker raised one (a model it
-    cannot load, say), else the first line of Ray's."""
-    cause: BaseException | None = exc
-    for _ in range(8):  # Ray's errors wrap the worker's, sometimes a few levels deep
-        if cause is None:
-            break
-        if isinstance(cause, GenlabError):
-            return _first_line(Exception(*cause.args))  # not Ray's traceback-laden str()
-        cause = getattr(cause, "cause", None) or cause.__cause__
-    return _first_line(exc)
-
-
-def _first_line(exc: BaseException) -> str:
+    """Why a Ray run failed: the first line of Ray's message (the rest is its traceback)."""
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__

@@ -5,6 +5,7 @@ resumed. Skipped when ray is not installed; CI installs the ray extra."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -20,7 +21,13 @@ from cli.main import app
 from genlib import batch as gb
 from genlib.models import ModelSpec
 from genlib.ray_cluster import RayEngineError, check_reachable, private_cluster_env
-from genlib.ray_engine import GenerateWorker, WorkerPlan, first_of_each, run_on_ray
+from genlib.ray_engine import (
+    SETTINGS_DIFFER,
+    GenerateWorker,
+    WorkerPlan,
+    first_of_each,
+    run_on_ray,
+)
 from tests.conftest import ROOT, STORIES
 from tests.test_batch import RUN, mixed_prompts, read_results
 
@@ -392,6 +399,10 @@ def test_engine_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     (["--input", "x", "--output", "o", "--engine", "spark"], "--engine must be one of"),
     (["--input", "x", "--output", "o", "--engine", "ray", "--workers", "0"],
      "--workers must be >= 1, got 0"),
+    *[(["--input", "x", "--output", "o", "--engine", "ray", "--ray-address", address],
+       f"--ray-address must be auto or the head's HOST:PORT (`ray start --head` prints "
+       f"it), got {address!r}; leave it out to start a private cluster on this machine")
+      for address in ("", "local", ":6379", "head", "head:port", "head:65536")],
 ])
 def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: str):
     result = runner.invoke(app, ["generate", *MODEL, *args])
@@ -399,15 +410,93 @@ def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: st
     assert message in result.stderr, result.stderr
 
 
-def test_a_workers_own_error_is_what_the_user_reads():
-    from genlib.errors import ModelLoadError
+def ray_cli(address: str, *args: str) -> list[str]:
+    """`genlab generate ... --engine ray` joining the test cluster, as a command line."""
+    return [sys.executable, "-m", "cli", "generate", "--engine", "ray", "--ray-address",
+            address, *args]
+
+
+def cli_env() -> dict[str, str]:
+    """The environment of a command joining the test cluster (ray.init set some of it)."""
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+
+
+@pytest.mark.slow
+def test_a_worker_that_cannot_load_the_model_ends_the_run_in_genlabs_one_line(
+        cluster, tmp_path):
+    """Raised in the worker's constructor, the error reached the user as Ray's: two
+    tracebacks and a message naming neither the model nor the cause."""
+    address, _ = cluster
+    folder = tmp_path / "not-a-model"
+    folder.mkdir()
+    src = tmp_path / "in.jsonl"
+    src.write_text("not json\n" + "\n".join(mixed_prompts(2)) + "\n")
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run(ray_cli(address, "-m", str(folder), "--input", str(src),
+                                  "--output", str(out)),
+                          cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=180)
+    assert done.returncode == 1, done.stderr
+    assert (f"error: a Ray worker cannot load the model: {folder} is not a Hugging Face "
+            f"model folder (no config.json); point --model at the folder holding "
+            f"config.json\n") in done.stderr
+    assert "Traceback" not in done.stderr and "ActorDiedError" not in done.stderr
+    assert [r["id"] for r in read_results(out)] == [1]  # the bad line's error, kept
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_ray_run_as_it_stops_a_local_one(cluster, tmp_path):
+    """ray.init replaced genlab's SIGTERM handler: the run ended with status 15, a C++
+    stack dump and no summary, instead of TERMINATED (143) and the note to rerun."""
+    address, _ = cluster
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(mixed_prompts(12, ignore_eos=True, max_new_tokens=48)) + "\n")
+    proc = subprocess.Popen(ray_cli(address, *MODEL, "--input", str(src), "--output",
+                                    str(out), "--batch-size", "2"),
+                            cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and proc.poll() is None:
+        if out.exists() and out.read_text().count("\n") >= 2:
+            break
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    assert "interrupted: rerun the same command to finish" in stderr
+    assert "SIGTERM received" not in stderr
+    assert 2 <= len(read_results(out)) < 12
+
+
+class OtherPresets(GenerateWorker):
+    """A worker on a node whose presets folder holds another `mine` than the driver's."""
+
+    def __init__(self, plan):
+        os.environ["GENLAB_PRESETS_DIR"] = str(Path(os.environ["GENLAB_TEST_SCRATCH"])
+                                               / "worker-presets")
+        super().__init__(plan)
+
+
+def test_a_line_whose_preset_differs_on_the_worker_fails_alone(cluster, tmp_path,
+                                                                 monkeypatch):
+    """The worker parses each line again: with a preset of the same name but other
+    settings there, it generated with its own settings while the record named the
+    driver's settings and fingerprint."""
+    _, scratch = cluster
+    (scratch / "worker-presets").mkdir(exist_ok=True)
+    (scratch / "worker-presets" / "mine.yaml").write_text("max_new_tokens: 5\n")
+    (tmp_path / "mine.yaml").write_text("max_new_tokens: 3\n")
+    monkeypatch.setenv("GENLAB_PRESETS_DIR", str(tmp_path))
+    lines = [json.dumps({"id": "mine", "prompt": "Once upon a time", "preset": "mine"}),
+             *mixed_prompts(2)]
+    jobs = gb.parse_lines(lines, RUN)
+    by_id = {job.id: outcome
+             for job, outcome in run_on_ray(jobs, lines, plan_for(2), 1, worker=OtherPresets)}
+    assert by_id["mine"] == SETTINGS_DIFFER
+    assert all(not isinstance(by_id[f"p{i}"], str) for i in range(2))
+
+
+def test_reasons_are_the_first_line_of_rays_message():
     from genlib.ray_engine import _reason
 
-    class Wrapped(Exception):  # as Ray wraps what a worker raised, traceback and all
-        def __init__(self, cause):
-            super().__init__("ray::MapWorker.__init__() (pid=1)\n  File ...\nModelLoadError")
-            self.cause = cause
-
-    inner = ModelLoadError("cannot load /no/such/model: no such folder")
-    assert _reason(Wrapped(Wrapped(inner))) == "cannot load /no/such/model: no such folder"
-    assert _reason(Wrapped(ValueError("x"))) == "ray::MapWorker.__init__() (pid=1)"
+    assert _reason(RuntimeError("ray::MapWorker.__init__() (pid=1)\n  File ...")) == \
+        "ray::MapWorker.__init__() (pid=1)"
