@@ -42,6 +42,14 @@ def int_list(flag: str, text: str) -> list[int]:
     return values
 
 
+def check_decode_steps(counts: list[int]) -> None:
+    """Decode tokens/s is timed from the first token to the last: one token has no
+    decode step to time (its tokens/s would read 0)."""
+    if min(counts) < 2:
+        raise fail("--new-tokens: 1 token has no decode step to time (decode tokens/s runs "
+                   "from the first token to the last); give 2 or more")
+
+
 def str_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     if not values:
@@ -65,9 +73,13 @@ def measured(strategies: list[str], presets: list[str]) -> list[tuple[str, bool]
     return [(name, False) for name in strategies] + [(name, True) for name in presets]
 
 
-def strategy_settings(names: list[tuple[str, bool]], seed: int
+def strategy_settings(names: list[tuple[str, bool]], seed: int, baseline: bool = False
                       ) -> list[tuple[str, GenerationSettings]]:
-    """Each name is a strategy (greedy, sample) or a preset; sampling runs get `seed`."""
+    """Each name is a strategy (greedy, sample) or a preset; sampling runs get `seed`.
+    With the `baseline`, settings that model.generate() cannot run are refused here,
+    before any run, rather than dropped from the baseline's."""
+    from genlib.bench import baseline_gap
+
     out = []
     for name, is_preset in names:
         flags: dict[str, Any] = {} if is_preset else {"strategy": name}
@@ -75,6 +87,10 @@ def strategy_settings(names: list[tuple[str, bool]], seed: int
         if settings.strategy == "beam":
             raise fail(f"{name}: bench measures the greedy/sampling decode loop; beam search "
                        f"is not supported here yet")
+        gap = baseline_gap(settings) if baseline else None
+        if gap is not None:
+            raise fail(f"--baseline transformers: {name} uses {gap}, so the baseline would "
+                       f"run other settings; measure {name} without --baseline")
         out.append((name, with_seed(settings, seed)))
     return out
 
@@ -154,8 +170,8 @@ def bench(
     prompt_len: Annotated[str, typer.Option(
         "--prompt-len", help="Comma list of prompt lengths in tokens (exact).")] = "128",
     new_tokens: Annotated[str, typer.Option(
-        "--new-tokens", help="Comma list of new-token counts (generation is forced to "
-        "this length; end tokens are ignored).")] = "256",
+        "--new-tokens", help="Comma list of new-token counts, each at least 2 (generation "
+        "is forced to this length; end tokens are ignored).")] = "256",
     batch_size: Annotated[str, typer.Option(
         "--batch-size", help="Comma list of batch sizes.")] = "1",
     dtype: Annotated[str, typer.Option(
@@ -212,6 +228,7 @@ def bench(
                      else [] if presets else ["greedy"], presets)
     lengths = int_list("--prompt-len", prompt_len)
     counts = int_list("--new-tokens", new_tokens)
+    check_decode_steps(counts)
     batches = int_list("--batch-size", batch_size)
     dtypes = str_list("--dtype", dtype, ("auto", "float32", "bfloat16", "float16"))
     quants = str_list("--quantize", quantize, ("none", "8bit", "4bit"))
@@ -227,8 +244,8 @@ def bench(
     if csv_path is not None and csv_path != "-":
         check_writable(Path(csv_path), "--csv")
     check_threads(threads)
-    groups = build_cases(strategy_settings(names, seed), lengths, counts, batches, backends,
-                         no_cache)
+    groups = build_cases(strategy_settings(names, seed, baseline == "transformers"), lengths,
+                         counts, batches, backends, no_cache)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
                                  runs, warmup, baseline == "transformers", threads, bandwidth)
     with opened(target):
@@ -251,15 +268,16 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
                                "read_bandwidth_gbs": None}
     probe = core.BandwidthProbe() if bandwidth else None
     records: list[dict[str, Any]] = []
-    per_sweep = sum(core.warmup_count(c, warmup) + runs for g in groups for c in g) + \
-        (len(groups) * (warmup + runs) if baseline else 0)
-    with progress_bar(len(dtypes) * len(quants) * per_sweep) as tick:
+    per_sweep = (sum(len(g) for g in groups) + (len(groups) if baseline else 0)) * \
+        (warmup + runs)
+    with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
         for dtype, quantize in product(dtypes, quants):
             lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
+            bar.expect(forced_warmups(lm, groups, warmup))
             weights = core.weight_bytes(lm.model)
             machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights
             for cases in groups:
-                group = core.measure(lm, cases, runs, warmup, baseline, tick, probe)
+                group = core.measure(lm, cases, runs, warmup, baseline, bar, probe)
                 for result in [*group.results, group.baseline]:
                     if result is not None:
                         records.append(record(lm, dtype, quantize, result, group, weights,
@@ -278,8 +296,17 @@ def bandwidth_summary(samples: list[float]) -> dict[str, Any]:
             "read_bandwidth_gbs_max": max(gbs), "bandwidth_samples": len(gbs)}
 
 
+def forced_warmups(lm: LoadedModel, groups: list[list[Case]], warmup: int) -> int:
+    """Warm-up runs beyond `warmup` that the cases need on `lm` (a compiled backend's)."""
+    from genlib import bench as core
+
+    return sum(core.warmup_count(lm, core.Result(c, core.engine_name(c)), warmup) - warmup
+               for cases in groups for c in cases)
+
+
 class progress_bar:  # noqa: N801 - used as a context manager, like open()
-    """A Rich progress bar on stderr; yields a tick() that advances it by one run."""
+    """A Rich progress bar on stderr; yields a tick() that advances it by one run, and
+    whose expect(n) adds n runs to the total."""
 
     def __init__(self, total: int) -> None:
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
@@ -292,7 +319,14 @@ class progress_bar:  # noqa: N801 - used as a context manager, like open()
 
     def __enter__(self) -> Any:
         self._progress.start()
-        return lambda: self._progress.advance(self._task)
+        return self
+
+    def __call__(self) -> None:
+        self._progress.advance(self._task)
+
+    def expect(self, runs: int) -> None:
+        total = self._progress.tasks[0].total or 0
+        self._progress.update(self._task, total=total + runs)
 
     def __exit__(self, *exc: object) -> None:
         self._progress.stop()
@@ -471,7 +505,11 @@ def check_threads(threads: int | None) -> None:
 
 def write_csv(records: list[dict[str, Any]], path: str) -> None:
     fields = [k for k in records[0] if k not in CSV_SKIP] if records else []
-    handle = sys.stdout if path == "-" else open(path, "w", newline="")  # noqa: SIM115
+    try:
+        handle = sys.stdout if path == "-" else open(path, "w", newline="")  # noqa: SIM115
+    except OSError as exc:  # checked before the sweep, but a long sweep gives time to change
+        raise fail(f"--csv: cannot write {path}: {exc.strerror or exc} (the other outputs "
+                   f"are written); pick a writable path") from None
     try:
         writer = csv.DictWriter(handle, fieldnames=fields, extrasaction="ignore")
         writer.writeheader()

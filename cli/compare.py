@@ -603,7 +603,7 @@ def compare(
     opt.check_one_stdin({"prompt": prompt, "json_schema": json_schema, "grammar": grammar})
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
-                              **opt.grammar_flags(json_schema, regex, grammar))
+                              seed=seed, **opt.grammar_flags(json_schema, regex, grammar))
     base_seed = seed if seed is not None else fresh_seed()
     strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
                            base_seed)

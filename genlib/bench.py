@@ -243,15 +243,50 @@ class _StepClock:
         pass
 
 
+# The stages `model.generate()` has, each run where genlib's default order runs it (that
+# order is generate()'s for them: genlib.processors). "penalties" only as
+# repetition_penalty: generate() has no presence or frequency penalty.
+BASELINE_STAGES = ("penalties", "no_repeat_ngram", "temperature", "top_k", "top_p", "min_p",
+                   "typical_p", "epsilon_cutoff", "eta_cutoff")
+NO_BASELINE_KEYS = ("presence_penalty", "frequency_penalty", "json_schema", "regex",
+                    "grammar", "force_words", "force_any")
+
+
+def baseline_gap(settings: GenerationSettings) -> str | None:
+    """What of `settings` transformers' `generate()` cannot run, in words (None: it runs
+    them all, in the same order), so that the baseline never runs other settings."""
+    from genlib.config import SPECS, active_stages
+    from genlib.processors import DEFAULT_ORDER, SAMPLING_STAGES
+
+    values = settings.to_dict()
+    stages = [name for name in active_stages(values)
+              if settings.do_sample or name not in SAMPLING_STAGES]
+    missing = [key for key in NO_BASELINE_KEYS
+               if getattr(settings, key) != SPECS[key].default]
+    missing += [name for name in stages if name not in BASELINE_STAGES]
+    if missing:
+        return f"{', '.join(missing)}, which model.generate() does not have"
+    order = [name for name in settings.samplers if name in stages]
+    fixed = [name for name in DEFAULT_ORDER if name in stages]
+    if settings.samplers and order != fixed:
+        return (f"the samplers order {', '.join(order)}, where model.generate() runs "
+                f"{', '.join(fixed)}")
+    return None
+
+
 def baseline_kwargs(settings: GenerationSettings) -> dict[str, Any]:
-    """The same decoding settings in `model.generate()`'s terms."""
+    """The same decoding settings in `model.generate()`'s terms (`baseline_gap` says
+    when there are none). Every value is passed, off ones too, so that no default of the
+    model's generation_config (a hub model's top_k, say) sneaks into the baseline."""
     kwargs: dict[str, Any] = {"do_sample": settings.do_sample,
                               "repetition_penalty": settings.repetition_penalty,
                               "no_repeat_ngram_size": settings.no_repeat_ngram_size}
     if settings.do_sample:
-        kwargs.update(temperature=settings.temperature, top_k=settings.top_k or None,
+        kwargs.update(temperature=settings.temperature, top_k=settings.top_k,
                       top_p=settings.top_p, min_p=settings.min_p or None,
-                      typical_p=settings.typical_p)
+                      typical_p=settings.typical_p,
+                      epsilon_cutoff=settings.epsilon_cutoff or None,
+                      eta_cutoff=settings.eta_cutoff or None)
     return kwargs
 
 
@@ -440,7 +475,7 @@ def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, base
     if group.baseline is not None:
         contenders.append((group.baseline, baseline_run))
     for result, runner in contenders:
-        _warm_up(lm, prompts, result, runner, warmup_count(result.case, warmup), tick)
+        _warm_up(lm, prompts, result, runner, warmup_count(lm, result, warmup), tick)
     for i in range(runs):
         if probe is not None:
             group.bandwidth.append(probe.sample())
@@ -455,8 +490,20 @@ def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, base
     return group
 
 
-def warmup_count(case: Case, warmup: int) -> int:
-    return max(warmup, 1) if case.backend == "compiled" else warmup
+def warmup_count(lm: LoadedModel, result: Result, warmup: int) -> int:
+    """`warmup`, and at least one where the compiled backend runs (asked for, or picked
+    by auto), so that compiling is never counted in a measured run."""
+    return max(warmup, 1) if planned_backend(lm, result) == "compiled" else warmup
+
+
+def planned_backend(lm: LoadedModel, result: Result) -> str:
+    """The backend `result`'s runs will run on, before any has run."""
+    from genlib.backends.choose import Request, backend_name
+
+    if result.engine != "genlab":  # the no-cache loop and the baseline: transformers'
+        return "transformers"
+    case = result.case
+    return backend_name(lm, Request(rows=case.batch_size, backend=case.backend))
 
 
 def _warm_up(lm: LoadedModel, prompts: list[list[int]], result: Result, runner: Runner,

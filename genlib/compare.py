@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from genlib import metrics
-from genlib.config import GenerationSettings, parse_assignments, resolve_settings
+from genlib.config import (
+    GenerationSettings,
+    parse_assignments,
+    resolve_settings,
+    validate_settings,
+)
 from genlib.errors import ConfigError, GenlabError
 from genlib.events import Event, Finish, Token
 
@@ -171,6 +176,7 @@ def build_strategies(presets: Sequence[str], variants: Sequence[str],
     _check_unique_labels(strategies)
     if samples < 1:
         raise ConfigError(f"--samples must be >= 1, got {samples}")
+    validate_settings({"num_return_sequences": samples}, "--samples")  # its upper bound
     return [with_samples(s, samples) for s in strategies]
 
 
@@ -191,9 +197,12 @@ def with_samples(strategy: Strategy, samples: int) -> Strategy:
 
 
 def with_seed(strategies: Sequence[Strategy], seed: int) -> list[Strategy]:
-    """Give every strategy the same base seed: sample i of every stochastic strategy
-    then uses the same seed (row 0: `seed`, row i: `derive_seed(seed, i)`)."""
-    return [Strategy(s.label, s.settings.replace(seed=seed), s.source) for s in strategies]
+    """Give every strategy that names no seed of its own the same base seed: sample i
+    of each then uses the same seed (row 0: `seed`, row i: `derive_seed(seed, i)`).
+    A variant's or preset's own `seed=` is kept: comparing seeds is a comparison too."""
+    return [s if s.settings.seed is not None
+            else Strategy(s.label, s.settings.replace(seed=seed), s.source)
+            for s in strategies]
 
 
 # --- running ------------------------------------------------------------------------

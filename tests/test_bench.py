@@ -86,6 +86,22 @@ def test_bandwidth_is_sampled_once_a_round_and_the_bound_uses_the_median(
     assert bench.measure(stories, cases, runs=1, warmup=0, baseline=False).bound_tps(1) is None
 
 
+@pytest.mark.slow
+def test_a_compiled_step_auto_picks_is_warmed_up_even_with_warmup_0(one_thread):
+    """auto runs a float16 model on the compiled backend: its compilation goes into an
+    uncounted warm-up run (reported as compile_s), never into the counted runs."""
+    from genlib.models import ModelSpec, load_model
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    lm = load_model(ModelSpec(str(STORIES), dtype="float16"))
+    case = bench.Case("greedy", GenerationSettings(), 4, 4, 1)  # backend auto
+    [result] = bench.measure(lm, [case], runs=1, warmup=0, baseline=False).results
+    assert result.backend == "compiled"
+    assert result.first_run_s is not None  # the compiling run, uncounted
+    assert result.metrics()["compile_s"] is not None
+
+
 def test_weight_bytes_counts_tied_weights_once(stories):
     params = {p.data_ptr(): p.numel() * 4 for p in stories.model.parameters()}
     assert bench.weight_bytes(stories.model) == sum(params.values())
@@ -178,6 +194,7 @@ def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread, 
 @pytest.mark.parametrize("args, message", [
     (("--prompt-len", "12,x"), "--prompt-len: 'x' is not a positive integer"),
     (("--new-tokens", "0"), "--new-tokens: '0' is not a positive integer"),
+    (("--new-tokens", "4,1"), "--new-tokens: 1 token has no decode step to time"),
     (("--baseline", "vllm"), "--baseline: unknown value 'vllm'"),
     (("--quantize", "3bit"), "--quantize: unknown value '3bit'"),
     (("--strategy", "beam"), "beam search is not supported"),
@@ -193,6 +210,43 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert result.exit_code == 2
     assert message in " ".join(result.output.split())
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize("preset, message", [
+    ("name: penalised\nstrategy: greedy\npresence_penalty: 1.5\n",
+     "uses presence_penalty, which model.generate() does not have"),
+    ("name: dry\nstrategy: sample\ndry_multiplier: 0.8\n",
+     "uses dry, which model.generate() does not have"),
+    ("name: ordered\nstrategy: sample\ntemperature: 0.7\ntop_p: 0.9\n"
+     "samplers: [top_p, temperature]\n",
+     "uses the samplers order top_p, temperature, where model.generate() runs "
+     "temperature, top_p"),
+])
+def test_a_baseline_that_cannot_run_the_settings_is_refused(tmp_path, preset, message):
+    """The baseline never silently runs other settings (a greedy run would read 'same
+    tokens: NO', a sampled one be timed on other work): refused before any run."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    path = tmp_path / "preset.yaml"
+    path.write_text(preset)
+    result = run_cli("-p", str(path), "--baseline", "transformers", "--runs", "1",
+                     "--prompt-len", "4", "--new-tokens", "4", "--no-bandwidth")
+    assert result.exit_code == 2
+    assert message in " ".join(result.output.split())
+    assert "Traceback" not in result.output and "decode" not in result.stdout
+
+
+def test_baseline_runs_what_generate_has_with_every_value_passed():
+    from genlib.config import resolve_settings
+    from genlib.presets import load_preset
+
+    sample = resolve_settings({"strategy": "sample", "temperature": 0.7, "top_p": 0.9})
+    assert sample.do_sample and bench.baseline_gap(sample) is None
+    assert bench.baseline_gap(resolve_settings({"repetition_penalty": 1.3})) is None
+    for name in ("creative", "precise", "topk"):
+        assert bench.baseline_gap(resolve_settings({}, load_preset(name).settings)) is None
+    # top_k off is passed as 0: None would let a model's generation_config top_k in
+    assert bench.baseline_kwargs(sample)["top_k"] == 0
 
 
 def test_one_case_per_backend_asked_for_and_the_no_cache_loop():
@@ -215,6 +269,32 @@ def test_csv_on_stdout_is_clean_csv(one_thread):
     assert re.search(r"decode\s.*\n.*tok/s", result.stderr)  # the table went to stderr
     both = run_cli("--runs", "1", "--json", "--csv", "-")
     assert both.exit_code == 2 and "both write to stdout" in both.stderr
+
+
+def test_a_csv_folder_gone_during_the_sweep_is_one_line_after_the_table(
+        tmp_path, monkeypatch, one_thread):
+    import shutil
+
+    from cli import bench as cli_bench
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    folder = tmp_path / "out"
+    folder.mkdir()
+    sweep = cli_bench.run_sweep
+
+    def sweep_then_remove(*args, **kwargs):
+        done = sweep(*args, **kwargs)
+        shutil.rmtree(folder)  # removed while the bench ran
+        return done
+
+    monkeypatch.setattr(cli_bench, "run_sweep", sweep_then_remove)
+    result = run_cli("--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "3",
+                     "--no-bandwidth", "--csv", str(folder / "b.csv"))
+    assert result.exit_code == 2
+    assert re.search(r"decode\s.*\n.*tok/s", result.stdout)  # the results are shown
+    assert f"--csv: cannot write {folder / 'b.csv'}" in " ".join(result.stderr.split())
+    assert "unexpected" not in result.stderr
 
 
 @pytest.mark.parametrize("native_on", ["1", "0"])

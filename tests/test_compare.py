@@ -73,6 +73,11 @@ def test_bad_strategies_are_rejected(variants, message):
         cmp.build_strategies([], variants, {})
 
 
+def test_too_many_samples_name_the_samples_flag():
+    with pytest.raises(ConfigError, match=r"^--samples: num_return_sequences must be .*2000"):
+        cmp.build_strategies([], ["top_k=5"], {}, samples=2000)
+
+
 def test_column_headers_name_only_the_settings_that_changed():
     greedy, creative, top_k = cmp.build_strategies(["greedy", "creative"], ["top_k=5"], {})
     biased = cmp.Strategy("biased", greedy.settings.replace(logit_bias={"5": 2.0}), "variant")
@@ -455,3 +460,22 @@ def test_cli_logprobs_in_a_model_comparison(stories):
     expected = generate_output("-n", "6", "-s", "greedy", "--logprobs", "2")["logprobs"]
     assert [r["outputs"][0]["logprobs"] for r in json.loads(result.stdout)["runs"]] == \
         [expected, expected]
+
+
+def test_cli_a_variants_own_seed_is_kept(stories, tmp_path):
+    """`--variant "seed=5,..."` wins over --seed (a variant's assignments win over the
+    common flags): its column is generate's with seed 5; a column naming no seed takes
+    --seed, as a preset does (flag > preset)."""
+    data = compare_json("-n", "8", "--seed", "0", "--no-crn", "--variant",
+                        "seed=5,temperature=1.0", "--variant", "seed=6,temperature=1.0",
+                        "--variant", "temperature=1.0")
+    five, six, common = data["strategies"]
+    assert [s["settings"]["seed"] for s in data["strategies"]] == [5, 6, 0]
+    for column, seed in ((five, "5"), (six, "6"), (common, "0")):
+        expected = generate_output("-n", "8", "-t", "1.0", "--seed", seed)
+        assert column["outputs"][0]["token_ids"] == expected["token_ids"]
+    preset = tmp_path / "seeded.yaml"
+    preset.write_text("name: seeded\nstrategy: sample\nseed: 7\n")
+    assert compare_json("-n", "2", "-p", str(preset))["strategies"][0]["settings"]["seed"] == 7
+    flagged = compare_json("-n", "2", "-p", str(preset), "--seed", "1")
+    assert flagged["strategies"][0]["settings"]["seed"] == 1  # flag > preset

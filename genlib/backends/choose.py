@@ -78,6 +78,12 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     return backend
 
 
+def backend_name(lm: LoadedModel, request: Request) -> str:
+    """The name of the backend `choose_backend` gives `request`, without building it."""
+    name = check_name(request.backend)
+    return _auto(lm, request)[0] if name == "auto" else name
+
+
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     one_row = request.rows == 1 and not request.reorder
     many = "beam search" if request.reorder else f"{request.rows} rows"
