@@ -476,7 +476,10 @@ def parse_assignments(text: str, source: str) -> dict[str, Any]:
         key, sep, value = part.partition("=")
         if not sep or not key:
             raise ConfigError(f"{source}: expected KEY=VALUE, got {shown(part)}")
-        raw[key.strip()] = parse_value(key.strip(), value, source)
+        key = key.strip()
+        if key in raw:  # the last would win unseen, as a JSON line's repeated key would
+            raise ConfigError(f"{source}: {key} is given twice; give it once")
+        raw[key] = parse_value(key, value, source)
     return validate_settings(raw, source)
 
 

@@ -146,3 +146,11 @@ def test_every_default_is_written_once_in_specs():
         if f.name in SPECS and f.name not in ("strategy", "do_sample"):
             assert getattr(built, f.name) == SPECS[f.name].default, f.name
     assert resolve_settings() == built  # the empty settings resolve to the defaults
+
+
+def test_a_key_given_twice_in_one_assignment_list_is_refused():
+    """`top_k=5,top_k=6` kept the last value unseen, where a JSON line's repeated key is
+    refused."""
+    with pytest.raises(ConfigError, match=r"^--variant: top_k is given twice; give it once$"):
+        parse_assignments("top_k=5,top_k=6", "--variant")
+    assert parse_assignments("top_k=5,top_p=0.9", "--variant") == {"top_k": 5, "top_p": 0.9}
