@@ -90,7 +90,8 @@ class Result:
     def metrics(self) -> dict[str, Any]:
         """Medians with [min, max] over the counted runs, and pooled latency percentiles."""
         out: dict[str, Any] = {}
-        for name, values in (("prefill_tps", [r.prefill_tps for r in self.runs]),
+        for name, values in (("prefill_s", [r.prefill_s for r in self.runs]),
+                             ("prefill_tps", [r.prefill_tps for r in self.runs]),
                              ("decode_tps", [r.decode_tps for r in self.runs]),
                              ("ttft_s", [r.ttft_s for r in self.runs]),
                              ("e2e_s", [r.e2e_s for r in self.runs])):

@@ -96,6 +96,10 @@ def test_shared_facts_are_named_alike(documents):
         for out in outs:
             assert set(out["timings"]) == {"prefill_s", "ttft_s", "total_s", "tokens_per_s"}
             assert out["new_tokens"] == len(out["token_ids"])
+    for result in documents["bench"]["results"]:  # bench measures prefill: it says so
+        timings = result["timings"]
+        assert timings["prefill_s"] == pytest.approx(result["prefill_s"], abs=1e-6), timings
+        assert 0 < timings["prefill_s"] <= timings["ttft_s"] <= timings["total_s"], timings
     assert [o["index"] for o in documents["generate"]["outputs"]] == [1, 2]
     assert [o["index"] for o in documents["beam"]["outputs"]] == [1, 2]  # as the table
     assert documents["generate"]["model"] == documents["explain"]["model"] == str(STORIES)
