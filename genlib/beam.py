@@ -82,7 +82,8 @@ class Hypothesis:
 @dataclass(frozen=True)
 class TreeCandidate:
     """One continuation considered at a step: `parent` is the index of the beam it
-    extends in the previous step's `kept` order (-1 for the prompt); `status` is kept,
+    extends in the previous step's `kept` order (0 at the first step: the prompt's one
+    live beam); `status` is kept,
     finished, pruned (not among the best) or rejected (ended before its constraints
     were met, or after the search stopped accepting)."""
 
@@ -130,6 +131,9 @@ class _Done:
     beam: _Beam
     reason: str
     satisfied: bool
+    # Extends a DEAD placeholder (fewer live continuations than beams): it counts for the
+    # stopping rule, as in transformers, but is no sequence the search found.
+    placeholder: bool = False
 
 
 @dataclass
@@ -160,6 +164,7 @@ class _Plan:
     tokenizer: Any
     deadline: float | None
     record_tree: bool
+    one_row: bool = False
     tree: dict[int, list[TreeStep]] = field(default_factory=dict)
 
 
@@ -322,11 +327,13 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
     group_size = settings.num_beams // settings.num_beam_groups
     eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
     constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,
-                                         settings.max_new_tokens)
+                                         settings.max_new_tokens, settings.stop_strings)
     suppress = suppress_eos_for(lm, settings)
+    one_row = _one_row(settings, constraints)
     # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
     # even if the best ones all end; beam sampling's truncations leave as many per beam.
-    per_beam = max(2, 1 + len(eos))
+    # One row keeps its one continuation, as greedy decoding and sampling do.
+    per_beam = 1 if one_row else max(2, 1 + len(eos))
     n_keep = min(per_beam * group_size, group_size * lm.vocab_size)
     deadline = time.perf_counter() + settings.max_time if settings.max_time else None
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
@@ -334,7 +341,14 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
                                         tokenizer=lm.tokenizer, constraint=constraint,
                                         vocab_size=lm.vocab_size, min_keep=per_beam)
     return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
-                 constraints, lm.tokenizer, deadline, record_tree)
+                 constraints, lm.tokenizer, deadline, record_tree, one_row)
+
+
+def _one_row(settings: GenerationSettings, constraints: Sequence[cons.Constraint]) -> bool:
+    """Whether the search is one unconstrained beam: transformers' generate(num_beams=1)
+    decodes that greedily or samples it (processors on the logits, one token drawn from
+    what they leave), so a beam of one must too."""
+    return settings.num_beams == 1 and not constraints
 
 
 def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan,
@@ -371,18 +385,22 @@ def _prefill_beams(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequ
     return logits.index_select(0, rows), context
 
 
-def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logprobs: torch.Tensor,
-                        step: int) -> torch.Tensor:
-    """The core's processors applied to log-probabilities, as transformers does."""
-    return process_logits(plan.settings, plan.chain, plan.suppress_eos, context,
-                                 logprobs, step)
+def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logits: torch.Tensor,
+                        logprobs: torch.Tensor, step: int) -> torch.Tensor:
+    """The core's processors applied as transformers applies them: to the
+    log-probabilities in beam search, to the logits (then normalised) for one row."""
+    if plan.one_row:
+        return process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
+                              step).log_softmax(dim=-1)
+    return process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logprobs,
+                          step)
 
 
 def _search_step(plan: _Plan, searches: list[_Search], logits: torch.Tensor,
                  context: torch.Tensor | None, step: int) -> tuple[list[int], list[int]]:
     """Advance every search by one token; return each new row's parent row and token."""
     raw = logits.log_softmax(dim=-1)
-    processed = _processed_logprobs(plan, context, raw, step)
+    processed = _processed_logprobs(plan, context, logits, raw, step)
     last = step + 1 == plan.settings.max_new_tokens or (
         plan.deadline is not None and time.perf_counter() >= plan.deadline)
     parents: list[int] = []
@@ -511,7 +529,8 @@ def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tens
             if reason == "eos" and not ok:
                 skipped += 1
             elif rank - skipped < k and accepting:
-                search.finished.append(_Done(finished_scores[rank], beam, reason, ok))
+                search.finished.append(_Done(finished_scores[rank], beam, reason, ok,
+                                             float(acc[rank]) <= DEAD / 2))
                 status = "finished"
             leftovers.append((rank, beam, b))
         elif len(kept) < k:
@@ -586,14 +605,15 @@ def _token_text(plan: _Plan, token: int) -> str:
 
 def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int,
             interrupted: bool = False) -> BeamResult:
-    """Merge the groups' finished hypotheses, best first. With constraints, only those
-    that meet them, possibly fewer than num_return_sequences; if none does, the best
-    ones flagged constraints_satisfied=False. An interrupted search ranks its running
-    beams with the finished ones and marks every result "interrupted": none of them is
-    the search's answer."""
+    """Merge the groups' finished hypotheses, best first, leaving out placeholders (so
+    fewer than num_return_sequences when fewer sequences could be found, e.g. under a
+    grammar). With constraints, only those that meet them, possibly fewer again; if none
+    does, the best ones flagged constraints_satisfied=False. An interrupted search ranks
+    its running beams with the finished ones and marks every result "interrupted": none
+    of them is the search's answer."""
     mine = [s for s in searches if s.prompt_index == prompt_index]
     cut = interrupted and not all(s.done for s in mine)  # this prompt's search was cut
-    done = [d for s in mine for d in s.finished]
+    done = [d for s in mine for d in s.finished if not d.placeholder]
     if cut or not done:  # the running beams compete (of the searches still running)
         done += [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
                        b, "length", cons.satisfied(b.state))

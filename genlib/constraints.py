@@ -40,17 +40,24 @@ class Constraint:
 
 
 def build_constraints(tokenizer: Any, force_words: Sequence[str], force_any: Sequence[str],
-                      max_new_tokens: int) -> tuple[Constraint, ...]:
+                      max_new_tokens: int, stop_strings: Sequence[str] = ()
+                      ) -> tuple[Constraint, ...]:
     """Tokenize forced phrases (`force_words`) and sets "A|B|C" (`force_any`).
 
-    Raises ConfigError when a phrase has no tokens or when the shortest way to meet every
-    constraint needs more than `max_new_tokens` tokens: such a search could never succeed.
+    Raises ConfigError when a phrase has no tokens, when it holds one of `stop_strings`
+    (the output would end at it, and its text is cut there), or when the shortest way to
+    meet every constraint needs more than `max_new_tokens` tokens: such a search could
+    never succeed.
     """
+    for phrase in force_words:
+        _check_stops(phrase, stop_strings)
     constraints = [Constraint(w, _spellings(tokenizer, w)) for w in force_words]
     for spec in force_any:
         options = [o.strip() for o in spec.split("|") if o.strip()]
         if not options:
             raise ConfigError(f"force_any {spec!r} has no phrase; write it as 'A|B|C'")
+        for option in options:
+            _check_stops(option, stop_strings)
         spellings = tuple(dict.fromkeys(s for o in options for s in _spellings(tokenizer, o)))
         constraints.append(Constraint(spec, spellings))
     needed = sum(c.min_tokens for c in constraints)
@@ -58,6 +65,15 @@ def build_constraints(tokenizer: Any, force_words: Sequence[str], force_any: Seq
         raise ConfigError(f"the forced phrases need at least {needed} tokens but max_new_tokens "
                           f"is {max_new_tokens}; raise --max-new-tokens or force fewer phrases")
     return tuple(constraints)
+
+
+def _check_stops(phrase: str, stop_strings: Sequence[str]) -> None:
+    """A forced phrase holding a stop string could never be shown: the output would end
+    there, cut before the stop string."""
+    for stop in stop_strings:
+        if stop in phrase:
+            raise ConfigError(f"forced phrase {phrase!r} contains the stop string {stop!r}, so "
+                              f"an output would end before showing it; drop one of them")
 
 
 def _spellings(tokenizer: Any, phrase: str) -> tuple[tuple[int, ...], ...]:

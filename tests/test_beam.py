@@ -97,6 +97,42 @@ def test_one_beam_equals_greedy(stories):
     assert hyp.logprobs == pytest.approx(greedy.logprobs, abs=1e-5)
 
 
+def test_one_beam_with_a_processor_equals_greedy(stories):
+    """transformers' generate(num_beams=1) decodes greedily, its processors on the logits;
+    a beam of one too (the repetition penalty on log-probabilities picks other tokens)."""
+    ids = stories.encode(PROMPTS[0])
+    greedy = generate(stories, [ids], GenerationSettings(max_new_tokens=40,
+                                                         repetition_penalty=1.3))[0]
+    hyp = beam_search(stories, [ids], beam(num_beams=1, max_new_tokens=40,
+                                           repetition_penalty=1.3))[0].hypotheses[0]
+    assert hyp.token_ids == greedy.token_ids
+
+
+def test_one_sampled_beam_follows_the_distribution(stories):
+    """Beam sampling with one beam is sampling: the first token is drawn with the model's
+    probability (p("▁g") = 0.64 here), not the best of several draws (p = 0.98)."""
+    ids = stories.encode("Once upon a time, there was a little")
+    with torch.no_grad():
+        p = stories.model(torch.tensor([ids])).logits[0, -1].softmax(-1)
+    g = int(p.argmax())
+    runs = 200
+    drawn = sum(beam_search(stories, [ids], beam(num_beams=1, do_sample=True, seed=seed,
+                                                 max_new_tokens=1))[0].hypotheses[0]
+                .token_ids[0] == g for seed in range(runs))
+    expected = float(p[g])
+    assert expected == pytest.approx(0.64, abs=0.01)
+    assert abs(drawn / runs - expected) < 4 * math.sqrt(expected * (1 - expected) / runs)
+
+
+def test_placeholder_beams_are_not_results(toy):
+    """With more beams than continuations (14 words after one step), the beams filled
+    with DEAD placeholders are not shown as hypotheses: each result is a real one."""
+    s = beam(num_beams=20, max_new_tokens=1, num_return_sequences=20)
+    hyps = beam_search(toy, [[WORDS.index("The")]], s)[0].hypotheses
+    assert sorted(h.token_ids for h in hyps) == [(i,) for i in range(len(WORDS))]
+    assert all(h.score == pytest.approx(h.sum_logprob, abs=1e-4) for h in hyps)
+
+
 def test_groups_without_a_diversity_penalty_are_plain_beam_searches(stories):
     """With diversity_penalty 0 each of G groups is a plain search of k/G beams, so the
     pooled results are that search's, each G times."""

@@ -122,3 +122,19 @@ def test_spaces_around_the_bars_of_a_set_do_not_change_it(stories):
     tight, = build_constraints(stories.tokenizer, [], ["cat|bird"], 8)
     spaced, = build_constraints(stories.tokenizer, [], ["cat | bird "], 8)
     assert spaced.phrases == tight.phrases
+
+
+def test_a_forced_phrase_holding_a_stop_string_is_refused(stories):
+    """The output would end at the stop string and its text be cut there: the phrase
+    could never be shown, though the output would be marked as meeting it."""
+    from genlib.constraints import build_constraints
+
+    with pytest.raises(ConfigError, match="'big dog' contains the stop string 'g d'"):
+        build_constraints(stories.tokenizer, [], ["cat|big dog"], 8, ("g d",))
+    assert build_constraints(stories.tokenizer, ["dog"], [], 8, (".",))
+    bad = CliRunner().invoke(app, ["beam", "Once upon a time", "-m", str(STORIES), "-k", "2",
+                                   "-n", "8", "--force", "dog", "--stop", "dog"])
+    assert bad.exit_code == 2
+    assert bad.stdout == ""
+    assert "forced phrase 'dog' contains the stop string 'dog'" in bad.stderr
+    assert "Traceback" not in bad.output
