@@ -105,8 +105,8 @@ class LoadedModel:
         if self.max_positions is not None and max_new_tokens >= self.max_positions:
             raise ContextLengthError(
                 f"max_new_tokens ({max_new_tokens}) leaves no room for the prompt in the "
-                f"model's {self.max_positions} positions; lower it to at most "
-                f"{self.max_positions - 1}")
+                f"model's {self.max_positions} positions; lower it so that the prompt's "
+                f"tokens and it fit in {self.max_positions}")
 
     def check_prompt_chars(self, text: str, max_new_tokens: int) -> None:
         """ContextLengthError, before tokenizing, for a prompt too long to fit however it
@@ -134,8 +134,8 @@ class LoadedModel:
         return max((len(t) for t in vocab), default=1) or 1
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, whose: str = "the model's",
-                   remedy: str = "shorten the prompt (generate --truncate-prompt keeps its "
-                                 "last tokens)") -> None:
+                   remedy: str = "shorten the prompt (generate, beam and speculate take "
+                                 "--truncate-prompt, which keeps its last tokens)") -> None:
         """ContextLengthError unless prompt + new tokens fit in the model's positions,
         naming the model (`whose`) and what else to change (`remedy`, for a draft model:
         another draft)."""

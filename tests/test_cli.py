@@ -132,7 +132,7 @@ def test_truncate_prompt_with_no_room_left_names_max_new_tokens():
                     "--truncate-prompt")
     assert result.exit_code == 2, result.output
     assert "max_new_tokens (300) leaves no room for the prompt in the model's 256 " \
-        "positions; lower it to at most 255" in result.stderr
+        "positions; lower it so that the prompt's tokens and it fit in 256" in result.stderr
     assert "Traceback" not in result.output
 
 
@@ -140,6 +140,11 @@ def test_context_message_when_the_prompt_alone_is_too_long():
     result = invoke("generate", "the dog ran. " * 200, *MODEL, "-n", "5")
     assert result.exit_code == 2
     assert "the prompt alone" in result.stderr and "to 0" not in result.stderr
+    # beam has --truncate-prompt too: the advice names the commands that take it
+    beam = invoke("beam", "the dog ran. " * 200, *MODEL, "-n", "5", "-k", "2")
+    assert beam.exit_code == 2
+    assert beam.stderr.strip().endswith("shorten the prompt (generate, beam and speculate "
+                                        "take --truncate-prompt, which keeps its last tokens)")
 
 
 def test_a_reader_closing_the_pipe_ends_generation_quietly():
