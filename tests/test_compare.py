@@ -105,6 +105,25 @@ def default_run(stories):
     return cmp.compare(stories, stories.encode(PROMPT), strategies, prompt=PROMPT, seed=5)
 
 
+def test_one_untimed_token_comes_before_the_first_strategys_clock(stories, monkeypatch):
+    """The process's first forward (the weights' first reads, the backend's first call)
+    was billed to the first column's time and tokens/s."""
+    import genlib.generate
+
+    calls = []
+
+    def recording(lm, prompts, settings, **kwargs):
+        calls.append((settings.strategy, settings.max_new_tokens))
+        yield from stream(lm, prompts, settings, **kwargs)
+
+    monkeypatch.setattr(genlib.generate, "stream", recording)
+    strategies = cmp.with_seed(cmp.build_strategies(["greedy"], ["top_k=5"],
+                                                    {"max_new_tokens": 6}), 1)
+    result = cmp.compare(stories, stories.encode(PROMPT), strategies, prompt=PROMPT, seed=1)
+    assert calls == [("greedy", 1), ("greedy", 6), ("sample", 6)]
+    assert [len(r.samples[0].token_ids) for r in result.results] == [6, 6]  # none counted
+
+
 def test_every_strategy_has_a_column(default_run):
     assert [r.strategy.label for r in default_run.results] == DEFAULT_LABELS
     by_label = {r.strategy.label: r for r in default_run.results}
