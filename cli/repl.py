@@ -80,6 +80,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
                       system=system)
     if chat:
+        probe_chat(lm)  # without a template: ChatTemplateError, exit 2 (drop --chat)
         set_chat(session, "on")
     history = History.open()
     _lenient_stdin()
@@ -378,6 +379,9 @@ def set_preset(session: Session, args: str) -> None:
 
 
 def set_seed(session: Session, args: str) -> None:
+    if not args:
+        raise CommandError("/seed needs a number, e.g. /seed 3 (/seed off: a fresh one "
+                           "each turn)")
     if args in ("off", "none"):
         flags = {k: v for k, v in session.flags.items() if k != "seed"}
         apply(session, flags, session.preset, "/seed")
@@ -395,13 +399,18 @@ def set_chat(session: Session, args: str) -> None:
         from genlib.errors import ChatTemplateError
 
         try:
-            session.lm.encode_chat([{"role": "user", "content": "hi"}])
+            probe_chat(session.lm)
         except ChatTemplateError:
             raise CommandError(f"{session.lm.ref} has no chat template, so chat mode is not "
                                f"available; prompts go to the model as plain text") from None
     session.chat = args == "on"
     session.messages = []
     render.info(f"chat {args}")
+
+
+def probe_chat(lm: LoadedModel) -> None:
+    """ChatTemplateError unless the model's chat template applies to a conversation."""
+    lm.encode_chat([{"role": "user", "content": "hi"}])
 
 
 def reset(session: Session) -> None:
@@ -441,17 +450,21 @@ def branch(session: Session, args: str) -> None:
     """/branch STEP TOKEN: the last answer again with TOKEN forced at STEP (answers are
     drawn by inverse CDF, so the rerun before STEP is the answer itself)."""
     from cli import render_explain
-    from cli.explain import explain_record, parse_branch
+    from cli.explain import explain_record
+    from genlib.explain import parse_token
 
     if session.last is None:
         raise CommandError("/branch needs an answer first: type a prompt")
     step, _, token = args.partition(" ")
-    if not step or not token:
+    if not step.isdigit() or not token.strip():
         raise CommandError("/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) or "
                            "/branch 3 the (a text that is one token; a leading space is "
-                           "tried too)")
+                           "tried too); STEP counts the answer's tokens from 0")
     ids, settings = session.last
-    forced = parse_branch(session.lm, f"{step}:{token.strip()}", settings.max_new_tokens)
+    if int(step) >= settings.max_new_tokens:
+        raise CommandError(f"/branch step {step} is past the answer's max_new_tokens "
+                           f"({settings.max_new_tokens}); steps count from 0")
+    forced = (int(step), parse_token(session.lm, token.strip()))
     record = explain_record(session.lm, ids, "", settings, 1, forced)
     render_explain.show_branch(record["original"], record["branch"],
                                record["branch"]["diverges_at"])
@@ -496,7 +509,10 @@ def turn(session: Session, text: str) -> None:
     else:
         lm.check_prompt_chars(text, settings.max_new_tokens)
         ids = lm.encode(text)
-    lm.check_fits(len(ids), settings.max_new_tokens)
+    # --truncate-prompt is not a session option: say what works here instead.
+    lm.check_fits(len(ids), settings.max_new_tokens,
+                  remedy="/reset to forget the conversation's earlier turns" if session.chat
+                  else "shorten the prompt")
     finish = stream_answer(lm, ids, settings, session.logprobs)
     session.last = (ids, settings)
     if finish is None:

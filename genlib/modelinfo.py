@@ -133,6 +133,18 @@ class LoadedModel:
             return 64  # no vocabulary to read: a bound longer than real tokens
         return max((len(t) for t in vocab), default=1) or 1
 
+    def check_token_ids(self, ids: list[int] | tuple[int, ...]) -> None:
+        """ModelLoadError for a prompt id the model has no embedding for: a tokenizer
+        larger than the model's vocabulary (a model folder holding another model's
+        tokenizer), which would otherwise fail inside the forward."""
+        bad = max(ids, default=0)
+        if bad >= self.vocab_size:
+            raise ModelLoadError(
+                f"the prompt holds token id {bad}, but {self.ref} has only "
+                f"{self.vocab_size} embeddings (ids 0-{self.vocab_size - 1}): its tokenizer "
+                f"({len(self.tokenizer)} tokens) is not the model's; use the tokenizer "
+                f"files the model was trained with")
+
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, whose: str = "the model's",
                    remedy: str = "shorten the prompt (generate, beam and speculate take "
                                  "--truncate-prompt, which keeps its last tokens)") -> None:

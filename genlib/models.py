@@ -76,7 +76,9 @@ def model_source(ref: str) -> str:
             raise ModelLoadError(f"unknown built-in model {ref!r}; the built-in models are "
                                  f"{', '.join(BUILTIN_MODELS)}")
         return str(BUILTIN_MODELS[ref])
-    return str(Path(ref).expanduser()) if _is_local_ref(ref) else ref
+    # As given, `~` expanded: Path() would drop a leading `./`, and a folder that does
+    # not exist would then read as a hub id.
+    return os.path.expanduser(ref) if _is_local_ref(ref) else ref
 
 
 def _is_local_ref(ref: str) -> bool:

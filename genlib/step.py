@@ -224,11 +224,13 @@ def collect(events: Iterator[Event], handle: Callable[[Event], None]
 
 def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
                   settings: GenerationSettings) -> None:
-    """ConfigError / ContextLengthError for prompts no loop can run, before any work."""
+    """ConfigError / ContextLengthError / ModelLoadError (an id the model has no embedding
+    for) for prompts no loop can run, before any work."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     for prompt in prompts:
         lm.check_fits(len(prompt), settings.max_new_tokens)
+        lm.check_token_ids(prompt)
 
 
 def context_of(prompts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

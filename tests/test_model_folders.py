@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib.errors import ModelLoadError
 from genlib.models import ModelSpec, load_model
-from tests.conftest import STORIES
+from tests.conftest import CODE_TARGET, STORIES
 
 runner = CliRunner()
 COMMANDS = {"generate": ["generate", "Once", "-n", "2"],  # the quick start first
@@ -265,3 +265,19 @@ def test_a_tokenizer_that_needs_a_library_says_so_not_to_restore_files(tmp_path,
         load_model(ModelSpec(str(copy_of_stories(tmp_path))))
     assert "pip install sentencepiece" in str(caught.value)
     assert "restore" not in str(caught.value)
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_tokenizer_larger_than_the_model_is_refused_before_the_forward(tmp_path, command):
+    """Another model's tokenizer in the folder (8192 tokens for 512 embeddings): the
+    prompt's ids are refused with both sizes, not an IndexError inside the forward."""
+    folder = copy_of_stories(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (folder / name).unlink()
+        (folder / name).symlink_to(CODE_TARGET / name)
+    result = runner.invoke(app, [command, "def fibonacci(n):", "-n", "2", "-m", str(folder)])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.strip() == (
+        f"error: the prompt holds token id 1248, but {folder} has only 512 embeddings (ids "
+        f"0-511): its tokenizer (8192 tokens) is not the model's; use the tokenizer files the "
+        f"model was trained with")

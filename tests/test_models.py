@@ -25,6 +25,20 @@ def test_missing_path(tmp_path):
         load_model(ModelSpec(str(tmp_path / "nope")))
 
 
+def test_a_missing_relative_folder_is_named_as_given_not_looked_up_on_the_hub(
+        monkeypatch, tmp_path):
+    """`./nope` is a path, existing or not: never a hub id (offline, half a minute of
+    huggingface_hub's retries and then "not in the cache")."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelLoadError) as info:
+        load_model(ModelSpec("./nope"))
+    assert str(info.value) == ("model folder ./nope does not exist; give a local folder in "
+                               "Hugging Face layout or a hub id like 'org/name'")
+
+
 def test_folder_that_is_not_a_model(tmp_path):
     with pytest.raises(ModelLoadError, match="no config.json"):
         load_model(ModelSpec(str(tmp_path)))

@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from cli.repl import read_prompt
-from tests.conftest import ROOT, STORIES
+from tests.conftest import LLAMA2XS, ROOT, STORIES
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -147,3 +148,70 @@ def test_logprobs_branch_and_show_sources(tmp_path: Path):
     child.expect_exact("top_k = 0\r\n")
     child.sendline("/quit")
     child.expect(pexpect.EOF)
+
+
+def piped(tmp_path: Path, lines: list[str], *args: str, model: Path = STORIES):
+    """A session fed `lines` on a pipe; its CompletedProcess (stdout: the answers)."""
+    env = {**os.environ, "GENLAB_HISTORY": str(tmp_path / "history"), "NO_COLOR": "1",
+           "HF_HUB_OFFLINE": "1"}
+    return subprocess.run([sys.executable, "-m", "cli", "generate", "-i", "-m", str(model),
+                           *args], input="".join(f"{line}\n" for line in lines),
+                          capture_output=True, text=True, cwd=str(ROOT), env=env, timeout=120)
+
+
+def errors(stderr: str) -> list[str]:
+    return [line.removeprefix(PROMPT) for line in stderr.splitlines()
+            if "error:" in line]
+
+
+@pytest.mark.slow
+def test_bad_seed_and_branch_arguments_are_one_line_each_and_change_nothing(tmp_path: Path):
+    saved = tmp_path / "session.jsonl"
+    result = piped(tmp_path, ["Once upon a time", "/seed", "/branch x #3", "/branch 8 #3",
+                              "Once upon a time " * 150, "Tom", f"/save {saved}"],
+                   "-n", "8", "-t", "0.8", "--seed", "5")
+    assert result.returncode == 0, result.stderr
+    assert errors(result.stderr) == [
+        "error: /seed needs a number, e.g. /seed 3 (/seed off: a fresh one each turn)",
+        "error: /branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) or /branch 3 the "
+        "(a text that is one token; a leading space is tried too); STEP counts the answer's "
+        "tokens from 0",
+        "error: /branch step 8 is past the answer's max_new_tokens (8); steps count from 0",
+        # -i takes no --truncate-prompt: the remedy is one the session has
+        "error: the prompt alone (602 tokens) fills the model's 512 positions; shorten the "
+        "prompt"]
+    turns = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [t["settings"]["seed"] for t in turns] == [5, 5]  # /seed alone kept the seed
+
+
+@pytest.mark.slow
+def test_chat_without_a_template_given_at_start_is_a_usage_error(tmp_path: Path):
+    result = piped(tmp_path, ["Once upon a time"], "--chat", "-n", "4")
+    assert result.returncode == 2
+    assert result.stderr.strip() == (
+        f"error: {STORIES} has no chat template, so --chat cannot be used; drop --chat to "
+        f"give the prompt as plain text")
+    assert result.stdout == ""
+
+
+@pytest.mark.slow
+def test_a_conversation_past_the_context_points_to_reset(tmp_path: Path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for item in LLAMA2XS.iterdir():
+        (folder / item.name).symlink_to(item)
+    config = json.loads((LLAMA2XS / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+                               "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}")
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    saved = tmp_path / "session.jsonl"
+    result = piped(tmp_path, ["Once upon a time", "Tell me more", "And more", "/reset",
+                              "And more", f"/save {saved}"],
+                   "--chat", "--system", "You are a storyteller", "-n", "60", model=folder)
+    assert result.returncode == 0, result.stderr
+    [error] = errors(result.stderr)
+    assert error.endswith("exceeds the model's 256 positions; lower max_new_tokens to 56 or "
+                          "/reset to forget the conversation's earlier turns"), error
+    turns = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [t["prompt"] for t in turns] == ["Once upon a time", "Tell me more", "And more"]
