@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import typer
+
 from cli import render
 from cli.context import ModelFlags, load, settings_for
 from cli.errors import fail
@@ -86,12 +88,14 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     _lenient_stdin()
     render.info(f"genlab interactive · {lm.ref} · /help for commands, Ctrl-D to quit")
     try:
-        loop(session)
+        code = loop(session)
     except Exception:
         rescue(session)  # whatever ended the session, the answers so far are kept
         raise
     finally:
         history.save()
+    if code:
+        raise typer.Exit(code)
 
 
 def _lenient_stdin() -> None:
@@ -125,19 +129,24 @@ def rescue(session: Session) -> Path | None:
     return path
 
 
-def loop(session: Session) -> None:
-    """Read, run, repeat, until /quit, Ctrl-D or Ctrl-C at an empty prompt."""
+def loop(session: Session) -> int:
+    """Read, run, repeat, until /quit, Ctrl-D or Ctrl-C at an empty prompt; the exit
+    status (2: the input ended inside a prompt, which was not run)."""
     reader = PromptReader()
     while True:
         try:
             text = reader.read()
+        except UnfinishedPrompt as exc:
+            render.out.print()
+            render.error(str(exc))
+            return 2
         except EOFError:
             render.out.print()
-            return
+            return 0
         except KeyboardInterrupt:
             render.out.print()
             if not reader.interrupted_text:
-                return
+                return 0
             continue  # Ctrl-C on a typed line drops it, as shells do
         if not text.strip():
             continue
@@ -145,7 +154,7 @@ def loop(session: Session) -> None:
             continue
         if text.startswith("/"):
             if not command(session, text.strip()):
-                return
+                return 0
             continue
         try:
             turn(session, text)
@@ -178,6 +187,14 @@ def valid_text(text: str) -> bool:
 # ---------------------------------------------------------------- reading input
 
 
+class UnfinishedPrompt(EOFError):
+    """The input ended inside a prompt: in a \"\"\" block or after a trailing backslash."""
+
+    def __init__(self, lines: int, inside: str, ending: str) -> None:
+        super().__init__(f"the input ended {inside}, so that prompt ({lines} "
+                         f"line{'s' if lines != 1 else ''}) was not run; {ending}")
+
+
 def read_prompt(read: Any = input) -> str:
     """One prompt: a line, lines joined by a trailing backslash, or a \"\"\" block."""
     first = read(PROMPT)
@@ -187,9 +204,17 @@ def read_prompt(read: Any = input) -> str:
     line = first
     while line.endswith("\\"):
         lines.append(line[:-1])
-        line = read(CONTINUE)
+        line = _read_more(read, len(lines), "after a line ending in a backslash",
+                          "end the prompt's last line without one")
     lines.append(line)
     return "\n".join(lines)
+
+
+def _read_more(read: Any, typed: int, inside: str, ending: str) -> str:
+    try:
+        return read(CONTINUE)
+    except EOFError:
+        raise UnfinishedPrompt(typed, inside, ending) from None
 
 
 def _read_block(rest: str, read: Any) -> str:
@@ -197,7 +222,8 @@ def _read_block(rest: str, read: Any) -> str:
         return rest.rstrip()[:-len(BLOCK)]
     lines = [rest] if rest else []
     while True:
-        line = read(CONTINUE)
+        line = _read_more(read, len(lines), f"inside a {BLOCK} block",
+                          f"close the block with {BLOCK}")
         if line.rstrip().endswith(BLOCK):
             last = line.rstrip()[:-len(BLOCK)]
             if last:

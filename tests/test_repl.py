@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -160,7 +161,8 @@ def piped(tmp_path: Path, lines: list[str], *args: str, model: Path = STORIES):
 
 
 def errors(stderr: str) -> list[str]:
-    return [line.removeprefix(PROMPT) for line in stderr.splitlines()
+    """The error lines, without the prompts written before them (on stderr, piped)."""
+    return [re.sub(r"^(genlab> |\.{7} )+", "", line) for line in stderr.splitlines()
             if "error:" in line]
 
 
@@ -215,3 +217,21 @@ def test_a_conversation_past_the_context_points_to_reset(tmp_path: Path):
                           "/reset to forget the conversation's earlier turns"), error
     turns = [json.loads(line) for line in saved.read_text().splitlines()]
     assert [t["prompt"] for t in turns] == ["Once upon a time", "Tell me more", "And more"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("last,message", [
+    (['"""', "Tom had", "a ball"],
+     'error: the input ended inside a """ block, so that prompt (2 lines) was not run; '
+     'close the block with """'),
+    (["Tom had \\"],
+     "error: the input ended after a line ending in a backslash, so that prompt (1 line) "
+     "was not run; end the prompt's last line without one"),
+], ids=["block", "backslash"])
+def test_input_that_ends_inside_a_prompt_says_so_and_exits_2(tmp_path: Path, last, message):
+    """A piped file whose last prompt was never closed ended the session with exit 0, the
+    prompt silently dropped."""
+    result = piped(tmp_path, ["Once upon a time", *last], "-n", "5")
+    assert result.returncode == 2, result.stderr
+    assert result.stdout.startswith(", there was a little")  # the answer before it
+    assert errors(result.stderr) == [message]
