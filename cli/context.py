@@ -130,11 +130,19 @@ def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
         ids = lm.encode(prompt)
     if truncate and lm.max_positions is not None:
         lm.check_room(max_new_tokens)
-        room = lm.max_positions - max_new_tokens
-        if len(ids) > room:
-            ids = ids[:1] + ids[len(ids) - room + 1:] if lm.tokenizer.bos_token_id == ids[0] \
-                else ids[len(ids) - room:]
+        ids = keep_last_tokens(lm, ids, lm.max_positions - max_new_tokens)
     return ids
+
+
+def keep_last_tokens(lm: LoadedModel, ids: list[int], room: int) -> list[int]:
+    """--truncate-prompt: the prompt's last `room` tokens, a leading BOS kept in front;
+    the prompt as it is when it fits, or when no prompt could (room < 1: the length
+    check that follows names the limit)."""
+    if room < 1 or len(ids) <= room:
+        return ids
+    if lm.tokenizer.bos_token_id == ids[0]:
+        return ids[:1] + ids[len(ids) - room + 1:]
+    return ids[len(ids) - room:]
 
 
 @contextmanager

@@ -10,7 +10,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli import render_tokens
+from cli.context import (
+    ModelFlags,
+    encode_prompt,
+    keep_last_tokens,
+    load,
+    read_prompt,
+    settings_for,
+)
 from cli.errors import INTERRUPTED, fail, user_errors
 from cli.output import Sink, opened, sink
 from genlib.config import with_seed
@@ -109,8 +117,34 @@ def summary_json(s: Summary) -> dict[str, Any]:
     }
 
 
+# Finish reasons of a run that --max-time ended, wherever its clock ran out
+# (grammar_incomplete also ends a run at the token budget, where both runs stop alike).
+TIMED_OUT = ("time", "grammar_incomplete")
+
+
+def identical_to_plain(ran: Finish, plain: Finish) -> bool:
+    """Whether the speculative output is plain decoding's, token for token: on the
+    tokens both runs produced where --max-time ended either, since each stopped at its
+    own moment."""
+    if ran.reason in TIMED_OUT or plain.reason in TIMED_OUT:
+        both = min(len(ran.token_ids), len(plain.token_ids))
+        return ran.token_ids[:both] == plain.token_ids[:both]
+    return ran.token_ids == plain.token_ids
+
+
+def identical_line(ran: Finish, plain: Finish) -> str:
+    """The report's verdict on greedy identity (`identical_to_plain`), saying how many
+    tokens it covers when the runs' lengths differ (--max-time ended one)."""
+    if not identical_to_plain(ran, plain):
+        return "[red]NO[/]"
+    both = min(len(ran.token_ids), len(plain.token_ids))
+    if len(ran.token_ids) == len(plain.token_ids):
+        return "[green]yes[/]"
+    return f"[green]yes[/] (up to token {both}, where --max-time stopped the shorter run)"
+
+
 def render_report(s: Summary, drafter: str, baseline_tps: float | None,
-                  identical: bool | None, do_sample: bool) -> None:
+                  identical: str | None, do_sample: bool) -> None:
     """The acceptance/timing report on stderr."""
     from cli import render
 
@@ -141,15 +175,15 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                   f"a plain decoding step (the formula assumes 1x; with it: "
                   f"{s.predicted_speedup(cost):.2f}x)")
     if identical is not None and not do_sample:
-        err.print("  greedy output identical to plain decoding: "
-                  + ("[green]yes[/]" if identical else "[red]NO[/]"))
+        err.print(f"  greedy output identical to plain decoding: {identical}")
 
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
                 finish: Finish, s: Summary, baseline: tuple[Finish, float] | None,
                 settings: GenerationSettings, num_draft_tokens: int, adaptive: bool,
                 backend: dict[str, str], tokens: Sequence[Token] = ()) -> dict[str, Any]:
-    """The run as JSON; with --logprobs, each token's in the OpenAI/vLLM shape."""
+    """The run as JSON; with --logprobs, its output carries each token's in the
+    OpenAI/vLLM shape (as generate's outputs do)."""
     from cli import output
 
     extra: dict[str, Any] = {}
@@ -163,19 +197,19 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
         base_finish, base_tps = baseline
         base_json = output.finish_output(
             base_finish, 1, tokens_per_s=round(base_tps, 3),
-            identical=base_finish.token_ids == finish.token_ids,
+            identical=identical_to_plain(finish, base_finish),
             verify_cost=round(s.verify_cost(base_tps), 4),
             predicted_speedup_with_verify_cost=round(
                 s.predicted_speedup(s.verify_cost(base_tps)), 4))
         speedup = round(s.tokens_per_second / base_tps, 4) if base_tps else None
     out = output.output(1, finish.text, finish.token_ids, finish.reason, output.timings(
         total_s=finish.end - finish.start, prefill_s=s.prefill_seconds, ttft_s=finish.ttft,
-        tokens_per_s=s.tokens_per_second))
+        tokens_per_s=s.tokens_per_second), **extra)
     return output.run_document(
         "speculate", target.ref, settings, prompt, prompt_tokens, [out], drafter=drafter,
         num_draft_tokens=num_draft_tokens, adaptive=adaptive, speculation=summary_json(s),
         baseline=base_json, speedup=speedup,
-        predicted_speedup=round(s.predicted_speedup(), 4), backend=backend, **extra)
+        predicted_speedup=round(s.predicted_speedup(), 4), backend=backend)
 
 
 @user_errors
@@ -262,6 +296,9 @@ def speculate(
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend)) \
         if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    if truncate_prompt and draft is not None and draft.max_positions is not None:
+        # the draft reads the prompt too: cut it to fit the shorter context of the two
+        ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)
     # before the warm-up, which feeds both models the prompt's first tokens
     check_request(target, ids, settings, draft,
                   draft_length(num_draft_tokens, prompt_lookup is not None))
@@ -319,8 +356,10 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
     sink.texts([finish.text])
     if not sink.machine:
+        if logprobs:
+            render_tokens.logprobs_table(target, tokens)
         render_report(summary, drafter, plain[1] if plain else None,
-                      plain[0].token_ids == finish.token_ids if plain else None,
+                      identical_line(finish, plain[0]) if plain else None,
                       settings.do_sample)
     render.warn_incomplete([finish.reason], settings.max_new_tokens)
     return INTERRUPTED if interrupted else 0

@@ -468,3 +468,94 @@ def test_cli_refuses_mismatched_draft_with_exit_2() -> None:
     assert result.exit_code == 2
     assert "does not share the vocabulary" in result.stderr
     assert "Traceback" not in result.output
+
+
+@needs_models
+def test_cli_logprobs_are_on_the_output_in_every_form() -> None:
+    """--logprobs N, as generate's: the output's `logprobs` object (--json and each
+    --jsonl line), the table on stderr in text mode; the same tokens as generate's."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    base = ["Once upon a time", "-m", str(MODELS / "stories260K"), "-n", "12",
+            "--logprobs", "2"]
+    spec = [*base, "--draft-model", str(MODELS / "llama2xs"), "--no-baseline"]
+    plain = json.loads(CliRunner().invoke(app, ["generate", *base, "--json"]).stdout)
+    result = CliRunner().invoke(app, ["speculate", *spec, "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    (out,) = doc["outputs"]
+    assert "logprobs" not in doc
+    content = out["logprobs"]["content"]
+    assert [e["id"] for e in content] == out["token_ids"] == plain["outputs"][0]["token_ids"]
+    assert all(len(e["top_logprobs"]) == 2 for e in content)
+    expected = [e["logprob"] for e in plain["outputs"][0]["logprobs"]["content"]]
+    assert [e["logprob"] for e in content] == pytest.approx(expected, abs=1e-4)
+
+    lines = CliRunner().invoke(app, ["speculate", *spec, "--jsonl"])
+    assert lines.exit_code == 0, lines.output
+    (line,) = [json.loads(text) for text in lines.stdout.splitlines()]
+    assert line["logprobs"] == out["logprobs"]
+
+    text = CliRunner().invoke(app, ["speculate", *spec])
+    assert text.exit_code == 0, text.output
+    assert "logprobs (raw model / processed)" in text.stderr
+    assert "' there'" in text.stderr
+
+
+@needs_models
+def test_cli_truncate_prompt_fits_the_draft_too(stories) -> None:
+    """--truncate-prompt keeps the prompt's last tokens that fit both models: llama2xs,
+    the draft, has 256 positions to stories260K's 512."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    prompt = "Once upon a time " * 80
+    ids = stories.encode(prompt)
+    assert 256 < len(ids) < 500 and ids[0] == stories.tokenizer.bos_token_id
+    result = CliRunner().invoke(app, [
+        "speculate", prompt, "-m", str(MODELS / "stories260K"),
+        "--draft-model", str(MODELS / "llama2xs"), "-n", "16", "--truncate-prompt",
+        "--no-baseline", "--json"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["prompt_tokens"] == 256 - 16
+    kept = ids[:1] + ids[len(ids) - 239:]  # BOS, then the last tokens
+    plain = generate(stories, [kept], resolve_settings({"max_new_tokens": 16}))[0]
+    assert doc["outputs"][0]["token_ids"] == list(plain.token_ids)
+
+
+@needs_models
+@pytest.mark.parametrize("swap, identical", [(None, True), (3, False)])
+def test_cli_greedy_identity_holds_on_what_max_time_left(monkeypatch, swap, identical):
+    """--max-time stops the speculative run and the baseline at different tokens: the
+    verdict compares the tokens both made (a plain run cut after 5 tokens is not a
+    difference), and still catches a different token among them."""
+    from dataclasses import replace
+
+    from typer.testing import CliRunner
+
+    from cli import speculate
+    from cli.main import app
+
+    real = speculate.run_baseline
+
+    def cut_by_time(*args):
+        finish, tps = real(*args)
+        ids = list(finish.token_ids[:5])
+        if swap is not None:
+            ids[swap] += 1
+        return replace(finish, token_ids=tuple(ids), reason="time"), tps
+
+    monkeypatch.setattr(speculate, "run_baseline", cut_by_time)
+    args = ["speculate", "Once upon a time", "-m", str(MODELS / "stories260K"),
+            "--draft-model", str(MODELS / "llama2xs"), "-n", "20", "--max-time", "60"]
+    doc = json.loads(CliRunner().invoke(app, [*args, "--json"]).stdout)
+    assert len(doc["outputs"][0]["token_ids"]) == 20
+    assert doc["baseline"]["identical"] is identical
+    text = CliRunner().invoke(app, args)
+    assert text.exit_code == 0, text.output
+    verdict = "yes (up to token 5, where --max-time stopped" if identical else "NO"
+    assert f"greedy output identical to plain decoding: {verdict}" in text.stderr
