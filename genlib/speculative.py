@@ -319,6 +319,7 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
         raise ConfigError(f"--num-draft-tokens must be 1 to {MAX_DRAFT_TOKENS}, got "
                           f"{num_draft_tokens}")
     target.check_fits(len(prompt_ids), settings.max_new_tokens)
+    target.check_token_ids(prompt_ids)
     if draft_lm is not None:
         check_same_vocabulary(target, draft_lm)
         draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens,

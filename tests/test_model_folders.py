@@ -267,7 +267,7 @@ def test_a_tokenizer_that_needs_a_library_says_so_not_to_restore_files(tmp_path,
     assert "restore" not in str(caught.value)
 
 
-@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("command", [*COMMANDS, "speculate"])
 def test_a_tokenizer_larger_than_the_model_is_refused_before_the_forward(tmp_path, command):
     """Another model's tokenizer in the folder (8192 tokens for 512 embeddings): the
     prompt's ids are refused with both sizes, not an IndexError inside the forward."""
@@ -275,7 +275,9 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_the_forward(tmp_pat
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (folder / name).unlink()
         (folder / name).symlink_to(CODE_TARGET / name)
-    result = runner.invoke(app, [command, "def fibonacci(n):", "-n", "2", "-m", str(folder)])
+    lookup = ["--prompt-lookup", "2"] if command == "speculate" else []
+    result = runner.invoke(app, [command, "def fibonacci(n):", "-n", "2", "-m", str(folder),
+                                 *lookup])
     assert result.exit_code == 2, (result.output, result.exception)
     assert result.stderr.strip() == (
         f"error: the prompt holds token id 1248, but {folder} has only 512 embeddings (ids "
