@@ -309,6 +309,8 @@ def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
             raise ConfigError(f"{source}: {key} must be one of {', '.join(spec.choices)}, "
                               f"got {shown(value)}{extra}")
     elif kind == "early_stopping":
+        if isinstance(value, str) and value.lower() == "never":  # as True and TRUE read
+            value = "never"
         if not (isinstance(value, bool) or value == "never"):
             raise _type_error(source, key, spec, value)
     elif kind == "bias":

@@ -154,3 +154,11 @@ def test_a_key_given_twice_in_one_assignment_list_is_refused():
     with pytest.raises(ConfigError, match=r"^--variant: top_k is given twice; give it once$"):
         parse_assignments("top_k=5,top_k=6", "--variant")
     assert parse_assignments("top_k=5,top_p=0.9", "--variant") == {"top_k": 5, "top_p": 0.9}
+
+
+def test_early_stopping_never_is_read_in_any_case_as_true_and_false_are():
+    """`--early-stopping True` was taken and `NEVER` refused."""
+    for text, value in (("NEVER", "never"), ("Never", "never"), ("True", True),
+                        ("false", False)):
+        assert parse_assignments(f"early_stopping={text}", "--variant") == {
+            "early_stopping": value}
