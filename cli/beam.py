@@ -123,9 +123,12 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         render_beam.search_tree(result, prompt, tree_steps, tree_width)
     render_beam.nbest_table(prompt, result.hypotheses, greedy, settings.length_penalty)
     if not interrupted and any(h.constraints_satisfied is False for h in result.hypotheses):
-        render.warn("some outputs do not contain every forced phrase (marked NOT met): the "
-                    "model could not fit them in max_new_tokens; raise --max-new-tokens or "
-                    "--num-beams")
+        ngram = settings.no_repeat_ngram_size
+        render.warn(f"some outputs do not contain every forced phrase (marked NOT met): the "
+                    f"search could not place them within max_new_tokens"
+                    f"{' under --no-repeat-ngram-size' if ngram else ''}; raise "
+                    f"--max-new-tokens or --num-beams"
+                    f"{', or lower --no-repeat-ngram-size' if ngram else ''}")
     if not interrupted:
         render.warn_incomplete([h.finish_reason for h in result.hypotheses],
                                settings.max_new_tokens)
@@ -247,7 +250,9 @@ def beam(
     target = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
-    if settings.num_return_sequences == 1 and num_return_sequences is None:
+    named = num_return_sequences is not None or (
+        loaded_preset is not None and "num_return_sequences" in loaded_preset.settings)
+    if not named:  # the whole n-best unless the flag or the preset asks for fewer
         settings = settings.replace(num_return_sequences=settings.num_beams)
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),

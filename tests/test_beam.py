@@ -331,6 +331,31 @@ def test_cli_beam_json_has_nbest_and_greedy():
     assert scores == sorted(scores, reverse=True)
 
 
+def test_cli_beam_keeps_a_presets_own_num_return_sequences(tmp_path):
+    """The n-best defaults to every beam; a preset's num_return_sequences: 1 was
+    overridden by it as if the preset had said nothing."""
+    preset = tmp_path / "one.yaml"
+    preset.write_text("strategy: beam\nnum_beams: 3\nnum_return_sequences: 1\n")
+    one = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-p", str(preset), "-n",
+                              "6", "--json"])
+    every = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "3", "-n", "6",
+                                "--json"])
+    assert one.exit_code == every.exit_code == 0, one.output + every.output
+    best = json.loads(every.stdout)["outputs"]
+    assert [o["token_ids"] for o in json.loads(one.stdout)["outputs"]] == \
+        [best[0]["token_ids"]] and len(best) == 3
+
+
+def test_cli_constraints_not_met_under_no_repeat_ngram_name_it():
+    result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "6",
+                                 "--force", "dog dog", "--no-repeat-ngram-size", "1"])
+    assert result.exit_code == 0, result.output
+    assert "warning: some outputs do not contain every forced phrase (marked NOT met): the " \
+        "search could not place them within max_new_tokens under --no-repeat-ngram-size; " \
+        "raise --max-new-tokens or --num-beams, or lower --no-repeat-ngram-size" in \
+        " ".join(result.stderr.split())
+
+
 def test_cli_beam_tree_shows_kept_and_pruned():
     result = runner.invoke(app, ["beam", "Once upon a time", *MODEL, "-k", "2", "-n", "6",
                                  "--tree", "--tree-steps", "2"])
