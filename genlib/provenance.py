@@ -67,8 +67,12 @@ def model_generation_config(model_ref: str, model: Callable[[], Any] | None = No
                             ) -> dict[str, Any]:
     """The settings a model's generation_config.json names (a local folder's file, else
     the `generation_config` of `model()`, called only then: a quickly loaded model
-    builds its transformers model on first access); {} when there is none."""
-    path = Path(model_ref) / "generation_config.json"
+    builds its transformers model on first access); {} when there is none. `model_ref`
+    as the user gave it: a built-in model's name or `~/...` is found where loading
+    found it."""
+    from genlib.models import model_source
+
+    path = Path(model_source(model_ref)) / "generation_config.json"
     data: dict[str, Any] = {}
     if path.is_file():
         data = json.loads(path.read_text(encoding="utf-8"))

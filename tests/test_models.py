@@ -181,3 +181,21 @@ def test_an_unreachable_hub_loads_a_cached_model_from_the_cache(monkeypatch):
     monkeypatch.setattr(huggingface_hub, "try_to_load_from_cache", lambda repo, name: None)
     with pytest.raises(ModelLoadError, match="HF_HUB_OFFLINE=1"):
         models.hub_files_only("org/not-cached")
+
+
+def test_a_models_generation_config_is_read_from_where_the_model_loaded(tmp_path,
+                                                                        monkeypatch):
+    """--show-settings and /show read generation_config.json beside the weights; for a
+    built-in name or a `~/...` path they missed the file and loaded the whole
+    transformers model to ask it instead."""
+    from genlib.provenance import model_generation_config
+
+    def no_load():
+        raise AssertionError("the model was loaded to read its generation config")
+
+    home = tmp_path / "home"
+    (home / "m").mkdir(parents=True)
+    (home / "m" / "generation_config.json").write_text('{"temperature": 0.6, "top_k": 7}')
+    monkeypatch.setenv("HOME", str(home))
+    assert model_generation_config("~/m", no_load) == {"temperature": 0.6, "top_k": 7}
+    assert model_generation_config("builtin:code-small", no_load) == {}
