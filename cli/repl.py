@@ -369,12 +369,13 @@ def set_values(session: Session, args: str) -> None:
     views = [p for p in parts if p.startswith("logprobs=")]
     for part in views:
         value = part.partition("=")[2]
-        if not value.isdigit() or int(value) > 20:
-            raise CommandError(f"/set {part}: logprobs takes 0-20")
-    cleared = [p[:-1] for p in parts if p.endswith("=") and "=" not in p[:-1]]
+        if value and (not value.isdigit() or int(value) > 20):
+            raise CommandError(f"/set {part}: logprobs takes 0-20 (logprobs= is 0, off)")
+    cleared = [p[:-1] for p in parts
+               if p not in views and p.endswith("=") and "=" not in p[:-1]]
     args = " ".join(p for p in parts if p not in views and p[:-1] not in cleared)
     if views:
-        session.logprobs = int(views[-1].partition("=")[2])
+        session.logprobs = int(views[-1].partition("=")[2] or 0)  # KEY=: the default
         render.info(f"logprobs {session.logprobs}")
         if not args and not cleared:
             return
@@ -569,6 +570,9 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
     if settings.strategy != "beam":
         detail = Detail(record=bool(logprobs), logprobs=logprobs,
                         inverse_cdf=settings.do_sample)
+    elif logprobs:
+        render.warn("beam search keeps no per-token logprobs to show; /set logprobs=0, or "
+                    "another strategy")
 
     def handle(event: Any) -> None:
         nonlocal finish

@@ -235,3 +235,19 @@ def test_input_that_ends_inside_a_prompt_says_so_and_exits_2(tmp_path: Path, las
     assert result.returncode == 2, result.stderr
     assert result.stdout.startswith(", there was a little")  # the answer before it
     assert errors(result.stderr) == [message]
+
+
+@pytest.mark.slow
+def test_logprobs_cleared_with_an_empty_value_and_beam_says_it_shows_none(tmp_path: Path):
+    """`/set logprobs=` was refused (`takes 0-20`) where every other `KEY=` resets; with
+    strategy beam the answers showed no logprobs and said nothing."""
+    result = piped(tmp_path, ["/set logprobs=2", "/set strategy=beam num_beams=2",
+                              "Once upon a time", "/set logprobs=", "Once upon a time"],
+                   "-n", "4")
+    assert result.returncode == 0, result.stderr
+    assert errors(result.stderr) == []
+    warned = [line for line in result.stderr.splitlines() if "warning:" in line]
+    assert len(warned) == 1 and warned[0].endswith(
+        "warning: beam search keeps no per-token logprobs to show; /set logprobs=0, or "
+        "another strategy")
+    assert "logprobs 0" in result.stderr
