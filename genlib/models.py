@@ -146,7 +146,7 @@ def hub_files_only(ref: str) -> bool:
         return True
     raise ModelLoadError(f"cannot reach the Hugging Face hub ({constants.ENDPOINT}) to fetch "
                          f"{ref}; set HF_HUB_OFFLINE=1 to use the local cache, or give a "
-                         f"local folder with --model")
+                         f"local folder in its place")
 
 
 def _hub_reachable() -> bool:
