@@ -295,9 +295,12 @@ def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
               results: ResultsFile, tally: Tally) -> None:
-    """The local engine: encode here, generate here."""
+    """The local engine: encode here, generate here; a backend that cannot serve even
+    one row is refused once, before any line."""
+    from genlib.backends.choose import Request, backend_name
     from genlib.batch import generate_jobs
 
+    backend_name(lm, Request(backend=lm.backend))
     ready = _encode_all(lm, jobs, results, tally, run_defaults)
     _record_outcomes(generate_jobs(lm, ready, batch_size), len(jobs), len(jobs) - len(ready),
                      results, tally)

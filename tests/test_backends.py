@@ -141,6 +141,62 @@ def test_the_operations_a_backend_lacks_raise_a_config_error_naming_it(stories):
         lean.prefill([[1, 2], [1, 3]], 8)
 
 
+def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
+    """Following a refusal's advice never meets a second refusal: no native backend
+    offered where it cannot run (bfloat16, no kernel), no lean one for several rows, and a
+    quantized Llama is refused for what it is, not as another architecture."""
+    import dataclasses
+
+    from genlib.backends import choose
+    from genlib.models import ModelSpec, load_model
+
+    half = load_model(ModelSpec(stories.ref, dtype="bfloat16"))
+    for request in (Request(rows=2, backend="lean"), Request(rows=4, reorder=True,
+                                                             backend="compiled")):
+        with pytest.raises(ConfigError, match=r"needs .*; use --backend transformers \(or"):
+            choose_backend(half, request)
+    with pytest.raises(ConfigError, match=r"float32 on the CPU; use --backend transformers"):
+        choose_backend(half, Request(rows=2, backend="native"))
+    quantized = dataclasses.replace(stories, quantize="8bit")
+    with pytest.raises(ConfigError, match=r"^the native backend does not run quantized "
+                                          r"models; use --backend transformers \(or auto\)$"):
+        choose_backend(quantized, Request(backend="native"))
+    monkeypatch.setattr(choose, "_kernel_missing", lambda lean: "no C compiler found")
+    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend lean \(or"):
+        choose_backend(stories, Request(backend="native"))
+    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend transformers"):
+        choose_backend(stories, Request(rows=3, backend="native"))
+    with pytest.raises(ConfigError, match=r"beam search; use --backend transformers \(or"):
+        choose_backend(stories, Request(rows=4, reorder=True, backend="lean"))
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
+        arch, stories_tokenizer, monkeypatch):
+    """In bfloat16 (or on a GPU) one row gets the compiled step; where it would compile
+    transformers' static cache (no lean forward: another architecture, GENLAB_LEAN=0),
+    which cannot roll back, speculation gets transformers instead of a refusal, and its
+    tokens are plain greedy's."""
+    from transformers import AutoModelForCausalLM
+
+    from genlib.models import wrap_model
+    from genlib.speculative import Drafting
+    from tests.conftest import tiny_config
+
+    if arch == "llama":
+        monkeypatch.setenv("GENLAB_LEAN", "0")  # keeps the compiled step off the lean forward
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch)).to(torch.bfloat16)
+    lm = wrap_model(model, stories_tokenizer, ref=f"tiny-{arch}")
+    backend = choose_backend(lm, Request(crop=True))
+    assert backend.name == "transformers"
+    assert backend.reason.startswith("speculative decoding in bfloat16 on cpu and no lean")
+    ids, settings = [1, 37, 99, 4, 250], GenerationSettings(max_new_tokens=12)
+    [plain] = generate(lm, [ids], settings, backend="transformers")
+    [drafted] = generate(lm, [ids], settings, drafter=Drafting(prompt_lookup=2))
+    assert drafted.token_ids == plain.token_ids
+
+
 def test_an_unknown_backend_name_is_refused():
     with pytest.raises(ConfigError, match="--backend must be one of auto, transformers"):
         choose_backend(None, Request(backend="fast"))  # type: ignore[arg-type]
@@ -190,6 +246,27 @@ def test_the_cli_announces_the_kernel_build_once_on_stderr(tmp_path, monkeypatch
     assert kernel.BUILDING in runs[0].stderr and kernel.BUILDING not in runs[1].stderr
     assert runs[0].stdout == runs[1].stdout and kernel.BUILDING not in runs[0].stdout
     assert "backend native" in runs[1].stderr
+
+
+def test_a_batch_file_on_a_backend_that_cannot_run_is_refused_once(tmp_path):
+    """--input with a backend that cannot run this model at all (native in bfloat16): one
+    line and exit 2 before any line, not an error record written for every line."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    lines = tmp_path / "in.jsonl"
+    lines.write_text('{"prompt": "Once"}\n{"prompt": "The cat"}\n')
+    out = tmp_path / "out.jsonl"
+    result = CliRunner().invoke(app, ["generate", "-m", str(STORIES), "--dtype", "bfloat16",
+                                      "--backend", "native", "-n", "4", "--input",
+                                      str(lines), "-o", str(out)])
+    assert result.exit_code == 2
+    assert result.stderr.count("the native backend cannot run here") == 1
+    assert out.read_text() == ""
 
 
 def test_the_cache_goes_to_the_forward_by_the_name_it_takes(tiny):

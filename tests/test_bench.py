@@ -327,6 +327,20 @@ def test_a_backend_that_cannot_serve_is_refused_before_any_run():
     assert result.exit_code == 2 and "--compile was replaced by --backend" in result.output
 
 
+def test_a_backend_one_configuration_cannot_use_is_refused_before_any_run(monkeypatch):
+    """--backend lean over --batch-size 1,2: refused before batch size 1 is measured
+    (and its records thrown away), with the line that names what would work."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    runs = []
+    monkeypatch.setattr(bench, "genlab_run", lambda *args: runs.append(args))
+    result = run_cli("--backend", "auto,lean", "--batch-size", "1,2", "--runs", "1",
+                     "--prompt-len", "4", "--new-tokens", "3", "--no-bandwidth")
+    assert result.exit_code == 2 and runs == []
+    assert "the lean backend runs one row, and this generation needs 2 rows at once; use " \
+           "--backend" in result.output
+
+
 def test_the_table_names_the_backend_and_its_compile_time():
     from cli.bench import engine_label
 

@@ -10,6 +10,7 @@ token-identical to transformers' `generate()`):
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
 | one row of an unquantized model in another dtype or on a GPU | compiled |
 | several rows otherwise, a quantized model, or any other model | transformers |
+| speculation in another dtype or on a GPU without the lean forward | transformers |
 
 On a GPU or in bfloat16 a step's kernel launches and casts, not its arithmetic, set the
 pace, which a compiled step (torch.compile over a fixed-size cache, in inductor's
@@ -79,9 +80,15 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
 
 
 def backend_name(lm: LoadedModel, request: Request) -> str:
-    """The name of the backend `choose_backend` gives `request`, without building it."""
+    """The name of the backend `choose_backend` gives `request`, without building it; the
+    same ConfigError for an explicit backend that cannot serve it."""
     name = check_name(request.backend)
-    return _auto(lm, request)[0] if name == "auto" else name
+    if name == "auto":
+        return _auto(lm, request)[0]
+    refusal = _refusal(name, lm, request)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return name
 
 
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
@@ -92,6 +99,11 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
             return "transformers", f"{many} in {_dtype(lm)} on {lm.device.type}"
+        if request.crop and _compiled_lean(lm) is None:
+            why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
+            return "transformers", (f"speculative decoding in {_dtype(lm)} on "
+                                    f"{lm.device.type} and no lean forward ({why}): a "
+                                    f"compiled static cache cannot roll back")
         return "compiled", f"one row in {_dtype(lm)} on {lm.device.type}: a compiled step"
     if not lean_allowed():
         return "transformers", "GENLAB_LEAN=0"
@@ -130,23 +142,57 @@ def _lean(lm: LoadedModel) -> LeanLlama | None:
     return lean_model_of(lm)
 
 
+def _compiled_lean(lm: LoadedModel) -> LeanLlama | None:
+    """The lean forward the compiled backend compiles; None: it compiles transformers'
+    forward over a static cache."""
+    return _lean(lm) if lean_allowed() else None
+
+
+def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
+    """Why the named backend cannot serve `request` on `lm`, naming only backends that
+    can; None when it can."""
+    if name == "transformers":
+        return None
+    if name in ("lean", "compiled") and (request.rows > 1 or request.reorder):
+        what = "beam search" if request.reorder else f"{request.rows} rows at once"
+        native = "native or " if _refusal("native", lm, request) is None else ""
+        return (f"the {name} backend runs one row, and this generation needs {what}; use "
+                f"--backend {native}transformers (or auto)")
+    if lm.quantize != "none":
+        how = " (torch.compile cannot trace bitsandbytes' layers)" if name == "compiled" else ""
+        return (f"the {name} backend does not run quantized models{how}; use --backend "
+                f"transformers (or auto)")
+    if name == "compiled":
+        if request.crop and _compiled_lean(lm) is None:
+            return ("the compiled backend over transformers' static cache cannot roll it "
+                    "back, which speculative decoding needs; use --backend transformers "
+                    "(or auto)")
+        return None
+    lean = _lean(lm)
+    if lean is None:
+        return (f"the {name} backend runs plain Llama-style models (llama, mistral, qwen2), "
+                f"and {lm.ref} is not one; use --backend transformers (or auto)")
+    why_not = _kernel_missing(lean) if name == "native" else None
+    if why_not is not None:
+        instead = "lean" if request.rows == 1 and not request.reorder else "transformers"
+        return f"the native backend cannot run here: {why_not}; use --backend {instead} " \
+               f"(or auto)"
+    return None
+
+
 def _build(name: str, lm: LoadedModel, request: Request) -> Backend:
     """The named backend over `lm`, or a ConfigError saying why it cannot serve."""
+    refusal = _refusal(name, lm, request)
+    if refusal is not None:
+        raise ConfigError(refusal)
     if name == "transformers":
         from genlib.backends.transformers import TransformersBackend
 
         return TransformersBackend(lm)
-    if name in ("lean", "compiled") and (request.rows > 1 or request.reorder):
-        what = "beam search" if request.reorder else f"{request.rows} rows at once"
-        raise ConfigError(f"the {name} backend runs one row, and this generation needs "
-                          f"{what}; use --backend native or transformers (or auto)")
     if name == "compiled":
-        return _compiled(lm, request)
-    lean = _lean(lm) if lm.quantize == "none" else None
-    if lean is None:
-        raise ConfigError(f"the {name} backend runs plain Llama-style models (llama, "
-                          f"mistral, qwen2) unquantized, and {lm.ref} is not one; use "
-                          f"--backend transformers (or auto)")
+        return _compiled(lm)
+    lean = _lean(lm)
+    assert lean is not None  # _refusal refused it otherwise
     if name == "lean":
         from genlib.backends.lean import LeanBackend
 
@@ -155,29 +201,17 @@ def _build(name: str, lm: LoadedModel, request: Request) -> Backend:
 
 
 def _native(lm: LoadedModel, lean: LeanLlama) -> Backend:
-    from genlib.backends import kernel
     from genlib.backends.native import NativeBackend
 
-    why_not = kernel.applies(lean)
-    step = lean.native_step() if why_not is None else None
-    if step is None:
-        raise ConfigError(f"the native backend cannot run here: {why_not or 'no kernel'}; "
-                          f"use --backend lean (or auto)")
+    step = lean.native_step()
+    assert step is not None  # _refusal refused it otherwise (the kernel applies)
     return NativeBackend(lm, lean, step)
 
 
-def _compiled(lm: LoadedModel, request: Request) -> Backend:
+def _compiled(lm: LoadedModel) -> Backend:
     from genlib.backends.compiled import CompiledLeanBackend, CompiledStaticBackend
 
-    if lm.quantize != "none":
-        raise ConfigError("the compiled backend does not run quantized models (torch.compile "
-                          "cannot trace bitsandbytes' layers); use --backend transformers "
-                          "(or auto)")
-    lean = _lean(lm) if lean_allowed() else None
+    lean = _compiled_lean(lm)
     if lean is not None:
         return CompiledLeanBackend(lm, lean)
-    if request.crop:
-        raise ConfigError("the compiled backend over transformers' static cache cannot roll "
-                          "it back, which speculative decoding needs; use --backend "
-                          "transformers (or auto)")
     return CompiledStaticBackend(lm)
