@@ -69,7 +69,7 @@ def broken_models(tmp_path_factory) -> dict[str, Path]:
      "characters) cannot fit in the model's 512 positions with max_new_tokens 128"),
     (["generate", "Once " * 300, *MODEL, "-n", "600"], 2,
      "max_new_tokens (600) leaves no room for the prompt in the model's 512 positions; "
-     "lower it to at most 511"),
+     "lower it so that the prompt's tokens and it fit in 512"),
     (["speculate", "x", *MODEL, "--prompt-lookup", "2", "--num-draft-tokens", "0"], 2,
      "--num-draft-tokens must be 1 to 64, got 0"),
     (["bench", *MODEL, "--csv", "/", "--runs", "1"], 2, "--csv / is a directory"),
