@@ -73,10 +73,19 @@ def info(message: str) -> None:
     err.print(_escape(message), style="dim")
 
 
+# Characters a terminal acts on instead of showing (ESC starts colour, title and cursor
+# sequences; bidi controls reorder the line), which a message may quote from input that
+# is not the user's own (a JSONL line's grammar, say): shown as escapes, as repr() does.
+_VISIBLE = {code: f"\\x{code:02x}" for code in (*range(0x20), *range(0x7F, 0xA0))
+            if chr(code) not in "\n\t"} | {
+    code: f"\\u{code:04x}" for code in (*range(0x202A, 0x202F), *range(0x2066, 0x206A))}
+
+
 def _escape(text: str) -> str:
+    """`text` as plain text for Rich: no markup, no control characters."""
     from rich.markup import escape
 
-    return escape(text)
+    return escape(text.translate(_VISIBLE))
 
 
 @contextmanager

@@ -223,6 +223,8 @@ def _parse(text: str, number: int, run: RunDefaults, adapt: LineAdapter | None
         message = str(exc)
         return LineError(job_id, number, message if message.startswith(f"{where}:")
                          else f"{where}: {message}")
+    except Exception as exc:  # noqa: BLE001  (a bug, still the line's error, under its id)
+        return LineError(job_id, number, f"{where}: {unexpected(exc)}")
 
 
 def _line_id(data: Mapping[str, Any], number: int) -> str | int:

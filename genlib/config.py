@@ -44,6 +44,11 @@ MAX_SEED = 2**64 - 1  # torch.Generator.manual_seed takes at most this
 # Rows per prompt (beams, or returned sequences): each is a full copy of the KV cache, so
 # a request for hundreds of thousands would take minutes and gigabytes before failing.
 MAX_ROWS = 1024
+MAX_SCHEMA_DEPTH = 64  # JSON levels of a json_schema; real schemas use a dozen
+_SCHEMA_REFS = ("$ref", "$dynamicRef", "$recursiveRef")
+_SCHEMA_DATA = ("const", "enum", "default", "examples")  # values, not schemas
+_SCHEMA_NAMES = ("properties", "patternProperties", "$defs", "definitions",
+                 "dependentSchemas")  # name -> schema
 
 _SHOW = reprlib.Repr()
 _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlist, _SHOW.maxdict = 80, 80, 6, 6
@@ -339,7 +344,7 @@ def _coerce_bias(source: str, key: str, value: Any) -> tuple[tuple[int | str, fl
                 continue
             token, sep, bias = str(item).rpartition("=")
             if not sep or not token:
-                raise ConfigError(f"{source}: {key} wants TOKEN=BIAS, got {item!r}")
+                raise ConfigError(f"{source}: {key} wants TOKEN=BIAS, got {shown(item)}")
             pairs.append((token, bias))
     else:
         raise _type_error(source, key, SPECS[key], value)
@@ -348,18 +353,20 @@ def _coerce_bias(source: str, key: str, value: Any) -> tuple[tuple[int | str, fl
         try:
             number = float(bias)
         except (TypeError, ValueError):
-            raise ConfigError(f"{source}: {key} for {token!r} must be a number, got "
-                              f"{bias!r}") from None
+            raise ConfigError(f"{source}: {key} for {shown(token)} must be a number, got "
+                              f"{shown(bias)}") from None
         if not math.isfinite(number):
-            raise ConfigError(f"{source}: {key} for {token!r} must be finite, got {bias!r}")
+            raise ConfigError(f"{source}: {key} for {shown(token)} must be finite, "
+                              f"got {shown(bias)}")
         if isinstance(token, int) and not isinstance(token, bool):
             token_key: int | str = token
-        elif isinstance(token, str) and token.isdigit():
-            token_key = int(token)
+        elif isinstance(token, str) and token.isascii() and token.isdigit():
+            token_key = int(token)  # "²" and "٣" are digits to isdigit(), and text here
         elif isinstance(token, str) and token:
             token_key = token
         else:
-            raise ConfigError(f"{source}: {key} tokens are ids or non-empty text, got {token!r}")
+            raise ConfigError(f"{source}: {key} tokens are ids or non-empty text, "
+                              f"got {shown(token)}")
         out.append((token_key, number))
     return tuple(out)
 
@@ -376,10 +383,10 @@ def _coerce_samplers(source: str, key: str, value: Any) -> tuple[str, ...]:
         if name not in DEFAULT_SAMPLERS:
             hint = closest_key(name, DEFAULT_SAMPLERS)
             extra = f" (did you mean {hint!r}?)" if hint else ""
-            raise ConfigError(f"{source}: {key} has no stage {raw!r}{extra}; stages: "
+            raise ConfigError(f"{source}: {key} has no stage {shown(raw)}{extra}; stages: "
                               f"{';'.join(DEFAULT_SAMPLERS)}")
         if name in names:
-            raise ConfigError(f"{source}: {key} names {name!r} twice")
+            raise ConfigError(f"{source}: {key} names {shown(name)} twice")
         names.append(name)
     return tuple(names)
 
@@ -391,8 +398,11 @@ def _coerce_schema(source: str, key: str, value: Any) -> str:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}: {key} is not valid JSON: {exc}") from None
+        except RecursionError:
+            raise _schema_too_deep(source, key) from None
     if not isinstance(value, (Mapping, bool)):
         raise _type_error(source, key, SPECS[key], value)
+    _check_schema_shape(source, key, value)
     try:
         import jsonschema
 
@@ -402,6 +412,39 @@ def _coerce_schema(source: str, key: str, value: Any) -> str:
     except jsonschema.SchemaError as exc:
         raise ConfigError(f"{source}: {key} is not a valid JSON schema: {exc.message}") from None
     return json.dumps(value, separators=(",", ":"))
+
+
+def _schema_too_deep(source: str, key: str) -> ConfigError:
+    return ConfigError(f"{source}: {key} is nested deeper than {MAX_SCHEMA_DEPTH} levels; "
+                       f"flatten it (name its parts in $defs and refer to them with "
+                       f"\"$ref\": \"#/$defs/NAME\")")
+
+
+def _check_schema_shape(source: str, key: str, schema: Any) -> None:
+    """Refuse what the grammar compiler would not honour or could not afford: a `$ref`
+    outside the schema (a file or URL: xgrammar resolves only "#..." refs and would drop
+    the constraint with a warning; a schema from an input line must open nothing), and
+    nesting deeper than MAX_SCHEMA_DEPTH (compiling takes time and memory that grow as
+    its cube). Walked with an explicit stack; data (const, enum, ...) is not schema, and
+    the members of `properties` (...) are schemas whatever their names."""
+    stack: list[tuple[Any, int, bool]] = [(schema, 1, False)]  # (node, depth, names)
+    while stack:
+        node, depth, names = stack.pop()
+        if depth > MAX_SCHEMA_DEPTH:
+            raise _schema_too_deep(source, key)
+        if isinstance(node, list):
+            stack.extend((child, depth + 1, False) for child in node)
+        elif isinstance(node, Mapping) and names:
+            stack.extend((child, depth + 1, False) for child in node.values())
+        elif isinstance(node, Mapping):
+            for name, child in node.items():
+                if name in _SCHEMA_REFS and isinstance(child, str) \
+                        and not child.startswith("#"):
+                    raise ConfigError(f"{source}: {key} has {name} {shown(child)}, outside "
+                                      f"the schema; only refs inside it (\"#/$defs/NAME\") "
+                                      f"are followed: copy what it names into $defs")
+                if name not in _SCHEMA_DATA:
+                    stack.append((child, depth + 1, name in _SCHEMA_NAMES))
 
 
 def validate_settings(data: Mapping[str, Any], source: str,

@@ -10,10 +10,14 @@ characters anyway (`dumps`), so tools that split the same wrong way read genlab'
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
-# Line separators other than "\n" that JSON allows raw inside strings, escaped on output.
-_ESCAPED_ON_OUTPUT = {"\u2028": "\\u2028", "\u2029": "\\u2029", "\u0085": "\\u0085"}
+# Characters JSON allows raw inside strings that are escaped on output: the line
+# separators other than "\n" (U+2028, U+2029, U+0085), and the other C1 controls, which a
+# terminal may act on (U+009B starts a control sequence as ESC [ does) when the results
+# go to stdout. The JSON C0 controls are escaped by json.dumps itself.
+_ESCAPED_ON_OUTPUT = re.compile("[\u0080-\u009f\u2028\u2029]")
 
 
 class JsonLineError(ValueError):
@@ -143,12 +147,11 @@ def lone_surrogate(value: Any) -> str | None:
 
 def dumps(record: Any) -> bytes:
     """One record as a JSONL line (UTF-8, ending in "\\n"). Text stays readable (no
-    \\u escapes) except the separators above; a record that still holds a lone surrogate
+    \\u escapes) except the characters above; a record that still holds a lone surrogate
     is written with every non-ASCII character escaped, which is valid JSON and UTF-8."""
     text = json.dumps(record, ensure_ascii=False)
-    for char, escape in _ESCAPED_ON_OUTPUT.items():
-        if char in text:  # only inside strings: JSON has no other place for them
-            text = text.replace(char, escape)
+    # Only inside strings, as JSON has no other place for them: escaping keeps the value.
+    text = _ESCAPED_ON_OUTPUT.sub(lambda m: f"\\u{ord(m[0]):04x}", text)
     try:
         return (text + "\n").encode("utf-8")
     except UnicodeEncodeError:

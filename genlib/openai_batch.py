@@ -65,19 +65,19 @@ def to_genlab_line(data: Mapping[str, Any], where: str) -> dict[str, Any]:
                           f"in one format, OpenAI's or genlab's")
     unknown = sorted(set(data) - {"custom_id", "method", "url", "body"})
     if unknown:
-        raise ConfigError(f"{where}: unknown request field {unknown[0]!r} (a request has "
+        raise ConfigError(f"{where}: unknown request field {shown(unknown[0])} (a request has "
                           f"custom_id, method, url and body)")
     if "custom_id" not in data:
         raise ConfigError(f"{where}: an OpenAI batch request needs a custom_id")
     if data.get("method", "POST") != "POST":
-        raise ConfigError(f"{where}: method must be POST, got {data['method']!r}")
-    url = data.get("url", CHAT if "messages" in data["body"] else COMPLETIONS)
-    if url not in ENDPOINTS:
-        raise ConfigError(f"{where}: url {url!r} is not supported; use {COMPLETIONS} "
-                          f"(prompt) or {CHAT} (messages)")
+        raise ConfigError(f"{where}: method must be POST, got {shown(data['method'])}")
     body = data["body"]
     if not isinstance(body, dict):
         raise ConfigError(f"{where}: body must be a JSON object, got {type(body).__name__}")
+    url = data.get("url", CHAT if "messages" in body else COMPLETIONS)
+    if url not in ENDPOINTS:
+        raise ConfigError(f"{where}: url {shown(url)} is not supported; use {COMPLETIONS} "
+                          f"(prompt) or {CHAT} (messages)")
     wanted = "messages" if url == CHAT else "prompt"
     if wanted not in body:
         raise ConfigError(f'{where}: a {url} request needs "{wanted}" in its body')

@@ -115,7 +115,11 @@ def _find_named(name: str, skip: tuple[Path, ...] = ()) -> Path | None:
     for folder in _search_dirs():
         for suffix in SUFFIXES:
             candidate = folder / f"{name}{suffix}"
-            if candidate.is_file() and candidate.resolve() not in skip:
+            try:
+                found = candidate.is_file() and candidate.resolve() not in skip
+            except OSError:  # a name too long for a file name: no preset has it
+                continue
+            if found:
                 return candidate
     return None
 
@@ -128,7 +132,7 @@ def _no_preset_named(name: str, paths_allowed: bool) -> PresetError:
     hint = closest_key(name, available_names())
     extra = f" (did you mean {hint!r}?)" if hint else ""
     also = ", or pass a path to a .yaml file" if paths_allowed else ""
-    return PresetError(f"no preset named {name!r}{extra}; `genlab presets list` shows "
+    return PresetError(f"no preset named {shown(name)}{extra}; `genlab presets list` shows "
                        f"them{also}")
 
 

@@ -194,6 +194,71 @@ def test_mixed_file_every_good_line_gets_its_text(tmp_path: Path):
     assert "num_beams must be 1 <= num_beams <= 1024" in errors["beams"]
 
 
+def test_a_schema_ref_outside_it_or_nested_too_deep_fails_its_line_alone():
+    """xgrammar follows only refs inside the schema: one to a file or URL was dropped
+    with a warning (the line generated unconstrained); deep nesting took compile time
+    and memory growing as its cube, or stopped the line as a bug (RecursionError)."""
+    deep = '{"items": ' * 5000 + "{}" + "}" * 5000
+    lines = [json.dumps({"id": name, "prompt": "x", "json_schema": schema})
+             for name, schema in [
+                 ("file", {"$ref": "file:///etc/passwd"}),
+                 ("url", {"type": "array", "items": {"$ref": "http://example.com/s.json"}}),
+                 ("hidden", {"properties": {"const": {"$dynamicRef": "other.json#a"}}}),
+                 ("deep", json.loads('{"items": ' * 70 + "{}" + "}" * 70)),
+                 ("deep-text", deep),
+                 ("local", {"$defs": {"n": {"type": "integer"}}, "$ref": "#/$defs/n"}),
+                 ("data", {"const": {"$ref": "file:///etc/passwd"}})]]
+    items = {i.id: i for i in gb.parse_lines(lines, RUN)}
+    assert items["file"].message == (
+        "line 1: json_schema has $ref 'file:///etc/passwd', outside the schema; only refs "
+        'inside it ("#/$defs/NAME") are followed: copy what it names into $defs')
+    assert items["url"].message.startswith("line 2: json_schema has $ref 'http://example")
+    assert items["hidden"].message.startswith("line 3: json_schema has $dynamicRef 'other")
+    for name, number in (("deep", 4), ("deep-text", 5)):
+        assert items[name].message == (
+            f"line {number}: json_schema is nested deeper than 64 levels; flatten it (name "
+            f'its parts in $defs and refer to them with "$ref": "#/$defs/NAME")')
+    assert isinstance(items["local"], gb.Job) and isinstance(items["data"], gb.Job)
+
+
+def test_a_message_quoting_a_line_shows_its_control_characters_escaped(tmp_path: Path):
+    """A compile error quotes the line's grammar; written raw, its ESC sequences would
+    recolour, retitle or rewrite the user's terminal."""
+    pytest.importorskip("xgrammar")
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, {"id": "esc", "prompt": "x", "grammar": "root ::= \x1b]0;owned\x07"})
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert result.exit_code == 1
+    assert "\x1b" not in result.stderr and "\x07" not in result.stderr
+    assert "error: line 1: grammar cannot be compiled: EBNF lexer error at line 1, column " \
+           "10: Unexpected character: \\x1b" in result.stderr
+    assert by_id(out)["esc"]["error"].endswith("Unexpected character: \x1b")  # as it is
+
+
+def test_c1_controls_are_escaped_in_results():
+    """U+009B is a terminal's CSI, as ESC [ is, for results written to stdout."""
+    line = jsonl.dumps({"id": "a\x9b2J", "text": "\x85\x9d"})
+    assert line == b'{"id": "a\\u009b2J", "text": "\\u0085\\u009d"}\n'
+    assert json.loads(line) == {"id": "a\x9b2J", "text": "\x85\x9d"}
+
+
+def test_bias_tokens_of_other_digits_are_text_and_a_bug_keeps_the_line_id(monkeypatch):
+    """int("²") raises though "²".isdigit(): the line failed as a bug under its line
+    number, and "٣" biased the token with id 3."""
+    bias = gb.parse_lines([json.dumps({"id": "sup", "prompt": "x", "logit_bias": {"²": 5}}),
+                           json.dumps({"id": "ar", "prompt": "x", "logit_bias": {"٣": 1}}),
+                           json.dumps({"id": "id", "prompt": "x", "logit_bias": {"12": 2}})],
+                          RUN)
+    assert [i.settings.logit_bias for i in bias] == [(("²", 5.0),), (("٣", 1.0),), ((12, 2.0),)]
+
+    def bug(*args: object) -> None:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(gb, "line_settings", bug)
+    (item,) = gb.parse_lines([json.dumps({"id": "keep", "prompt": "x"})], RUN)
+    assert (item.id, item.message) == ("keep", "line 1: unexpected RuntimeError: boom")
+
+
 # ---------------------------------------------------------------- presets from lines
 
 
@@ -232,6 +297,18 @@ def test_an_unknown_line_preset_suggests_names_never_a_path(tmp_path: Path, monk
                             "`genlab presets list` shows them")
     with pytest.raises(PresetError, match="or pass a path to a .yaml file"):
         load_preset("nosuch")
+
+
+def test_a_line_preset_name_too_long_for_a_file_is_just_unknown(tmp_path: Path, monkeypatch):
+    """Looking it up raised ENAMETOOLONG: `unexpected OSError` naming the presets folder,
+    the whole name in the message, and the line number for its id."""
+    monkeypatch.setenv("GENLAB_PRESETS_DIR", str(tmp_path))
+    (item,) = gb.parse_lines([json.dumps({"id": "a", "prompt": "x", "preset": "p" * 300})],
+                             RUN)
+    assert item.id == "a"
+    assert item.message.startswith("line 1: no preset named 'ppp")
+    assert item.message.endswith("'; `genlab presets list` shows them")
+    assert str(tmp_path) not in item.message and len(item.message) < 200
 
 
 def test_yaml_alias_bomb_deep_extends_and_huge_presets_are_refused(tmp_path: Path):

@@ -55,6 +55,8 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
         json.dumps({"custom_id": "f", "prompt": "x"}),
         json.dumps({"custom_id": "g", "url": ob.COMPLETIONS, "body": {"prompt": "x"},
                     "extra": 1}),
+        json.dumps({"custom_id": "h", "body": 5}),
+        json.dumps({"custom_id": "i", "url": "/" + "u" * 100_000, "body": {"prompt": "x"}}),
     ], RUN, ob.to_genlab_line)
     errors = {i.id: i.message for i in items}
     assert all(isinstance(i, gb.LineError) for i in items)
@@ -65,6 +67,8 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     assert errors["e"] == "line 5: stream must be false in a batch request"
     assert errors["f"].startswith('line 6: not an OpenAI batch request (no "body")')
     assert errors["g"].startswith("line 7: unknown request field 'extra'")
+    assert errors["h"] == "line 8: body must be a JSON object, got int"  # not a TypeError
+    assert errors["i"].startswith("line 9: url '/uuu") and len(errors["i"]) < 300
 
 
 def test_openai_sampling_fields_genlab_has_reach_its_settings():
