@@ -147,9 +147,9 @@ Regex = Annotated[str | None, typer.Option(
     "--regex", rich_help_panel=GRAMMAR_PANEL, metavar="PATTERN",
     help="Constrain the output to match this regular expression.")]
 Grammar = Annotated[str | None, typer.Option(
-    "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE",
-    help="Constrain the output to this EBNF/GBNF grammar file (start rule: root; "
-         "llama.cpp's GBNF).")]
+    "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
+    help="Constrain the output to this EBNF/GBNF grammar file (`-` = stdin; start rule: "
+         "root; llama.cpp's GBNF).")]
 
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
@@ -315,10 +315,20 @@ def _read_flag_file(flag: str, path: str) -> str:
             return sys.stdin.buffer.read().decode("utf-8")
         return Path(path).read_text(encoding="utf-8")
     except OSError as exc:
+        if not path.strip():
+            raise ConfigError(f"{flag} needs a file name, or - for stdin") from None
+        if _looks_inline(path):
+            raise ConfigError(f"{flag} takes a file name or - (stdin), not the text itself: "
+                              f"put it in a file, or pipe it in and give {flag} -") from None
         raise ConfigError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{flag}: {source} is not UTF-8 text (byte {exc.start}); give a "
                           f"text file") from None
+
+
+def _looks_inline(value: str) -> bool:
+    """Whether a FILE|- value is a JSON schema or a grammar itself, not a file name."""
+    return value.lstrip().startswith("{") or "::=" in value or "\n" in value
 
 
 def setting_flags(**flags: Any) -> dict[str, Any]:

@@ -60,13 +60,21 @@ class building:  # noqa: N801 - used as a context manager, like open()
 
 def warn_incomplete(reasons: list[str], max_new_tokens: int) -> bool:
     """Warn when an output stopped before its grammar could end (finish reason
-    grammar_incomplete): that text is not valid. Whether any did."""
+    grammar_incomplete), or ended failing its JSON schema (schema_invalid): that text is
+    not valid. Whether any did."""
     count = reasons.count("grammar_incomplete")
     if count:
         which = "an output" if count == 1 else f"{count} outputs"
         warn(f"{which} ended before the grammar was complete (max_new_tokens "
              f"{max_new_tokens} or max_time): the text is NOT valid; raise --max-new-tokens")
-    return bool(count)
+    invalid = reasons.count("schema_invalid")
+    if invalid:
+        which = "an output" if invalid == 1 else f"{invalid} outputs"
+        warn(f"{which} ended where the grammar allowed, but the text is NOT valid against "
+             f"the JSON schema: xgrammar does not enforce every keyword (allOf, not, "
+             f"multipleOf, ...); express the constraint with properties, enum or a regex "
+             f"pattern")
+    return bool(count or invalid)
 
 
 def info(message: str) -> None:

@@ -91,10 +91,14 @@ class ModelDrafter:
         feed = context[len(self.cached):]
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
+        forwards = 0
         for i in range(gamma):
             logits = self.backend.extend(_as_batch(feed, self.lm))[0, -1]
+            forwards += 1
             self.cached.extend(feed)
             q_logits = process(context, logits, i)
+            if not torch.isfinite(q_logits).any():
+                break  # nothing may follow (a grammar has ended): the draft ends here
             if self.sample:
                 q = q_logits.softmax(dim=-1)
                 token = sampling.draw(q, generator)
@@ -105,7 +109,7 @@ class ModelDrafter:
             context.append(token)
             feed = [token]
         q_all = torch.stack(qs) if qs else None
-        return Draft(tokens, q_all, time.perf_counter() - begin, gamma)
+        return Draft(tokens, q_all, time.perf_counter() - begin, forwards)
 
     def commit(self, ids: Sequence[int]) -> None:
         """Roll the cache back past the first token that was not kept."""

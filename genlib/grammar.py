@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 import re
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +32,9 @@ import torch
 from genlib.errors import ConfigError
 
 INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar would not end
+# The finish reason of output that ended where the grammar allowed it, yet fails its JSON
+# schema: xgrammar's mask does not enforce every keyword (allOf, not, multipleOf, ...).
+INVALID = "schema_invalid"
 NEG_INF = float("-inf")
 CACHE_SIZE = 512  # matchers kept; a step needs one per row (per position when speculating)
 
@@ -79,12 +82,42 @@ def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], setting
     text = getattr(settings, kind)
     try:
         if kind == "json_schema":
-            return compiler.compile_json_schema(text, any_whitespace=False)
+            return Constraint(compiler.compile_json_schema(text, any_whitespace=False),
+                              _schema_check(tokenizer, text))
         if kind == "regex":
-            return compiler.compile_regex(text)
-        return compiler.compile_grammar(text)
+            return Constraint(compiler.compile_regex(text))
+        return Constraint(compiler.compile_grammar(text))
     except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """A grammar compiled for one tokenizer, and for a JSON schema `valid`: whether a
+    finished output's tokens are an instance of it, which the mask alone cannot promise
+    (xgrammar leaves some keywords unenforced)."""
+
+    grammar: Any
+    valid: Callable[[Sequence[int]], bool] | None = None
+
+
+def _schema_check(tokenizer: Any, schema_text: str) -> Callable[[Sequence[int]], bool]:
+    """The schema's validator (jsonschema's, for the schema's own draft) over decoded
+    tokens. It resolves no remote reference: jsonschema retrieves none unless asked."""
+    import jsonschema
+
+    schema = json.loads(schema_text)
+    validator = jsonschema.validators.validator_for(schema)(schema)
+
+    def valid(tokens: Sequence[int]) -> bool:
+        text = tokenizer.decode(list(tokens), skip_special_tokens=True)
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            return False
+        return bool(validator.is_valid(value))
+
+    return valid
 
 
 def _first_line(exc: Exception) -> str:
@@ -106,11 +139,13 @@ class Matchers:
     compiled: Any
     cache: OrderedDict[tuple[int, ...], Any]  # key -> its matcher (None: not allowed)
     moved: OrderedDict[tuple[int, ...], tuple[int, ...]]  # key -> the longer key it became
+    valid: Callable[[Sequence[int]], bool] | None = None  # Constraint.valid
 
     @classmethod
-    def start(cls, compiled: Any) -> Matchers:
-        root = _xgrammar().GrammarMatcher(compiled)
-        return cls(compiled, OrderedDict({(): root}), OrderedDict())
+    def start(cls, constraint: Constraint) -> Matchers:
+        root = _xgrammar().GrammarMatcher(constraint.grammar)
+        return cls(constraint.grammar, OrderedDict({(): root}), OrderedDict(),
+                   constraint.valid)
 
     def observe(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:
         """Nothing to do: matchers are found from the context itself."""
@@ -223,19 +258,27 @@ def _allowed(bitmask: torch.Tensor, vocab: int) -> torch.Tensor:
 
 
 def finish_reason(matchers: Matchers | None, generated: Sequence[int], reason: str) -> str:
-    """`reason`, unless the row ran out of tokens or time before its grammar could end:
-    then INCOMPLETE, so unfinished output is never taken for valid output."""
-    if matchers is None or reason not in ("length", "time"):
+    """`reason`, unless the row ran out of tokens or time before its grammar could end
+    (INCOMPLETE), or ended where the grammar allowed yet fails its JSON schema (INVALID):
+    output that is not valid is never taken for valid output."""
+    if matchers is None or reason not in ("eos", "length", "time"):
         return reason
-    return reason if matchers.complete(tuple(generated)) else INCOMPLETE
+    if reason != "eos" and not matchers.complete(tuple(generated)):
+        return INCOMPLETE
+    if matchers.valid is not None and not matchers.valid(generated):
+        return INVALID
+    return reason
 
 
 def valid_prefix(matchers: Matchers, generated: Sequence[int], draft: Sequence[int]) -> int:
-    """How many of `draft`'s tokens the grammar allows after `generated` (speculative
-    decoding drops the rest before verifying: the target could never accept them)."""
+    """How many of `draft`'s tokens the grammar allows after `generated`, each leaving
+    something to follow (speculative decoding drops the rest before verifying: the target
+    could never accept them, and it scores the position after every draft token, which
+    the grammar's end leaves without a single allowed token)."""
     done = tuple(generated)
     for n, token in enumerate(draft):
-        if not matchers.allows(done, token):
-            return n
         done = (*done, token)
+        matcher = matchers.get(done)
+        if matcher is None or matcher.is_terminated():
+            return n
     return len(draft)

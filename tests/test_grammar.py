@@ -69,6 +69,54 @@ def test_a_budget_too_small_for_the_grammar_ends_incomplete(builtin):
     assert not is_valid(finish.text)
 
 
+UNENFORCED = {"allOf": [{"type": "integer"}, {"minimum": 5}]}  # xgrammar: "still ongoing"
+
+
+def test_output_the_grammar_ends_but_the_schema_refuses_is_schema_invalid(builtin):
+    """xgrammar does not enforce every keyword: such output ended `length` or `eos`, and
+    exit 0, as if valid. The finish reason follows jsonschema's verdict on the text."""
+    seeds = list(range(8))
+    settings = resolve_settings({"json_schema": UNENFORCED, "temperature": 1.0,
+                                 "max_new_tokens": 12})
+    finishes = generate.generate(builtin, [builtin.encode("x = ")] * 8, settings, seeds=seeds)
+    for finish in finishes:
+        try:
+            valid = jsonschema.validators.validator_for(UNENFORCED)(UNENFORCED).is_valid(
+                json.loads(finish.text))
+        except json.JSONDecodeError:
+            valid = False
+        if finish.reason != grammar.INCOMPLETE:
+            assert (finish.reason == grammar.INVALID) == (not valid), finish
+    assert grammar.INVALID in [f.reason for f in finishes]  # the case is met here
+
+
+def test_finish_reason_checks_finished_output_against_the_schema():
+    class Stub:
+        valid = staticmethod(lambda tokens: list(tokens) == [1])
+
+        @staticmethod
+        def complete(tokens):
+            return True
+
+    assert grammar.finish_reason(Stub(), [1], "eos") == "eos"
+    assert grammar.finish_reason(Stub(), [2], "eos") == grammar.INVALID
+    assert grammar.finish_reason(Stub(), [2], "length") == grammar.INVALID
+    assert grammar.finish_reason(Stub(), [2], "stop") == "stop"  # cut where the user asked
+    assert grammar.finish_reason(None, [2], "eos") == "eos"
+
+
+def test_cli_schema_invalid_output_warns_and_exits_1(tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps(UNENFORCED))
+    result = runner.invoke(app, ["generate", "x = ", "--json-schema", str(schema), "-n", "12",
+                                 "-t", "1", "--seed", "0", "--num-return-sequences", "8",
+                                 "--json"])
+    reasons = [o["finish_reason"] for o in json.loads(result.stdout)["outputs"]]
+    assert grammar.INVALID in reasons
+    assert result.exit_code == 1
+    assert "the text is NOT valid against the JSON schema" in " ".join(result.stderr.split())
+
+
 def test_regex_and_ebnf_outputs_match(builtin):
     ids = builtin.encode("x = ")
     pattern = r"[a-z]{2,5}_[0-9]{1,3}"
@@ -105,6 +153,19 @@ def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     assert finish.token_ids == plain.token_ids and finish.reason == plain.reason == "eos"
     assert is_valid(finish.text)
     assert any(isinstance(e, Verify) for e in events)
+
+
+def test_sampled_speculation_with_drafts_reaching_the_grammars_end_ends_valid(builtin):
+    """A draft equal to the target has its drafts accepted up to the end token: after it
+    the grammar allows nothing, so neither the drafter nor the verify may draw there
+    (both raised 'cannot draw from these weights (sum nan)')."""
+    ids = builtin.encode(PROMPT)
+    draft = load_model(ModelSpec(str(DEFAULT_MODEL)))
+    for seed in range(4):
+        settings = resolve_settings({"json_schema": SCHEMA, "temperature": 1.0, "seed": seed,
+                                     "max_new_tokens": 48})
+        finish = list(speculative_stream(builtin, ids, settings, draft_lm=draft))[-1]
+        assert finish.reason == "eos" and is_valid(finish.text), (seed, finish.text)
 
 
 def test_drafts_are_cut_before_the_first_token_the_grammar_forbids(builtin):
@@ -165,6 +226,20 @@ def test_cli_json_schema_from_stdin_file_and_errors(tmp_path):
     bad = runner.invoke(app, ["generate", "x", "--regex", "[a-"])
     assert bad.exit_code == 2 and bad.stderr.startswith("error: regex cannot be compiled")
     assert "Traceback" not in bad.output
+
+
+def test_cli_schema_or_grammar_text_where_a_file_goes_says_how_to_give_it():
+    schema = runner.invoke(app, ["generate", "x", "--json-schema", '{"type": "object"}'])
+    assert schema.exit_code == 2 and schema.stderr.strip() == (
+        "error: --json-schema takes a file name or - (stdin), not the text itself: put it "
+        "in a file, or pipe it in and give --json-schema -")
+    text = runner.invoke(app, ["generate", "x", "--grammar", 'root ::= "a"'])
+    assert text.exit_code == 2 and "--grammar takes a file name or - (stdin)" in text.stderr
+    empty = runner.invoke(app, ["generate", "x", "--grammar", ""])
+    assert empty.exit_code == 2
+    assert empty.stderr.strip() == "error: --grammar needs a file name, or - for stdin"
+    usage = runner.invoke(app, ["generate", "--help"], env={"COLUMNS": "250"}).stdout
+    assert re.search(r"--grammar +FILE\|- +Constrain .*\(`-` = stdin", usage)
 
 
 def test_batch_lines_carry_their_own_json_schema(tmp_path):
@@ -242,7 +317,7 @@ def test_matchers_moved_in_place_are_rebuilt_exactly_for_beams_and_rollbacks(bui
         return bitmask
 
     def replay(key) -> torch.Tensor:
-        fresh = xgr.GrammarMatcher(constraint)
+        fresh = xgr.GrammarMatcher(constraint.grammar)
         assert all(fresh.accept_token(t) for t in key)
         return mask(fresh)
 
