@@ -1,13 +1,17 @@
 """The docs match the program: every command's page holds its current `--help` (a
 group's page each subcommand's too), the flags its prose and its options tables name
 exist (and none is a retired one), every example command line parses against genlab's
-options, and every relative link in the README and docs/ leads to a file that exists
-(and a #anchor to a heading of it)."""
+options, every relative link in the README and docs/ leads to a file that exists
+(and a #anchor to a heading of it), and the output a page shows for one of its commands
+is what that command prints today."""
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -332,3 +336,60 @@ def test_the_examples_are_read_and_a_bad_one_fails():
         "genlab presets shwo creative: genlab presets has no command 'shwo'"
     assert command_line_problem(["presets", "show"]) == \
         "genlab presets show: Missing argument 'name'."
+
+
+# --- what the pages show --------------------------------------------------------------
+
+def shell_block_with(page: Path, needle: str) -> str:
+    """The first bash block of a page that holds `needle`."""
+    return next(body for language, body in CODE_BLOCK.findall(page.read_text())
+                if language == "bash" and needle in body)
+
+
+def markdown_rows(text: str) -> dict[str, list[str]]:
+    """A Markdown table's rows by their first cell, bold dropped."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [cell.strip().strip("*") for cell in line.strip().strip("|").split("|")]
+        if line.startswith("|") and len(cells) > 1:
+            rows[cells[0]] = cells[1:]
+    return rows
+
+
+@pytest.mark.slow
+def test_the_compare_page_shows_what_its_stories260k_command_prints():
+    """The metrics table under "What it shows on stories260K" is the output of the
+    command quoted above it, as run today (the sampled columns' draws included)."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import SHARED_MODELS
+
+    page = gen_docs.page_path("compare").read_text()
+    section = page.split("### What it shows on stories260K", 1)[1].split("\n### ", 1)[0]
+    command = re.search(r"^`genlab (compare [^`]+)`", section, re.M).group(1)
+    args = shlex.split(command.replace("../shared/models/", f"{SHARED_MODELS}/"))[1:]
+    result = CliRunner().invoke(app, ["compare", *args])
+    assert result.exit_code == 0, result.output
+    printed, shown = markdown_rows(result.stdout), markdown_rows(section)
+    assert shown.keys() >= {"perplexity", "repeated 4-grams", "diversity (samples)"}
+    assert {metric: printed[metric] for metric in shown} == shown
+
+
+@pytest.mark.slow
+def test_the_samplers_pages_json_schema_example_runs_as_written(tmp_path):
+    """The grammar section's first example, run by the shell from an empty folder: the
+    schema file it reads is made in the block, and the output is valid against it."""
+    pytest.importorskip("xgrammar")
+    import jsonschema
+
+    block = shell_block_with(ROOT / "docs" / "samplers.md", "--json-schema person.json")
+    lines = block.splitlines()
+    first = next(n for n, line in enumerate(lines) if line.startswith("genlab generate"))
+    script = "genlab() { python -m cli \"$@\"; }\n" + "\n".join(lines[:first + 1])
+    proc = subprocess.run(["bash", "-c", script], cwd=tmp_path, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "NO_COLOR": "1"},
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads((tmp_path / "person.json").read_text())
+    jsonschema.validate(json.loads(proc.stdout), schema)
