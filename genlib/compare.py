@@ -305,9 +305,9 @@ def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
 def warm_up(lm: LoadedModel, prompt_ids: Sequence[int]) -> None:
     """One greedy token, untimed, before the first strategy's clock starts: the
     process's first forward pays once for the weights' first reads and the backend's
-    first call, which the first column's time and tokens/s would otherwise carry (0.16
-    s to 7.5 s against 0.04 s for the same settings in the second column). A prompt the
-    model cannot take is left for the strategies to report."""
+    first call, which the first column's time and tokens/s would otherwise carry (several
+    times the second column's for the same settings). A prompt the model cannot take is
+    left for the strategies to report."""
     from genlib.generate import stream
 
     try:

@@ -3,6 +3,7 @@ several architectures (built in memory, with the stories260K tokenizer)."""
 
 from __future__ import annotations
 
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -155,3 +156,13 @@ def tiny(request, stories_tokenizer):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(request.param))
     return wrap_model(model, stories_tokenizer, ref=f"tiny-{request.param}")
+
+
+def wait_for_lines(path: Path, count: int, proc, timeout: float = 120.0) -> None:
+    """Wait until `path` holds `count` lines (a run is midway), `proc` ends, or `timeout`
+    seconds pass: the moment tests stop a run to see what it kept."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if path.exists() and path.read_bytes().count(b"\n") >= count:
+            return
+        time.sleep(0.01)

@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from cli.main import app
 from genlib import batch as gb
 from genlib.config import derive_seed
 from genlib.errors import ChatTemplateError
-from tests.conftest import ROOT, STORIES
+from tests.conftest import ROOT, STORIES, wait_for_lines
 
 RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7)
 MODEL = ["-m", str(STORIES)]
@@ -313,11 +312,7 @@ def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_pa
     killed = tmp_path / "killed.jsonl"
     proc = subprocess.Popen(command(killed, 4), cwd=ROOT, env=env,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if killed.exists() and killed.read_text().count("\n") >= 3:
-            break
-        time.sleep(0.01)
+    wait_for_lines(killed, 3, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = len(read_results(killed))

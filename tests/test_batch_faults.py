@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from cli.main import app
 from genlib import batch as gb
 from genlib import jsonl
 from genlib.errors import PresetError
-from tests.conftest import ROOT, STORIES
+from tests.conftest import ROOT, STORIES, wait_for_lines
 
 RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 8}, seed=7,
                      model=str(STORIES))
@@ -550,14 +549,6 @@ def long_input(path: Path, n: int = 16, **extra: object) -> None:
                          "ignore_eos": True, "temperature": 0.8, **extra} for i in range(n)))
 
 
-def wait_for_lines(path: Path, proc: subprocess.Popen, count: int) -> None:
-    deadline = time.monotonic() + 600  # a busy machine is slow; success returns at once
-    while time.monotonic() < deadline and proc.poll() is None:
-        if path.exists() and path.read_bytes().count(b"\n") >= count:
-            return
-        time.sleep(0.01)
-
-
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1"}
 
 
@@ -567,7 +558,7 @@ def test_two_processes_racing_on_one_output_write_each_id_once(tmp_path: Path):
     long_input(src)
     first = subprocess.Popen(batch_command(src, out), cwd=ROOT, env=ENV,
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_for_lines(out, first, 1)
+    wait_for_lines(out, 1, first, timeout=600)  # a busy machine is slow
     # Frozen mid-run, lock held: the second run meets it however fast this machine is.
     assert first.poll() is None, "the first run ended before the second could race it"
     first.send_signal(signal.SIGSTOP)
@@ -590,7 +581,7 @@ def test_sigkill_then_resume_with_a_changed_line(tmp_path: Path):
     long_input(src, 10)
     proc = subprocess.Popen(batch_command(src, out), cwd=ROOT, env=ENV,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_lines(out, proc, 3)
+    wait_for_lines(out, 3, proc, timeout=600)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     done = [r["id"] for r in records_of(out)]

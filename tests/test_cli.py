@@ -14,7 +14,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES
+from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES, wait_for_lines
 
 runner = CliRunner()
 MODEL = ["-m", str(STORIES)]
@@ -379,11 +379,7 @@ def test_sigterm_ends_a_batch_run_with_whole_lines_and_143(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if results.exists() and results.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.01)
+    wait_for_lines(results, 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 143, err

@@ -28,7 +28,7 @@ from genlib.ray_engine import (
     first_of_each,
     run_on_ray,
 )
-from tests.conftest import ROOT, STORIES
+from tests.conftest import ROOT, STORIES, wait_for_lines
 from tests.test_batch import RUN, mixed_prompts, read_results
 
 # A private cluster on the loopback address that reports nothing and keeps its token in
@@ -124,11 +124,7 @@ def test_driver_killed_mid_run_then_resumed_writes_every_id_once(cluster, storie
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and out.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.02)
+    wait_for_lines(out, 2, proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     partial = len(read_results(out))
@@ -454,11 +450,7 @@ def test_sigterm_stops_a_ray_run_as_it_stops_a_local_one(cluster, tmp_path):
                                     str(out), "--batch-size", "2"),
                             cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and proc.poll() is None:
-        if out.exists() and out.read_text().count("\n") >= 2:
-            break
-        time.sleep(0.05)
+    wait_for_lines(out, 2, proc)
     proc.send_signal(signal.SIGTERM)
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 143, stderr
