@@ -57,16 +57,13 @@ def warn_if_no_step(steps: str, first: int, runs: list[dict[str, Any]]) -> None:
 
 def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, int]:
     """`--branch STEP:TOKEN` -> (step, token id)."""
-    from genlib.explain import parse_token
+    from genlib.explain import parse_branch as branch_point
 
-    step_text, sep, token = text.partition(":")
-    if not sep or not step_text.isdigit() or not token:
-        raise fail(f"--branch {text!r}: give STEP:TOKEN, e.g. 3:#421 (a token id) or "
-                   "\"3: the\" (a text that is one token of the model)")
-    step = int(step_text)
-    if step >= max_new_tokens:
-        raise fail(f"--branch step {step} is past --max-new-tokens ({max_new_tokens})")
-    return step, parse_token(lm, token)
+    step, _, token = text.partition(":")
+    return branch_point(lm, step, token, max_new_tokens, name="--branch",
+                        limit="--max-new-tokens",
+                        usage=f"--branch {text!r}: give STEP:TOKEN, e.g. 3:#421 (a token id) "
+                              f"or \"3: the\" (a text that is one token of the model)")
 
 
 def explain_record(lm: LoadedModel, ids: list[int], prompt: str,

@@ -478,20 +478,17 @@ def branch(session: Session, args: str) -> None:
     drawn by inverse CDF, so the rerun before STEP is the answer itself)."""
     from cli import render_explain
     from cli.explain import explain_record
-    from genlib.explain import parse_token
+    from genlib.explain import parse_branch
 
     if session.last is None:
         raise CommandError("/branch needs an answer first: type a prompt")
     step, _, token = args.partition(" ")
-    if not step.isdigit() or not token.strip():
-        raise CommandError("/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) or "
-                           "/branch 3 the (a text that is one token; a leading space is "
-                           "tried too); STEP counts the answer's tokens from 0")
     ids, settings = session.last
-    if int(step) >= settings.max_new_tokens:
-        raise CommandError(f"/branch step {step} is past the answer's max_new_tokens "
-                           f"({settings.max_new_tokens}); steps count from 0")
-    forced = (int(step), parse_token(session.lm, token.strip()))
+    forced = parse_branch(session.lm, step, token, settings.max_new_tokens, name="/branch",
+                          limit="the answer's max_new_tokens",
+                          usage="/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) "
+                                "or /branch 3 the (a text that is one token; a leading space "
+                                "is tried too); STEP counts the answer's tokens from 0")
     record = explain_record(session.lm, ids, "", settings, 1, forced)
     render_explain.show_branch(record["original"], record["branch"],
                                record["branch"]["diverges_at"])

@@ -59,6 +59,22 @@ def divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def parse_branch(lm: LoadedModel, step: str, token: str, max_new_tokens: int, *,
+                 usage: str, name: str, limit: str) -> tuple[int, int]:
+    """A branch point, (step, token id), from its two parts as typed. ConfigError with
+    `usage` (how the caller writes one) when the step is not a number or the token is
+    missing; naming the caller (`name`) and what sets max_new_tokens there (`limit`)
+    when the step is past it."""
+    from genlib.errors import ConfigError
+
+    if not step.isdigit() or not token.strip():
+        raise ConfigError(usage)
+    if int(step) >= max_new_tokens:
+        raise ConfigError(f"{name} step {step} is past {limit} ({max_new_tokens}); steps "
+                          f"count from 0")
+    return int(step), parse_token(lm, token.strip())
+
+
 def parse_token(lm: LoadedModel, text: str) -> int:
     """A branch's TOKEN: an id (digits, or `#id`) or a text that is exactly one token
     (tried as is and with a leading space, as a word inside a sentence)."""

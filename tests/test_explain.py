@@ -374,3 +374,15 @@ def test_explain_runs_the_grammar_first_and_new_stages(tmp_path):
         for c in step["candidates"]:
             if c["stage_probs"]["grammar"] == 0:
                 assert c["removed_by"] == "grammar"
+
+
+@pytest.mark.parametrize("branch,message", [
+    ("x", "error: --branch 'x': give STEP:TOKEN, e.g. 3:#421 (a token id) or \"3: the\" (a "
+          "text that is one token of the model)"),
+    ("9:the", "error: --branch step 9 is past --max-new-tokens (4); steps count from 0"),
+])
+def test_a_bad_branch_point_is_one_line(branch, message):
+    """--branch and the interactive /branch read a branch point with one function."""
+    result = runner.invoke(app, ["explain", "Once", *MODEL, "-n", "4", "--branch", branch])
+    assert result.exit_code == 2
+    assert " ".join(result.stderr.split()) == message
