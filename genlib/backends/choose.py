@@ -99,7 +99,7 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
             return "transformers", f"{many} in {_dtype(lm)} on {lm.device.type}"
-        if request.crop and _compiled_lean(lm) is None:
+        if _static_cache_must_crop(lm, request):
             why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
             return "transformers", (f"speculative decoding in {_dtype(lm)} on "
                                     f"{lm.device.type} and no lean forward ({why}): a "
@@ -148,6 +148,12 @@ def _compiled_lean(lm: LoadedModel) -> LeanLlama | None:
     return _lean(lm) if lean_allowed() else None
 
 
+def _static_cache_must_crop(lm: LoadedModel, request: Request) -> bool:
+    """Whether the compiled backend would compile transformers' forward over a static
+    cache, which cannot roll back, for a request that rolls back (speculation)."""
+    return request.crop and _compiled_lean(lm) is None
+
+
 def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     """Why the named backend cannot serve `request` on `lm`, naming only backends that
     can; None when it can."""
@@ -163,7 +169,7 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
         return (f"the {name} backend does not run quantized models{how}; use --backend "
                 f"transformers (or auto)")
     if name == "compiled":
-        if request.crop and _compiled_lean(lm) is None:
+        if _static_cache_must_crop(lm, request):
             return ("the compiled backend over transformers' static cache cannot roll it "
                     "back, which speculative decoding needs; use --backend transformers "
                     "(or auto)")
