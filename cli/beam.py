@@ -87,12 +87,13 @@ def result_json(lm: LoadedModel, prompt: str, prompt_tokens: int, result: BeamRe
 
 def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationSettings,
              *, sink: Sink, tree: bool, tree_steps: int, tree_width: int,
-             with_greedy: bool) -> bool:
-    """Search, run the greedy contrast, show both; True when Ctrl-C cut the search short
-    (its best beams so far are shown, marked "interrupted", and greedy is skipped)."""
+             with_greedy: bool) -> int:
+    """Search, run the greedy contrast, show both; the exit code: INTERRUPTED when Ctrl-C
+    cut the search short (its best beams so far are shown, marked "interrupted", and
+    greedy is skipped), 1 when an output is not valid under its grammar, else 0."""
     import time
 
-    from cli import output, render, render_beam
+    from cli import output, render
     from genlib.backends.choose import choose_backend
     from genlib.beam import backend_request, search
     from genlib.generate import generate
@@ -115,8 +116,25 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         sink.json_line(output.line(doc, doc["greedy"], role="greedy"))
     sink.json_document(doc)
     sink.texts([h.text for h in result.hypotheses])
-    if sink.machine:
-        return interrupted
+    if not sink.machine:
+        show_results(result, greedy, prompt, settings, interrupted,
+                     tree=tree, live=live, tree_steps=tree_steps, tree_width=tree_width)
+        render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
+                    f"backend {backend.name}")
+    if interrupted:
+        return INTERRUPTED
+    invalid = render.warn_incomplete([h.finish_reason for h in result.hypotheses],
+                                     settings.max_new_tokens)
+    return 1 if invalid else 0
+
+
+def show_results(result: BeamResult, greedy: Finish | None, prompt: str,
+                 settings: GenerationSettings, interrupted: bool, *, tree: bool, live: bool,
+                 tree_steps: int, tree_width: int) -> None:
+    """The terminal view: the tree (unless drawn live), the n-best table, and a warning
+    for forced phrases the search could not place."""
+    from cli import render, render_beam
+
     if tree and live:
         render_beam.tree_notes(result.tree or [], tree_steps, tree_width)
     elif tree:
@@ -129,12 +147,6 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
                     f"{' under --no-repeat-ngram-size' if ngram else ''}; raise "
                     f"--max-new-tokens or --num-beams"
                     f"{', or lower --no-repeat-ngram-size' if ngram else ''}")
-    if not interrupted:
-        render.warn_incomplete([h.finish_reason for h in result.hypotheses],
-                               settings.max_new_tokens)
-    render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
-                f"backend {backend.name}")
-    return interrupted
 
 
 def finish(run: Generator[Any, None, list[BeamResult]]) -> list[BeamResult]:
@@ -259,8 +271,10 @@ def beam(
               loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     with opened(target) as target:
-        interrupted = run_beam(lm, ids, text, settings, sink=target, tree=tree,
-                               tree_steps=tree_steps, tree_width=tree_width,
-                               with_greedy=not no_greedy)
-    if interrupted:
+        code = run_beam(lm, ids, text, settings, sink=target, tree=tree,
+                        tree_steps=tree_steps, tree_width=tree_width,
+                        with_greedy=not no_greedy)
+    if code == INTERRUPTED:
         raise fail("interrupted: the results above are those so far", INTERRUPTED)
+    if code:
+        raise typer.Exit(code)

@@ -361,5 +361,6 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
         render_report(summary, drafter, plain[1] if plain else None,
                       identical_line(finish, plain[0]) if plain else None,
                       settings.do_sample)
-    render.warn_incomplete([finish.reason], settings.max_new_tokens)
-    return INTERRUPTED if interrupted else 0
+    if interrupted:
+        return INTERRUPTED
+    return 1 if render.warn_incomplete([finish.reason], settings.max_new_tokens) else 0

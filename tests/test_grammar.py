@@ -221,6 +221,13 @@ def test_cli_json_schema_from_stdin_file_and_errors(tmp_path):
     short = runner.invoke(app, ["generate", PROMPT, "--json-schema", str(path), "-n", "3"])
     assert short.exit_code == 1
     assert "NOT valid" in short.stderr and "raise --max-new-tokens" in short.stderr
+    # beam and speculate print the same warning and exit 1 too, with or without --json
+    for command in (["beam", "-k", "2"], ["speculate", "--prompt-lookup", "2"]):
+        for machine in ([], ["--json"]):
+            cut = runner.invoke(app, [*command, PROMPT, "--json-schema", str(path), "-n", "3",
+                                      *machine])
+            assert cut.exit_code == 1, (command, machine, cut.output)
+            assert "NOT valid" in cut.stderr, (command, machine)
     missing = runner.invoke(app, ["generate", "x", "--grammar", str(tmp_path / "none.gbnf")])
     assert missing.exit_code == 2 and "--grammar: cannot read" in missing.stderr
     bad = runner.invoke(app, ["generate", "x", "--regex", "[a-"])
