@@ -37,8 +37,11 @@ ENDPOINTS = (COMPLETIONS, CHAT)
 
 # Request fields that do not change the output: which model is genlab's -m, not the file's.
 IGNORED = ("model", "user", "metadata", "store")
-# genlab's finish reasons as OpenAI's: "stop" (an end token or a stop string) or "length".
-FINISH = {"eos": "stop", "stop": "stop", "length": "length", "time": "length"}
+# genlab's finish reasons as OpenAI's: "stop" (the output ended: an end token, a stop
+# string, or genlab.grammar's schema_invalid, an end its JSON schema then failed) or
+# "length" (a budget ended it: tokens, time, or genlab.grammar's grammar_incomplete).
+FINISH = {"eos": "stop", "stop": "stop", "schema_invalid": "stop", "length": "length",
+          "time": "length", "grammar_incomplete": "length"}
 
 
 def detect(lines: Iterable[str]) -> str:
@@ -129,24 +132,67 @@ def _alternatives(name: str, value: Any, where: str) -> int:
 
 
 def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The body's fields as genlab settings. A field set to null is not set (OpenAI's
+    null is the field's default); two fields that set one genlab setting
+    (`max_tokens` and `max_completion_tokens`, ...) fail the line, not one of them."""
     out: dict[str, Any] = {}
+    field_of: dict[str, str] = {}  # genlab setting -> the field that set it
+
+    def put(field: str, name: str, value: Any) -> None:
+        if name in field_of:
+            raise ConfigError(f"{where}: {field_of[name]} and {field} both set genlab's "
+                              f"{name}; give one of them")
+        field_of[name] = field
+        out[name] = value
+
     for key, value in body.items():
-        if key in IGNORED or key in ("logprobs", "top_logprobs"):  # see _logprobs_of
-            continue
+        if key in IGNORED or key in ("logprobs", "top_logprobs") or value is None:
+            continue  # logprobs: see _logprobs_of
         if key == "stream":
             if value:
                 raise ConfigError(f"{where}: stream must be false in a batch request")
             continue
+        if key == "n" and value != 1:
+            raise ConfigError(f"{where}: n must be 1 (genlab answers a request with one "
+                              f"choice), got {shown(value)}; repeat the request with other "
+                              f"custom_ids for more")
+        if key == "response_format":
+            schema = _response_schema(value, where)
+            if schema is not None:
+                put(key, "json_schema", schema)
+            continue
         if key == "temperature":
             # OpenAI samples at any temperature above 0; 0 means the most likely token.
-            if isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0:
-                out["strategy"] = "greedy"
+            # A strategy the body gives (genlab's own field) wins, as over --temperature.
+            zero = isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value == 0
+            out.setdefault("strategy", "greedy" if zero else "sample")
+            if zero:
                 continue
-            out["strategy"] = "sample"
         if key == "stop" and isinstance(value, str):
             value = [value]
-        out[OTHER_NAMES.get(key, key)] = value  # genlab's own checks name anything unknown
+        put(key, OTHER_NAMES.get(key, key), value)  # genlab's checks name anything unknown
     return out
+
+
+def _response_schema(value: Any, where: str) -> dict[str, Any] | None:
+    """response_format as genlab's json_schema: `json_schema`'s own schema,
+    `json_object` (JSON mode) any JSON object, `text` none."""
+    kind = value.get("type") if isinstance(value, dict) else None
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"type": "object"}
+    if kind != "json_schema":
+        raise ConfigError(f"{where}: response_format must be an object whose type is "
+                          f"text, json_object or json_schema, got {shown(value)}")
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise ConfigError(f"{where}: a json_schema response_format needs its schema: "
+                          f'{{"type": "json_schema", "json_schema": {{"name": ..., '
+                          f'"schema": {{...}}}}}}')
+    return schema
 
 
 def result_line(record: Mapping[str, Any], endpoint: str, model: str) -> dict[str, Any]:
@@ -205,22 +251,33 @@ def completion_logprobs(logprobs: Mapping[str, Any]) -> dict[str, Any]:
 
 def record_of(line: Mapping[str, Any]) -> dict[str, Any]:
     """An OpenAI batch result line (genlab's, vLLM's or OpenAI's) read back as genlab's
-    record; {} for a line that is not one (the caller refuses it)."""
-    if "custom_id" not in line or "response" not in line:
+    record; {} for a line that is not one (the caller refuses it). A failed request is
+    one with an `error`, or a response without a body or with its own `body.error`
+    (OpenAI's error file)."""
+    response, extra = line.get("response"), line.get("genlab", {})
+    if "custom_id" not in line or "response" not in line or \
+            not isinstance(response or {}, dict) or not isinstance(extra, dict):
         return {}
-    record: dict[str, Any] = {"id": line["custom_id"], **line.get("genlab", {})}
-    if line.get("error") is not None or not (line["response"] or {}).get("body"):
-        error = line.get("error")
+    record: dict[str, Any] = {"id": line["custom_id"], **extra}
+    body = (response or {}).get("body")
+    error = line.get("error")
+    if error is None and isinstance(body, dict):
+        error = body.get("error")
+    if error is not None or not body:
         message = error.get("message") if isinstance(error, dict) else error
         record["error"] = str(message or "the request failed")
         return record
-    choices = line["response"]["body"].get("choices") or [{}]
-    text = (choices[0].get("message") or {}).get("content", choices[0].get("text"))
+    choices = body.get("choices") if isinstance(body, dict) else None
+    choice = choices[0] if isinstance(choices, list) and choices else None
+    if not isinstance(choice, dict):
+        return {}
+    message = choice.get("message")
+    text = message.get("content") if isinstance(message, dict) else choice.get("text")
     if not isinstance(text, str):
         return {}
     record["text"] = text
-    logprobs = choices[0].get("logprobs")
-    if "genlab" in line and "message" in choices[0] and isinstance(logprobs, dict):
+    logprobs = choice.get("logprobs")
+    if "genlab" in line and "message" in choice and isinstance(logprobs, dict):
         record["logprobs"] = logprobs  # a chat answer's, which `genlab` does not repeat
     return record
 

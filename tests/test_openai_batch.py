@@ -63,7 +63,8 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     assert errors["a"].startswith("line 1: url '/v1/embeddings' is not supported")
     assert errors["b"] == 'line 2: a /v1/chat/completions request needs "messages" in its body'
     assert errors["c"].startswith("line 3: unknown setting 'best_of'")
-    assert errors["d"].startswith("line 4: num_return_sequences must be 1 in batch mode")
+    assert errors["d"] == ("line 4: n must be 1 (genlab answers a request with one "
+                           "choice), got 2; repeat the request with other custom_ids for more")
     assert errors["e"] == "line 5: stream must be false in a batch request"
     assert errors["f"].startswith('line 6: not an OpenAI batch request (no "body")')
     assert errors["g"].startswith("line 7: unknown request field 'extra'")
@@ -79,6 +80,65 @@ def test_openai_sampling_fields_genlab_has_reach_its_settings():
     assert isinstance(job, gb.Job), job
     s = job.settings
     assert (s.presence_penalty, s.frequency_penalty, s.temperature) == (0.5, 0.25, 0.7)
+
+
+def test_null_fields_are_not_set_as_in_openai_s_api():
+    """`"stop": null` failed the line naming genlab's stop_strings; null is the field's
+    default in OpenAI's API (what serialized request objects write)."""
+    [job] = gb.parse_lines([request("a", prompt="x", max_tokens=None, stop=None, seed=None,
+                                    n=None, temperature=None, top_p=None, logit_bias=None)],
+                           RUN, ob.to_genlab_line)
+    assert isinstance(job, gb.Job), job
+    plain = gb.parse_lines([request("a", prompt="x")], RUN, ob.to_genlab_line)[0]
+    assert job.settings == plain.settings and job.fingerprint == plain.fingerprint
+
+
+def test_two_fields_for_one_setting_fail_the_line():
+    """max_tokens with max_completion_tokens (or genlab's max_new_tokens) kept whichever
+    came last, silently."""
+    items = gb.parse_lines([
+        request("a", prompt="x", max_tokens=8, max_completion_tokens=9),
+        request("b", prompt="x", max_new_tokens=9, max_tokens=8),
+        request("c", prompt="x", response_format={"type": "json_object"},
+                json_schema={"type": "object"}),
+    ], RUN, ob.to_genlab_line)
+    assert [i.message for i in items] == [
+        "line 1: max_tokens and max_completion_tokens both set genlab's max_new_tokens; "
+        "give one of them",
+        "line 2: max_new_tokens and max_tokens both set genlab's max_new_tokens; "
+        "give one of them",
+        "line 3: response_format and json_schema both set genlab's json_schema; "
+        "give one of them"]
+
+
+def test_a_strategy_in_the_body_wins_over_temperature_whatever_the_order():
+    items = gb.parse_lines([request("a", prompt="x", temperature=0.5, strategy="greedy"),
+                            request("b", prompt="x", strategy="greedy", temperature=0.5)],
+                           RUN, ob.to_genlab_line)
+    assert [i.settings.strategy for i in items] == ["greedy", "greedy"]
+
+
+def test_response_format_is_genlab_s_json_schema():
+    """response_format failed its line as an unknown setting ("did you mean
+    'presence_penalty'?") though genlab constrains output to a JSON schema."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    items = gb.parse_lines([
+        request("s", prompt="x", response_format={
+            "type": "json_schema", "json_schema": {"name": "s", "schema": schema}}),
+        request("o", prompt="x", response_format={"type": "json_object"}),
+        request("t", prompt="x", response_format={"type": "text"}),
+        request("n", prompt="x", response_format={"type": "json_schema",
+                                                  "json_schema": {"name": "s"}}),
+        request("b", prompt="x", response_format={"type": "yaml"}),
+    ], RUN, ob.to_genlab_line)
+    s, o, t, n, b = items
+    assert json.loads(s.settings.json_schema) == schema
+    assert json.loads(o.settings.json_schema) == {"type": "object"}
+    assert t.settings.json_schema is None
+    assert n.message == ('line 4: a json_schema response_format needs its schema: {"type": '
+                         '"json_schema", "json_schema": {"name": ..., "schema": {...}}}')
+    assert b.message == ("line 5: response_format must be an object whose type is text, "
+                         "json_object or json_schema, got {'type': 'yaml'}")
 
 
 def test_format_detection():
@@ -128,6 +188,46 @@ def test_result_lines_round_trip_and_vllm_lines_read_back():
                              "finish_reason": "stop"}]}}}
     assert ob.record_of(vllm) == {"id": "r1", "text": "ok"}
     assert ob.record_of({"id": "a", "text": "genlab's"}) == {}
+
+
+def test_grammar_finish_reasons_are_openai_s():
+    """grammar_incomplete and schema_invalid were written as OpenAI's finish_reason,
+    which is stop or length; genlab's own stays under `genlab`."""
+    for reason, openai in (("grammar_incomplete", "length"), ("schema_invalid", "stop")):
+        record = {"id": "a", "text": "{", "finish_reason": reason, "prompt_tokens": 2,
+                  "new_tokens": 1}
+        line = ob.result_line(record, ob.COMPLETIONS, "m")
+        assert line["response"]["body"]["choices"][0]["finish_reason"] == openai
+        assert line["genlab"]["finish_reason"] == reason
+
+
+def test_openai_s_error_lines_read_back_as_errors():
+    """OpenAI's error file answers a failed request in `body.error`, with `error` null."""
+    line = {"id": "batch_req_1", "custom_id": "r1", "error": None,
+            "response": {"status_code": 400, "request_id": "req_1",
+                         "body": {"error": {"message": "bad model", "type": "x"}}}}
+    assert ob.record_of(line) == {"id": "r1", "error": "bad model"}
+
+
+def test_a_malformed_openai_results_file_is_refused_not_a_crash(tmp_path: Path):
+    """An -o file of OpenAI-looking lines of the wrong shapes stopped the run with
+    `unexpected AttributeError`/`TypeError` (exit 1)."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text(request("a", prompt="Once", max_tokens=4) + "\n")
+    ok = {"status_code": 200, "body": {"choices": [{"text": "x"}]}}
+    for bad in ({"custom_id": "a", "response": 5},
+                {"custom_id": "a", "response": {"body": {"choices": [5]}}},
+                {"custom_id": "a", "response": {"body": {"choices": 7}}},
+                {"custom_id": "a", "response": ok, "genlab": 3}):
+        out.write_text(json.dumps(bad) + "\n")
+        result = runner.invoke(app, ["generate", *MODEL, "--input", str(src), "--output",
+                                     str(out)])
+        assert result.exit_code == 2, (bad, result.output)
+        assert result.stderr.strip() == (
+            f"error: {out} line 1 is not an OpenAI batch result (one has custom_id and "
+            f"response): genlab appends only to its own results files; pick another "
+            f"--output (-o) file"), bad
+        assert json.loads(out.read_text()) == bad
 
 
 def test_cli_openai_file_gives_the_genlab_texts_and_resumes(tmp_path: Path):
