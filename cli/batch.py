@@ -146,11 +146,13 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise fail(f"--batch-size must be >= 1, got {batch_size}")
     if system and not chat:
         raise fail("--system needs --chat")
+    batch_size = _rows_per_forward(batch_size, model_flags.backend)
     out_path = None if output == "-" else Path(output)
     if out_path is not None and gb.same_file(input_path, out_path):
         raise fail("--output is the --input file; give another file for the results")
     preset = load_preset(preset_ref) if preset_ref else None
-    resolve_settings(flags, preset.settings if preset else None)  # bad flags: fail once
+    # bad flags: fail once, not on every line
+    gb.check_run_settings(resolve_settings(flags, preset.settings if preset else None))
     model_ref = resolve_model_ref(model_flags.model, preset.model if preset else None)
     run_defaults = gb.RunDefaults(
         preset_settings=preset.settings if preset else {},
@@ -193,6 +195,19 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise typer.Exit(INTERRUPTED)
     if tally.failed or tally.failed_before:
         raise typer.Exit(1)
+
+
+def _rows_per_forward(batch_size: int, backend: str) -> int:
+    """--batch-size, or 1 (said once) on a backend that runs one row per forward."""
+    from cli import render
+    from genlib.backends.choose import ONE_ROW, check_name
+
+    if batch_size > 1 and check_name(backend) in ONE_ROW:
+        render.info(f"--backend {backend} runs one row per forward, so the lines run one by "
+                    f"one (--batch-size {batch_size} is not used; --backend auto batches "
+                    f"them)")
+        return 1
+    return batch_size
 
 
 def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: Tally

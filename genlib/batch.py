@@ -310,6 +310,16 @@ def _prompt_of(data: Mapping[str, Any], where: str
     return None, [{"role": m["role"], "content": m["content"]} for m in messages]
 
 
+def check_run_settings(settings: GenerationSettings) -> None:
+    """Refuse once, before any line, the run's own settings (its flags over its
+    --preset) that would fail every line: each line gets one result."""
+    if settings.num_return_sequences != 1:
+        raise ConfigError(f"num_return_sequences is {settings.num_return_sequences} "
+                          f"(--num-return-sequences or --preset), but each --input line "
+                          f"gets one result; drop it, and repeat a line with other ids "
+                          f"for more outputs")
+
+
 def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
                   overrides: Mapping[str, Any], job_id: str | int, where: str
                   ) -> GenerationSettings:

@@ -298,6 +298,38 @@ def test_cli_refuses_bad_mode_flags(args: list[str], message: str):
     assert message in result.stderr and "Traceback" not in result.output
 
 
+def test_cli_refuses_more_outputs_per_line_once_before_any_line(tmp_path: Path):
+    """--num-return-sequences 2 was every line's error record (exit 1), each telling to
+    fix the line; it is the flag that is wrong, refused once (exit 2), nothing written."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(mixed_prompts(3)) + "\n")
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4", "-t", "0.8",
+                    "--num-return-sequences", "2")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().splitlines() == [
+        "error: num_return_sequences is 2 (--num-return-sequences or --preset), but each "
+        "--input line gets one result; drop it, and repeat a line with other ids for "
+        "more outputs"]
+    assert not out.exists()
+
+
+def test_a_one_row_backend_runs_the_lines_one_by_one_and_says_so(tmp_path: Path):
+    """--backend lean with --batch-size 4 ran each batch, failed it on the backend's
+    refusal, and ran its lines again one by one, saying nothing."""
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(mixed_prompts(3)) + "\n")
+    texts = {}
+    for backend, size in (("lean", "4"), ("transformers", "1")):
+        out = tmp_path / f"{backend}.jsonl"
+        result = invoke("--input", str(src), "--output", str(out), "-n", "6",
+                        "--backend", backend, "--batch-size", size)
+        assert result.exit_code == 0, result.output
+        texts[backend] = [json.loads(line)["text"] for line in out.read_text().splitlines()]
+        said = "--backend lean runs one row per forward, so the lines run one by one"
+        assert (said in " ".join(result.stderr.split())) == (backend == "lean")
+    assert texts["lean"] == texts["transformers"]
+
+
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_path: Path):
     src = tmp_path / "in.jsonl"

@@ -50,6 +50,10 @@ class Request:
     backend: str = "auto"
 
 
+# The backends that run one row per forward (no batches, no beam search).
+ONE_ROW = ("lean", "compiled")
+
+
 def lean_allowed() -> bool:
     """False when GENLAB_LEAN=0 keeps generations (and quick loading) off the lean forward."""
     return os.environ.get("GENLAB_LEAN", "1") != "0"
@@ -159,7 +163,7 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     can; None when it can."""
     if name == "transformers":
         return None
-    if name in ("lean", "compiled") and (request.rows > 1 or request.reorder):
+    if name in ONE_ROW and (request.rows > 1 or request.reorder):
         what = "beam search" if request.reorder else f"{request.rows} rows at once"
         native = "native or " if _refusal("native", lm, request) is None else ""
         return (f"the {name} backend runs one row, and this generation needs {what}; use "
