@@ -23,6 +23,8 @@ body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 60em; }}
 .tok.sel {{ outline: 2px solid #333; }}
 .tok.forced {{ text-decoration: underline wavy; }}
 .tok.diverged {{ box-shadow: inset 0 3px 0 #333; }}
+.tok.newline::before {{ content: "\21B5"; color: #555; }}
+.tok.empty::before {{ content: "\00B7"; color: #555; }}
 table {{ border-collapse: collapse; margin-top: 1em; }}
 td, th {{ border: 1px solid #ddd; padding: 2px 8px; text-align: right; }}
 td:first-child, th:first-child {{ text-align: left; }}
@@ -39,7 +41,9 @@ likely). Click a token to see its step.{note}</p>
 <script>
 const STEPS = {steps};  // run -> step number -> step
 const BRANCHED = "branch" in STEPS;
-function pct(p) {{ return p === 0 ? "0" : (p * 100).toFixed(p >= 0.001 ? 1 : 3) + "%"; }}
+function pct(p) {{
+  return p === 0 ? "0" : (p >= 0.001 ? (p * 100).toFixed(1) : (p * 100).toPrecision(2)) + "%";
+}}
 const ENT = {{"&": "&amp;", "<": "&lt;", ">": "&gt;", '"': "&quot;"}};
 function esc(s) {{ return s.replace(/[&<>"]/g, c => ENT[c]); }}
 function cells(s, f) {{ return s.stages.map(x => "<td>" + f(x) + "</td>").join(""); }}
@@ -86,13 +90,33 @@ def colour(p: float) -> str:
 
 
 def token_span(run: str, step: dict[str, Any], diverged: bool) -> str:
-    """One generated token, coloured by its probability, that shows its step when clicked."""
+    """One generated token, coloured by its probability, that shows its step when clicked.
+    A token that is only line breaks, or whose text is still pending (a byte piece of a
+    character the next tokens complete), would have nothing to see or click: it gets a
+    mark drawn by the stylesheet, outside the text."""
     lp = step["chosen"]["processed_logprob"]
     p = 0.0 if lp is None else math.exp(lp)
-    classes = "tok" + (" forced" if step["forced"] else "") + (" diverged" if diverged else "")
+    text = step["token"]
+    classes = " ".join(["tok", *(["forced"] if step["forced"] else []),
+                        *(["diverged"] if diverged else []), *invisible(text)])
     return (f'<span class="{classes}" data-run="{run}" data-step="{step["step"]}" '
-            f'style="background:{colour(p)}" title="p={p:.3f}">'
-            f'{html.escape(step["token"]) or "&#8203;"}</span>')
+            f'style="background:{colour(p)}" title="p={p:.3f}">{html.escape(text)}</span>')
+
+
+def invisible(text: str) -> list[str]:
+    """The class that marks a token with nothing visible: `empty` for no text,
+    `newline` for whitespace with a line break; none otherwise."""
+    if not text:
+        return ["empty"]
+    return ["newline"] if "\n" in text and not text.strip() else []
+
+
+def script_json(data: Any) -> str:
+    """`data` as a literal for the page's script, with no `<`, `>` or `&`: a token's
+    text could otherwise end the script (`</script>`) or, with `<!--` and `<script`,
+    put the parser where the page's own `</script>` no longer ends it."""
+    return (json.dumps(data).replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("&", "\\u0026"))
 
 
 def run_text(run: str, steps: list[dict[str, Any]], prompt: str, shown: range | None,
@@ -147,5 +171,4 @@ def page(record: dict[str, Any], first: int = 0, last: int | None = None) -> str
         note += f" Only {which} (--steps) can be clicked; the other tokens are grey."
     meta = html.escape(f"model {record['model']} · strategy {record['settings']['strategy']}"
                        f" · seed {record['settings'].get('seed')}")
-    steps = json.dumps(data).replace("</", "<\\/")  # no "</script>" inside the script
-    return PAGE.format(meta=meta, note=note, texts="\n".join(texts), steps=steps)
+    return PAGE.format(meta=meta, note=note, texts="\n".join(texts), steps=script_json(data))

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
@@ -21,18 +22,42 @@ def _pct(p: float) -> str:
     return "0" if p == 0 else f"{p * 100:.1f}%" if p >= 0.001 else f"{p * 100:.2g}%"
 
 
-def step_table(step: dict[str, Any]) -> Table:
-    """One step as a table: a row per candidate, a column per stage."""
+def step_tables(step: dict[str, Any], width: int) -> list[Table]:
+    """One step as one table or, where its stages do not fit in `width` columns with
+    every number whole, as several tables of consecutive stages (token and id in each,
+    the step's title over the first, `removed by` and the draw under the last)."""
     names = [s["name"] for s in step["stages"]]
+    tables: list[Table] = []
+    for per_table in range(len(names), 0, -1):
+        groups = [names[i:i + per_table] for i in range(0, len(names), per_table)]
+        tables = [step_table(step, group, first=i == 0, last=i == len(groups) - 1)
+                  for i, group in enumerate(groups)]
+        if all(_natural_width(table) <= width for table in tables):
+            break
+    return tables
+
+
+def _natural_width(table: Table) -> int:
+    return Measurement.get(out, out.options.update_width(10_000), table).maximum
+
+
+def step_table(step: dict[str, Any], names: Sequence[str] | None = None,
+               first: bool = True, last: bool = True) -> Table:
+    """A step as a table: a row per candidate, a column per stage (of `names`, default
+    all); the title if `first`, the `removed by` column and the draw if `last`."""
+    stages = [s for s in step["stages"] if names is None or s["name"] in names]
+    names = [s["name"] for s in stages]
     title = f"step {step['step']}: chose {step['chosen']['token']!r} (id {step['chosen']['id']})"
     if step["forced"]:
         title += " [forced: branch]"
-    table = Table(title=title, title_justify="left", show_edge=False)
+    table = Table(title=title if first else None, title_justify="left", show_edge=False)
     table.add_column("token")
-    table.add_column("id", justify="right")
+    table.add_column("id", justify="right", no_wrap=True)
     for name in names:
-        table.add_column(name, justify="right")
-    table.add_column("removed by")
+        table.add_column(name, justify="right", no_wrap=True)
+    if last:
+        table.add_column("removed by", no_wrap=True)
+    removed_by = [""] if last else []
     chosen_id = step["chosen"]["id"]
     rows = list(step["candidates"])
     if all(c["id"] != chosen_id for c in rows):
@@ -41,16 +66,17 @@ def step_table(step: dict[str, Any]) -> Table:
         style = CHOSEN_STYLE if c["id"] == chosen_id else (
             REMOVED_STYLE if c.get("removed_by") else None)
         probs = [_pct(c["stage_probs"][n]) for n in names]
-        table.add_row(repr(c["token"]), str(c["id"]), *probs, c.get("removed_by") or "",
-                      style=style)
+        table.add_row(repr(c["token"]), str(c["id"]), *probs,
+                      *([c.get("removed_by") or ""] if last else []), style=style)
     table.add_row("mass removed", "", *[_pct(s["removed_mass"]) if s["removed_mass"] else ""
-                                       for s in step["stages"]], "", style="dim")
-    table.add_row("entropy (nats)", "", *[f"{s['entropy']:.2f}" for s in step["stages"]], "",
+                                       for s in stages], *removed_by, style="dim")
+    table.add_row("entropy (nats)", "", *[f"{s['entropy']:.2f}" for s in stages],
+                  *removed_by, style="dim")
+    table.add_row("tokens left", "", *[str(s["kept"]) for s in stages], *removed_by,
                   style="dim")
-    table.add_row("tokens left", "", *[str(s["kept"]) for s in step["stages"]], "",
-                  style="dim")
-    table.caption = draw_caption(step)
-    table.caption_justify = "left"
+    if last:
+        table.caption = draw_caption(step)
+        table.caption_justify = "left"
     return table
 
 
@@ -67,7 +93,8 @@ def draw_caption(step: dict[str, Any]) -> str:
 def show_steps(steps: Sequence[dict[str, Any]], first: int, last: int | None) -> None:
     for step in steps:
         if step["step"] >= first and (last is None or step["step"] < last):
-            out.print(step_table(step))
+            for table in step_tables(step, out.width):
+                out.print(table)
             out.print()
 
 

@@ -18,6 +18,8 @@ from genlib.events import Finish, Token
 from genlib.models import LoadedModel
 from genlib.stepdetail import Candidate, Detail, StepDetail
 
+GRAMMAR_STAGE = "grammar"  # the chain's stage of --regex, --json-schema and --grammar
+
 
 @dataclass(frozen=True)
 class Run:
@@ -48,7 +50,21 @@ def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSett
             tokens.append(event)
         elif isinstance(event, Finish):
             finish = event
+    check_forced(lm, tokens)
     return Run(tuple(tokens), finish)
+
+
+def check_forced(lm: LoadedModel, tokens: Sequence[Token]) -> None:
+    """ConfigError for a branch token the grammar forbids at its step: the grammar then
+    allows no next token, and the branch would go on outside it."""
+    from genlib.errors import ConfigError
+
+    for t in tokens:
+        if t.detail.forced and t.detail.chosen.removed_by == GRAMMAR_STAGE:
+            raise ConfigError(
+                f"the branch's token {token_text(lm, t.token_id)!r} (id {t.token_id}) is not "
+                f"allowed by the grammar at step {t.index}; force one it allows there (a "
+                f"candidate whose grammar probability is above 0)")
 
 
 def divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
@@ -102,6 +118,12 @@ def _num(x: float) -> float | None:
     return None if math.isinf(x) or math.isnan(x) else round(x, 6)
 
 
+def _prob(p: float) -> float:
+    """A probability to 6 significant digits: rounding to 6 decimals would write a
+    small one that a stage kept (temperature 0.3 makes many) as 0, a removed token's."""
+    return float(f"{p:.6g}")
+
+
 def token_text(lm: LoadedModel, token_id: int) -> str:
     """A token's text as it reads after other text (with its leading space, which
     decoding a token alone drops for sentencepiece vocabularies): decode it after an
@@ -123,7 +145,7 @@ def candidate_dict(lm: LoadedModel, c: Candidate, stage_names: Sequence[str]
                            "logprob": _num(c.logprob),
                            "processed_logprob": _num(c.processed_logprob), "rank": c.rank}
     if c.stage_probs:
-        out["stage_probs"] = {n: round(p, 6) for n, p in zip(stage_names, c.stage_probs)}
+        out["stage_probs"] = {n: _prob(p) for n, p in zip(stage_names, c.stage_probs)}
         out["removed_by"] = c.removed_by
     return out
 
@@ -148,7 +170,7 @@ def step_dict(lm: LoadedModel, t: Token) -> dict[str, Any]:
         "step": t.index, "token": t.text, **{"chosen": candidate_dict(lm, d.chosen, names)},
         "forced": d.forced, "draw": d.draw,
         "interval": [round(x, 6) for x in d.interval] if d.interval else None,
-        "stages": [{"name": s.name, "removed_mass": round(s.removed_mass, 6), "kept": s.kept,
+        "stages": [{"name": s.name, "removed_mass": _prob(s.removed_mass), "kept": s.kept,
                     "entropy": round(s.entropy, 6)} for s in d.stages],
         "candidates": [candidate_dict(lm, c, names) for c in d.top],
     }

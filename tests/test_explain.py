@@ -3,6 +3,7 @@ CLI, and the --html page in a real headless browser."""
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import re
@@ -386,3 +387,107 @@ def test_a_bad_branch_point_is_one_line(branch, message):
     result = runner.invoke(app, ["explain", "Once", *MODEL, "-n", "4", "--branch", branch])
     assert result.exit_code == 2
     assert " ".join(result.stderr.split()) == message
+
+
+def page_with_tokens(record: dict, tokens: dict[int, str], candidates: dict[int, str]) -> str:
+    """The --html page of `record` with the chosen token of some steps and the second
+    candidate of others replaced by the given texts."""
+    from cli.explain_html import page
+
+    changed = copy.deepcopy(record)
+    steps = changed["original"]["steps"]
+    for i, text in tokens.items():
+        steps[i]["token"] = text
+    for i, text in candidates.items():
+        steps[i]["candidates"][1]["token"] = text
+    return page(changed)
+
+
+MARKUP = {1: "<!--", 3: "<script>", 5: "</script><b>&amp;"}
+
+
+def test_html_page_script_holds_no_markup_from_token_texts(record):
+    """A token's text inside the page's data can neither end its script nor, with
+    `<!--` and `<script`, keep the page's own `</script>` from ending it."""
+    page = page_with_tokens(record, {}, MARKUP)
+    assert page.split("<script>", 1)[1].count("</script>") == 1
+    data = re.search(r"const STEPS = (.*?);  //", page).group(1)
+    assert "<" not in data and ">" not in data and "&" not in data
+    steps = json.loads(data)["original"]
+    assert {i: steps[str(i)]["candidates"][1]["token"] for i in MARKUP} == MARKUP
+
+
+def test_html_page_marks_line_breaks_and_pending_bytes(record, tmp_path):
+    """A token that is only a line break, or has no text yet (a byte piece), is drawn
+    with a mark, so it can be seen and clicked; other tokens are not marked."""
+    page = page_with_tokens(record, {2: "\n", 4: "", 6: "\n    "}, {})
+    spans = Spans()
+    spans.feed(page)
+    marks = {t[1]: t[2] & {"newline", "empty"} for t in spans.tokens if t[0] == "original"}
+    assert marks == {i: {2: {"newline"}, 4: {"empty"}, 6: {"newline"}}.get(i, set())
+                     for i in range(len(record["original"]["steps"]))}
+    assert re.search(r"\.tok\.newline::before \{ content: \"\\21B5\"", page)
+    assert re.search(r"\.tok\.empty::before \{ content: \"\\00B7\"", page)
+
+
+@pytest.mark.skipif(browser() is None, reason="no headless Chromium installed "
+                    "(apt-get install chromium)")
+def test_html_page_with_markup_in_token_texts_runs_in_a_browser(record, tmp_path):
+    """The page whose data holds `<!--`, `<script>` and `</script>` still runs its
+    script: opening it at #step-2 shows step 2."""
+    html_file = tmp_path / "explain.html"
+    html_file.write_text(page_with_tokens(record, {}, MARKUP))
+    dom = subprocess.run([browser(), "--headless", "--no-sandbox", "--disable-gpu",
+                          "--virtual-time-budget=2000", "--dump-dom",
+                          html_file.as_uri() + "#step-2"],
+                         capture_output=True, text=True, timeout=120).stdout
+    assert "<h2>original, step 2:" in dom
+
+
+def test_a_small_probability_a_stage_kept_is_not_written_as_zero(stories):
+    """At temperature 0.3 the raw model's 3rd to 6th tokens keep probabilities far below
+    1e-6: the record and the view give them, not the 0 of a removed token."""
+    args = ["explain", "Once upon a time", *MODEL, "-t", "0.3", "--seed", "1", "-n", "1",
+            "--top", "6"]
+    step = run_json(*args)["original"]["steps"][0]
+    kept = [c for c in step["candidates"] if c["removed_by"] is None]
+    assert len(kept) == 6 and min(c["stage_probs"]["temperature"] for c in kept) < 1e-6
+    assert all(p > 0 for c in kept for p in c["stage_probs"].values())
+    view = runner.invoke(app, args, env={"COLUMNS": "120"}).stdout
+    rows = [line.split("│") for line in view.splitlines() if line.startswith(" '")]
+    assert len(rows) == 6 and all(cell.strip() != "0" for row in rows for cell in row)
+
+
+def test_a_branch_token_the_grammar_forbids_is_refused(tmp_path):
+    """Forcing a token the grammar does not allow would leave it no next token (the
+    record's probabilities NaN, the branch ended by a token drawn from nothing): one
+    line saying so, exit 2, no output; a token it allows branches as usual."""
+    pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlib[grammar]'")
+    args = ["explain", "x = ", "--regex", "[0-9]{2}", "-t", "1.5", "--seed", "1", "-n", "4"]
+    page = tmp_path / "explain.html"
+    result = runner.invoke(app, [*args, "--branch", "0:a", "--json", "--html", str(page)])
+    assert result.exit_code == 2 and result.stdout == "" and not page.exists()
+    assert " ".join(result.stderr.split()) == (
+        "error: the branch's token 'a' (id 65) is not allowed by the grammar at step 0; "
+        "force one it allows there (a candidate whose grammar probability is above 0)")
+    branch = run_json(*args, "--branch", "0:#23")["branch"]  # "7"
+    assert re.fullmatch("7[0-9]", branch["text"]) and branch["finish_reason"] == "eos"
+
+
+def test_the_step_view_keeps_every_number_whole_at_80_columns(stories):
+    """A chain of eight stages is wider than 80 columns: the step is shown as several
+    tables of consecutive stages, no line wider than the terminal, no number cut."""
+    from cli.render_explain import _pct
+
+    args = ["explain", "Once upon a time", *MODEL, "-t", "0.8", "--top-k", "20",
+            "--top-p", "0.9", "--min-p", "0.05", "--repetition-penalty", "1.3",
+            "--typical-p", "0.9", "--min-new-tokens", "3", "--seed", "1", "-n", "3"]
+    step = run_json(*args)["original"]["steps"][2]
+    assert len(step["stages"]) == 8
+    view = runner.invoke(app, [*args, "--steps", "2"], env={"COLUMNS": "80"}).stdout
+    table = [line for line in view.splitlines() if not line.startswith("draw u =")]
+    assert max(len(line) for line in table) <= 80 and "…" not in view
+    cells = {cell.strip() for line in view.splitlines() for cell in re.split("[│┃]", line)}
+    assert {s["name"] for s in step["stages"]} <= cells
+    assert {_pct(p) for c in step["candidates"] for p in c["stage_probs"].values()} <= cells
+    assert view.count("step 2: chose") == 1 and view.count("draw u =") == 1
