@@ -44,15 +44,16 @@ def refuse_table_file(target: Sink, command: str) -> None:
 # --- list -------------------------------------------------------------------------------
 
 def list_row(name: str, preset: Preset | PresetError) -> dict[str, Any]:
-    """One preset of `presets list --json`; one that cannot be loaded has its `error`."""
-    from genlib.config import resolve_settings
+    """One preset of `presets list --json`, under `name`, what --preset takes (a file's
+    `name:` may differ); one that cannot be loaded has its `error`."""
     from genlib.errors import PresetError
+    from genlib.presets import resolve_alone
 
     if isinstance(preset, PresetError):
         return {"name": name, "description": None, "strategy": None, "model": None,
                 "source": None, "path": None, "error": str(preset)}
-    return {"name": preset.name, "description": preset.description,
-            "strategy": resolve_settings(None, preset.settings).strategy,
+    return {"name": name, "description": preset.description,
+            "strategy": resolve_alone(preset).strategy,
             "model": preset.model, "source": source_of(preset.path),
             "path": str(preset.path), "error": None}
 
@@ -69,9 +70,8 @@ def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
     from rich.table import Table
 
     from cli.render import out
-    from genlib.config import resolve_settings
     from genlib.errors import PresetError
-    from genlib.presets import user_dir
+    from genlib.presets import resolve_alone, user_dir
 
     table = Table(title=None, show_edge=False)
     for column in ("name", "strategy", "description", "source"):
@@ -80,9 +80,9 @@ def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
         if isinstance(preset, PresetError):
             table.add_row(name, "[red]error[/]", escape(str(preset)), "")
             continue
-        strategy = resolve_settings(None, preset.settings).strategy
+        strategy = resolve_alone(preset).strategy
         source = "built-in" if source_of(preset.path) == "built-in" else str(preset.path)
-        table.add_row(preset.name, strategy, preset.description, source)
+        table.add_row(name, strategy, preset.description, source)
     out.print(table)
     out.print(f"[dim]your presets folder: {user_dir()}[/]")
 
@@ -108,26 +108,26 @@ def list_(as_json: Json = False, output_file: JsonOutputFile = None) -> None:
 def show_document(preset: Preset) -> dict[str, Any]:
     """`presets show --json`: the preset, its resolved settings, and which file along
     its `extends` chain set each setting it holds (the others are genlab's defaults)."""
-    from genlib.config import resolve_settings
+    from genlib.presets import resolve_alone
     from genlib.provenance import preset_files
 
     described = {"name": preset.name, "description": preset.description,
                  "source": source_of(preset.path), "path": str(preset.path)}
     return output.document(
         "presets show", preset.model, preset=described,
-        settings=resolve_settings(None, preset.settings).to_dict(),
+        settings=resolve_alone(preset).to_dict(),
         set_by={key: str(path) for key, path in preset_files(preset).items()})
 
 
 def show_yaml(preset: Preset) -> str:
     import yaml
 
-    from genlib.config import resolve_settings
+    from genlib.presets import resolve_alone
 
     resolved = {"name": preset.name, "description": preset.description}
     if preset.model:
         resolved["model"] = preset.model
-    resolved.update(resolve_settings(None, preset.settings).to_dict())
+    resolved.update(resolve_alone(preset).to_dict())
     return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
 
 
@@ -136,10 +136,11 @@ def show_yaml(preset: Preset) -> str:
 def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yaml file.")],
          as_json: Json = False, output_file: ShowOutputFile = None) -> None:
     """The fully resolved settings of a preset (defaults filled in), as YAML."""
-    from genlib.presets import load_preset
+    from genlib.presets import load_preset, resolve_alone
 
     target = sink(as_json, False, output_file)
     preset = load_preset(name)
+    resolve_alone(preset)  # settings that do not combine: refused before -o is opened
     with opened(target):
         if target.machine:
             target.json_document(show_document(preset))

@@ -18,7 +18,7 @@ import importlib.util
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
@@ -26,10 +26,14 @@ from genlib.config import (
     PRESET_META_KEYS,
     ConfigError,
     SettingsLoader,
+    resolve_settings,
     shown,
     validate_settings,
 )
 from genlib.errors import PresetError
+
+if TYPE_CHECKING:
+    from genlib.config import GenerationSettings
 
 SUFFIXES = (".yaml", ".yml")
 MAX_PRESET_BYTES = 1 << 20  # a preset is a screenful of settings; 1 MiB is generous
@@ -39,13 +43,15 @@ NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123
 
 @dataclass(frozen=True)
 class Preset:
-    """A loaded preset with `extends` applied: `settings` holds only generation settings."""
+    """A loaded preset with `extends` applied: `settings` holds only generation settings,
+    `set_by` the file along the `extends` chain that set each of them."""
 
     name: str
     path: Path
     description: str = ""
     model: str | None = None
     settings: dict[str, Any] = field(default_factory=dict)
+    set_by: dict[str, Path] = field(default_factory=dict)
 
 
 def builtin_dir() -> Path:
@@ -101,8 +107,9 @@ def find_preset(ref: str, relative_to: Path | None = None, skip: tuple[Path, ...
         if path.is_dir():
             raise PresetError(f"preset {ref} is a folder; give a preset file (.yaml) or "
                               f"a preset name")
-        if not path.is_file():
-            raise PresetError(f"preset file {ref} does not exist")
+        if not path.is_file():  # an extends path: where it was looked for
+            raise PresetError(f"preset file {ref if relative_to is None else path} does "
+                              f"not exist")
         return path
     found = _find_named(ref, skip)
     if found is None:
@@ -215,19 +222,45 @@ def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None
             raise PresetError(f"{path}: {key} must be a string, got {shown(own[key])}",
                               quotes_file=True)
     settings: dict[str, Any] = {}
+    set_by: dict[str, Path] = {}
     model = description = None
     if own.get("extends"):
-        parent = load_preset(own["extends"], (*_seen, path), relative_to=path.parent)
+        parent = _load_parent(own["extends"], (*_seen, path))
         settings.update(parent.settings)
+        set_by.update(parent.set_by)
         model, description = parent.model, parent.description
     settings.update({k: v for k, v in own.items() if k not in PRESET_META_KEYS})
+    set_by.update({k: path for k in own if k not in PRESET_META_KEYS})
     return Preset(
         name=own.get("name") or path.stem,
         path=path,
         description=own.get("description") or description or "",
         model=own.get("model") or model,
         settings=settings,
+        set_by=set_by,
     )
+
+
+def _load_parent(ref: str, chain: tuple[Path, ...]) -> Preset:
+    """The preset `chain[-1]` extends; one that cannot be found is a PresetError naming
+    the file whose `extends` names it (a relative path is read from that file's folder)."""
+    child = chain[-1]
+    try:
+        find_preset(ref, child.parent)
+    except PresetError as exc:
+        raise PresetError(f"{child}: extends {shown(ref)}, which cannot be found: {exc}",
+                          quotes_file=True) from None
+    return load_preset(ref, chain, relative_to=child.parent)
+
+
+def resolve_alone(preset: Preset) -> GenerationSettings:
+    """The preset's settings on their own, genlab's defaults filled in (what `presets
+    show` prints); PresetError naming its file when they do not combine (a preset that
+    sets `num_return_sequences: 3` alone, meant to go with a sampling flag)."""
+    try:
+        return resolve_settings(None, preset.settings)
+    except ConfigError as exc:
+        raise PresetError(f"{preset.path}: {exc}", quotes_file=True) from None
 
 
 def load_named_preset(name: str) -> Preset:
@@ -247,12 +280,15 @@ def load_named_preset(name: str) -> Preset:
 
 def list_presets() -> list[tuple[str, Preset | PresetError]]:
     """(name, preset) for every preset visible by name (user presets shadow built-ins of
-    the same name); one that cannot be loaded comes with its error instead, so one bad
-    file hides nothing."""
+    the same name), the name being what `--preset` takes; one that cannot be loaded, or
+    whose settings do not combine on their own (`resolve_alone`), comes with its error
+    instead, so one bad file hides nothing."""
     out: list[tuple[str, Preset | PresetError]] = []
     for name in available_names():
         try:
-            out.append((name, load_preset(name)))
+            preset = load_preset(name)
+            resolve_alone(preset)
+            out.append((name, preset))
         except PresetError as exc:
             out.append((name, exc))
     return out

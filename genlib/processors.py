@@ -357,7 +357,8 @@ def _coin(seed: int, context: list[int]) -> float:
 
 
 class MirostatState:
-    """Mirostat's per-row target surprise mu (starts at 2 * tau, as in llama.cpp)."""
+    """Mirostat's per-row target surprise mu, float32 as llama.cpp's `float mu` (starts
+    at 2 * tau, as there; past float32's range, as there, at inf: nothing is cut)."""
 
     def __init__(self, tau: float, eta: float) -> None:
         self.tau = tau
@@ -366,7 +367,8 @@ class MirostatState:
 
     def current(self, rows: int, device: torch.device) -> torch.Tensor:
         if self.mu is None:
-            return torch.full((rows,), 2.0 * self.tau, device=device)
+            # torch.full raises where 2 * tau overflows float32; torch.tensor rounds to inf.
+            return torch.tensor([2.0 * self.tau] * rows, device=device)
         return self.mu.to(device)
 
     def observe(self, logits: torch.Tensor, tokens: torch.Tensor) -> None:

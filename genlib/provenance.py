@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from genlib.config import PRESET_META_KEYS, SPECS, GenerationSettings
+from genlib.config import SPECS, GenerationSettings
 from genlib.presets import Preset
 
 CLI = "command line"
@@ -43,24 +41,8 @@ class Source:
 
 def preset_files(preset: Preset) -> dict[str, Path]:
     """Which file along a preset's `extends` chain set each of its settings (the
-    child's own keys win, as in `load_preset`)."""
-    from genlib.presets import find_preset
-
-    chain: list[tuple[Path, dict[str, Any]]] = []
-    path: Path | None = preset.path
-    seen: set[Path] = set()
-    while path is not None and path not in seen:
-        seen.add(path)
-        data = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
-        chain.append((path, data))
-        parent = data.get("extends")
-        path = find_preset(parent, path.parent).resolve() if parent else None
-    files: dict[str, Path] = {}
-    for file, data in reversed(chain):  # parents first, children overwrite
-        for key in data:
-            if key not in PRESET_META_KEYS:
-                files[key] = file
-    return files
+    child's own keys win), as `load_preset` followed the chain."""
+    return dict(preset.set_by)
 
 
 def model_generation_config(model_ref: str, model: Callable[[], Any] | None = None

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-import pytest
+import json
 
+import pytest
+from typer.testing import CliRunner
+
+from cli.main import app
 from genlib.config import resolve_settings
 from genlib.errors import PresetError
-from genlib.presets import available_names, builtin_dir, list_presets, load_preset
+from genlib.presets import (
+    available_names,
+    builtin_dir,
+    list_presets,
+    load_preset,
+    resolve_alone,
+)
 
 BUILTINS = {"greedy", "creative", "precise", "topk", "beam"}
 
@@ -136,3 +146,73 @@ def test_numbers_in_a_preset_are_read_as_yaml_1_2_writes_them(tmp_path):
     preset.write_text("seed: 1:30\n")
     with pytest.raises(PresetError, match="seed must be an integer, got '1:30'"):
         load_preset(str(preset))
+
+
+def test_a_missing_parent_names_the_preset_that_extends_it(user_presets):
+    """The error names the file whose `extends` cannot be found, and a relative path
+    where it was looked for (its folder), not only the parent's name."""
+    (user_presets / "child.yaml").write_text("extends: nosuch\n")
+    with pytest.raises(PresetError) as exc:
+        load_preset("child")
+    assert str(exc.value).startswith(f"{user_presets.resolve() / 'child.yaml'}: extends "
+                                     f"'nosuch', which cannot be found: no preset named")
+    (user_presets / "rel.yaml").write_text("extends: ./base.yaml\n")
+    with pytest.raises(PresetError, match=f"rel.yaml: extends './base.yaml', which cannot be "
+                                          f"found: preset file {user_presets.resolve()}"
+                                          f"/base.yaml does not exist"):
+        load_preset("rel")
+
+
+def test_settings_that_do_not_combine_name_the_preset_and_hide_no_other(user_presets):
+    """Each key is valid alone, the combination is not: `presets show` (resolve_alone)
+    names the file, and `presets list` shows it as that one row's error."""
+    bad = user_presets / "three.yaml"
+    bad.write_text("num_return_sequences: 3\n")
+    with pytest.raises(PresetError) as exc:
+        resolve_alone(load_preset("three"))
+    assert str(exc.value) == (f"{bad.resolve()}: num_return_sequences > 1 gives identical "
+                              f"greedy outputs; use strategy sample or beam")
+    listed = dict(list_presets())
+    assert str(listed["three"]) == str(exc.value)
+    assert listed["creative"].settings["top_p"] == 0.92
+
+
+def test_presets_list_shows_the_name_a_preset_is_found_by(user_presets):
+    """A file's `name:` may differ from its file name; `--preset` finds it by the file
+    name, so the listing shows that (and `presets show NAME` then works)."""
+    (user_presets / "mine.yaml").write_text("name: Something Else\ntop_k: 5\n")
+    runner = CliRunner()
+    listed = runner.invoke(app, ["presets", "list", "--json"])
+    assert listed.exit_code == 0, listed.output
+    names = [row["name"] for row in json.loads(listed.stdout)["presets"]]
+    assert "mine" in names and "Something Else" not in names
+    table = runner.invoke(app, ["presets", "list"], env={"COLUMNS": "200"})
+    assert " mine " in table.stdout and "Something Else" not in table.stdout
+    assert runner.invoke(app, ["presets", "show", "mine"]).exit_code == 0
+
+
+def test_presets_list_and_show_report_a_preset_whose_settings_do_not_combine(user_presets):
+    (user_presets / "order.yaml").write_text("samplers: [top_k]\ntemperature: 0.5\n")
+    runner = CliRunner()
+    listed = runner.invoke(app, ["presets", "list"], env={"COLUMNS": "200"})
+    assert listed.exit_code == 0, listed.output
+    assert "creative" in listed.stdout and "samplers leaves out temperature" in listed.stdout
+    shown = runner.invoke(app, ["presets", "show", "order"])
+    assert shown.exit_code == 2
+    assert shown.stderr.strip() == (
+        f"error: {(user_presets / 'order.yaml').resolve()}: samplers leaves out temperature, "
+        f"which the settings turn on: add them to samplers or turn them off")
+
+
+def test_set_by_follows_extends_to_the_builtin_of_the_same_name(user_presets):
+    """A user `creative.yaml` that extends the built-in `creative`: the built-in's keys
+    are reported as set by the built-in's file (`presets show --json`'s set_by,
+    --show-settings), not as genlab's defaults (top_p 0.92 is no default)."""
+    from genlib.provenance import preset_files
+
+    mine = user_presets / "creative.yaml"
+    mine.write_text("extends: creative\ntemperature: 1.1\n")
+    builtin = builtin_dir().resolve() / "creative.yaml"
+    assert preset_files(load_preset("creative")) == {
+        "strategy": builtin, "top_p": builtin, "max_new_tokens": builtin,
+        "temperature": mine.resolve()}

@@ -222,6 +222,13 @@ def test_mirostat_holds_average_surprise_near_tau():
     assert abs(average - 3.0) < 0.15, average
 
 
+def test_mirostat_takes_a_target_beyond_float32_as_cutting_nothing():
+    """tau = 1e300 is a finite setting: mu = 2 * tau rounds to inf in float32, as
+    llama.cpp's `float mu` does, and nothing is cut (torch.full used to raise)."""
+    fn = processors.mirostat_v2(processors.MirostatState(tau=1e300, eta=0.1))
+    assert kept(fn(None, logits_of([0.9, 0.09, 0.01]))) == [True, True, True]
+
+
 # --- the chain ----------------------------------------------------------------------
 
 def test_default_order_puts_every_stage_in_place():
