@@ -438,7 +438,7 @@ def _candidates(plan: _Plan, search: _Search, acc: torch.Tensor) -> torch.Tensor
     order beams are allocated: best first, or banked round robin with constraints."""
     flat = acc.reshape(-1)
     if search.generator is not None:
-        probs = flat.softmax(-1)
+        probs = sampling.finite(flat.softmax(-1))
         count = min(plan.n_keep, int((probs > 0).sum()))
         index = torch.multinomial(probs, count, generator=search.generator)
         index = index[flat[index].argsort(descending=True, stable=True)]

@@ -8,6 +8,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from genlib.errors import ConfigError
+
 Sampler = Callable[[torch.Tensor, "torch.Generator | None"], torch.Tensor]
 
 
@@ -18,7 +20,7 @@ def greedy(logits: torch.Tensor, generator: torch.Generator | None = None) -> to
 
 def multinomial(logits: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """x ~ softmax(logits), drawn with the given generator."""
-    probs = logits.float().softmax(dim=-1)
+    probs = finite(logits.float().softmax(dim=-1))
     flat = probs.reshape(-1, probs.shape[-1])
     return torch.multinomial(flat, 1, generator=generator).reshape(probs.shape[:-1])
 
@@ -36,7 +38,21 @@ def uniform(generator: torch.Generator | None, shape: tuple[int, ...] = (),
 def pick_by_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: the first token (vocabulary order) whose cumulative probability
     exceeds u * total; tokens of probability 0 have empty spans and are never picked."""
-    return _first_past(logits.float().softmax(dim=-1).cumsum(dim=-1), u)
+    return _first_past(finite(logits.float().softmax(dim=-1)).cumsum(dim=-1), u)
+
+
+def finite(probs: torch.Tensor) -> torch.Tensor:
+    """`probs`, or a ConfigError when a setting pushed the processed logits past float32's
+    range: their softmax is then NaN, which no sampler can draw from."""
+    if not bool(torch.isfinite(probs).all()):
+        raise ConfigError(OVERFLOW)
+    return probs
+
+
+OVERFLOW = ("the settings push the logits past float32's range, so there is no "
+            "distribution to sample: a temperature or repetition_penalty too close to 0 or "
+            "past 3e38, or a logit_bias too large; keep temperature and repetition_penalty "
+            "between 1e-4 and 1e4, and logit_bias within +-1e4")
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
@@ -46,10 +62,10 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     verify draw with it, several times a step. The sums and the draw are float64 (but
     on Apple's MPS, which has none): in float32 a span under ~6e-8 (a token that
     unlikely, near the end of the sum) is lost or widened to the spacing of the
-    numbers, in float64 to ~1e-16. Weights that are negative, NaN, infinite or all zero
-    raise ValueError, as torch.multinomial raises."""
+    numbers, in float64 to ~1e-16. NaN or infinite weights raise `finite`'s
+    ConfigError; negative or all-zero ones ValueError, as torch.multinomial raises."""
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
-    cdf = probs.to(wide).cumsum(dim=-1)
+    cdf = finite(probs).to(wide).cumsum(dim=-1)
     total = float(cdf[-1])
     if not 0.0 < total < math.inf or float(probs.min()) < 0.0:
         raise ValueError(f"cannot draw from these weights (sum {total}): they must be "

@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from genlib import processors
+from genlib import processors, sampling
 from genlib.config import resolve_settings
 from genlib.errors import ConfigError
 
@@ -373,3 +373,39 @@ def test_cli_flags_reach_the_settings_and_the_output(stories_tokenizer):
     assert json.loads(again.stdout)["outputs"][0]["token_ids"] == record["token_ids"]  # seeded
     bad = runner.invoke(app, ["generate", "x", "-m", str(STORIES), "--mirostat", "1"])
     assert bad.exit_code == 2 and "mirostat must be 0 or 2" in bad.stderr
+
+
+# --- settings that overflow float32 ---------------------------------------------------
+
+@pytest.mark.parametrize("flags", [
+    ["-t", "1e-40"],                                 # logits / 1e-40: inf
+    ["-t", "1e39", "--min-new-tokens", "4"],         # 1e39 is inf in float32: -inf / inf
+    ["-t", "0.8", "--repetition-penalty", "1e-40"],  # a repeated token's logit: inf
+    ["-t", "0.8", "--logit-bias", "5=3e38"],         # logit + 3e38: inf
+])
+@pytest.mark.parametrize("command", [["generate"], ["beam", "-k", "2", "--sample"],
+                                     ["speculate", "--prompt-lookup", "2"], ["explain"]])
+def test_settings_past_float32_s_range_are_one_line_not_a_crash(command, flags):
+    """Each ended 'unexpected RuntimeError: probability tensor contains either inf, nan
+    or element < 0', exit 1 (transformers' generate() fails the same way)."""
+    from typer.testing import CliRunner
+    if command[0] == "beam" and "--repetition-penalty" in flags:
+        # beam search penalises logprobs, as transformers does: a negative number times
+        # 1e-40 is near 0, a repeated token's probability near 1, and nothing overflows
+        pytest.skip("no overflow in beam search")
+
+    from cli.main import app
+    from tests.conftest import STORIES
+
+    result = CliRunner().invoke(app, [*command, "Once upon a time", "-m", str(STORIES),
+                                      "--seed", "1", "-n", "6", *flags])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [f"error: {sampling.OVERFLOW}"]
+
+
+def test_draws_refuse_weights_that_are_not_numbers():
+    nan = torch.tensor([0.5, float("nan"), 0.5])
+    for call in (lambda: sampling.draw(nan), lambda: sampling.multinomial(nan.log()),
+                 lambda: sampling.inverse_cdf(nan.log())):
+        with pytest.raises(ConfigError, match="past float32's range"):
+            call()
