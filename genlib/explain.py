@@ -16,9 +16,8 @@ from typing import Any
 from genlib.config import GenerationSettings
 from genlib.events import Finish, Token
 from genlib.models import LoadedModel
+from genlib.processors import GRAMMAR_STAGE
 from genlib.stepdetail import Candidate, Detail, StepDetail
-
-GRAMMAR_STAGE = "grammar"  # the chain's stage of --regex, --json-schema and --grammar
 
 
 @dataclass(frozen=True)
@@ -47,24 +46,24 @@ def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSett
     settings = settings.replace(num_return_sequences=1)
     for event in stream(lm, [list(prompt_ids)], settings, detail=detail):
         if isinstance(event, Token):
+            check_forced(lm, event)  # before the stream computes the step after it
             tokens.append(event)
         elif isinstance(event, Finish):
             finish = event
-    check_forced(lm, tokens)
     return Run(tuple(tokens), finish)
 
 
-def check_forced(lm: LoadedModel, tokens: Sequence[Token]) -> None:
+def check_forced(lm: LoadedModel, t: Token) -> None:
     """ConfigError for a branch token the grammar forbids at its step: the grammar then
     allows no next token, and the branch would go on outside it."""
     from genlib.errors import ConfigError
 
-    for t in tokens:
-        if t.detail.forced and t.detail.chosen.removed_by == GRAMMAR_STAGE:
-            raise ConfigError(
-                f"the branch's token {token_text(lm, t.token_id)!r} (id {t.token_id}) is not "
-                f"allowed by the grammar at step {t.index}; force one it allows there (a "
-                f"candidate whose grammar probability is above 0)")
+    if t.detail is not None and t.detail.forced and \
+            t.detail.chosen.removed_by == GRAMMAR_STAGE:
+        raise ConfigError(
+            f"the branch's token {token_text(lm, t.token_id)!r} (id {t.token_id}) is not "
+            f"allowed by the grammar at step {t.index}; force one it allows there (a "
+            f"candidate whose grammar probability is above 0)")
 
 
 def divergence(a: Sequence[int], b: Sequence[int]) -> int | None:

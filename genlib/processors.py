@@ -41,6 +41,7 @@ if TYPE_CHECKING:
 Processor = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 PAD = -1
 NEG_INF = float("-inf")
+GRAMMAR_STAGE = "grammar"  # the chain's first stage under --regex, --json-schema, --grammar
 
 # Every stage name, in the default order (the `--samplers` vocabulary, genlib.config).
 DEFAULT_ORDER: tuple[str, ...] = DEFAULT_SAMPLERS
@@ -534,7 +535,7 @@ def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
         from genlib import grammar
 
         matchers = grammar.Matchers.start(constraint)
-        chain.append(Stage("grammar", grammar.mask_fn(matchers, prompt_width), matchers))
+        chain.append(Stage(GRAMMAR_STAGE, grammar.mask_fn(matchers, prompt_width), matchers))
     for name in stage_order(settings):
         if name in SAMPLING_STAGES and not settings.do_sample:
             continue
@@ -554,7 +555,7 @@ def check_for_model(settings: GenerationSettings, tokenizer: Any, vocab_size: in
 def grammar_of(chain: Sequence[Processor]) -> Any:
     """The grammar stage's matchers (`genlib.grammar.Matchers`), or None."""
     for stage in chain:
-        if getattr(stage, "name", None) == "grammar":
+        if getattr(stage, "name", None) == GRAMMAR_STAGE:
             return stage.state  # type: ignore[attr-defined]
     return None
 
