@@ -101,23 +101,26 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     doc = run_document(lm, prompt, ids, settings, prefill)
     doc["outputs"] = [result_json(lm, f, prefill, tokens.get(f.row, ())) for f in ordered]
     sink.json_document(doc)
-    sink.texts([f.text for f in ordered])
+    sink.plain("".join(text_block(f.row, f.text) for f in ordered))
     for finish in ordered:
-        if sink.machine:
-            continue
-        if not live:
-            if finish.row:
-                render.stream_text("\n")
-            render.stream_text(finish.text + "\n")
-        if logprobs:
-            render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
-        if show_stats:
+        if not sink.machine:
+            if not live:
+                render.stream_text(text_block(finish.row, finish.text))
+            if logprobs:  # --json and --jsonl hold them
+                render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
+        if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
                          backend_note(prefill))
     if interrupted:
         return INTERRUPTED
     incomplete = render.warn_incomplete([f.reason for f in finished], settings.max_new_tokens)
     return 1 if incomplete else 0
+
+
+def text_block(row: int, text: str) -> str:
+    """An output as plain text, on stdout and in -o FILE alike: its line ended, and a
+    blank line before each output after the first (--num-return-sequences)."""
+    return ("\n" if row else "") + text + "\n"
 
 
 def backend_note(prefill: Prefill | None) -> str:

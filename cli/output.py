@@ -164,8 +164,13 @@ class Sink:
 
     def texts(self, texts: list[str]) -> None:
         """Without JSON, -o FILE gets the plain output texts, one after the other."""
+        self.plain("".join(text + "\n" for text in texts))
+
+    def plain(self, text: str) -> None:
+        """Without JSON, -o FILE gets `text`: the output texts as the command lays them
+        out on stdout."""
         if self.mode == "text" and not self.to_stdout:
-            self.write("\n".join(texts) + "\n")
+            self.write(text)
 
     def close(self) -> None:
         if self._handle is not None:

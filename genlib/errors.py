@@ -42,6 +42,11 @@ class ChatTemplateError(UserInputError):
     """Chat mode was asked for but the tokenizer has no chat template."""
 
 
+class ChatRenderError(UserInputError):
+    """The tokenizer's chat template refused the conversation (a system message it
+    does not take, roles out of order) or cannot be rendered at all."""
+
+
 class CompileError(GenlabError):
     """torch.compile could not compile a step on this machine (its device, dtype and torch
     version): exit code 1, with the backend that runs without compiling."""

@@ -13,7 +13,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from genlib.errors import ChatTemplateError, ContextLengthError, ModelLoadError
+from genlib.errors import (
+    ChatRenderError,
+    ChatTemplateError,
+    ContextLengthError,
+    ModelLoadError,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -93,8 +98,13 @@ class LoadedModel:
         if not getattr(self.tokenizer, "chat_template", None):
             raise ChatTemplateError(f"{self.ref} has no chat template, so --chat cannot be "
                                     f"used; drop --chat to give the prompt as plain text")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
-                                                 tokenize=True, return_dict=False)
+        from jinja2 import TemplateError  # transformers renders chat templates with jinja2
+
+        try:
+            ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
+                                                     tokenize=True, return_dict=False)
+        except TemplateError as exc:
+            raise ChatRenderError(chat_refusal(self.ref, messages, exc)) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -162,6 +172,18 @@ class LoadedModel:
             f"prompt ({prompt_len} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
             f"{whose} {limit} positions; lower max_new_tokens to {limit - prompt_len} or "
             f"{remedy}")
+
+
+def chat_refusal(ref: str, messages: list[dict[str, str]], exc: Exception) -> str:
+    """What a chat template's error (its own `raise_exception` text, or a template that
+    does not render) means for the user, and what to change."""
+    said = getattr(exc, "message", None) or str(exc) or type(exc).__name__
+    reason = " ".join(said.split()).rstrip(".")  # one line, as every error message
+    if any(m.get("role") == "system" for m in messages):
+        remedy = "drop the system message (--system) and put its text in the prompt"
+    else:
+        remedy = "drop --chat to give the prompt as plain text"
+    return f"the chat template of {ref} cannot render this conversation ({reason}); {remedy}"
 
 
 def pick_device(name: str) -> torch.device:

@@ -81,6 +81,24 @@ def test_stats_go_to_stderr():
     assert "tok/s" in result.stderr and "tok/s" not in result.stdout
 
 
+@pytest.mark.parametrize("form", ["--json", "--jsonl"])
+def test_stats_stay_on_stderr_beside_json(form):
+    """--stats with --json or --jsonl: the figures on stderr, as without them, agreeing
+    with the document's (stdout holds JSON only)."""
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "12", "-t", "1", "--seed",
+                    "2", "--num-return-sequences", "2", "--stop", "Lily", "--stats", form)
+    assert result.exit_code == 0, result.output
+    if form == "--json":
+        outputs = json.loads(result.stdout)["outputs"]
+    else:
+        outputs = sorted((json.loads(x) for x in result.stdout.splitlines()),
+                         key=lambda o: o["index"])
+    stats = [x for x in result.stderr.splitlines() if "tok/s" in x]
+    assert [(s.split(" tokens")[0], s.split("finish: ")[1].split(" ")[0]) for s in stats] == \
+        [(str(o["new_tokens"]), o["finish_reason"]) for o in outputs]
+    assert len(stats) == 2
+
+
 def test_stats_start_their_own_line_after_the_streamed_text():
     both = subprocess.run([sys.executable, "-m", "cli", "generate", "Once upon a time", *MODEL,
                            "-n", "5", "--stats"], cwd=ROOT, capture_output=False, text=True,
@@ -422,6 +440,37 @@ def test_chat_applies_template_with_system_message(chat_model):
                     "-n", "5", "--json")
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["prompt_tokens"] == len(ids)
+
+
+STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                   "{{ raise_exception('System role not supported') }}{% endif %}"
+                   "<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>")
+
+
+@pytest.fixture(scope="module")
+def strict_chat_model(tmp_path_factory, stories):
+    """stories260K with a chat template that refuses system messages (as Gemma's does)."""
+    folder = tmp_path_factory.mktemp("strict-chat-model")
+    stories.model.save_pretrained(folder)
+    stories.tokenizer.chat_template = STRICT_TEMPLATE
+    try:
+        stories.tokenizer.save_pretrained(folder)
+    finally:
+        stories.tokenizer.chat_template = None
+    return folder
+
+
+def test_chat_template_refusing_the_system_message_is_one_input_error(strict_chat_model):
+    result = invoke("generate", "Hi", "-m", str(strict_chat_model), "--chat", "--system",
+                    "Be kind.", "-n", "3")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: the chat template of {strict_chat_model} cannot render this conversation "
+        f"(System role not supported); drop the system message (--system) and put its "
+        f"text in the prompt")
+    assert result.stdout == ""
+    plain = invoke("generate", "Hi", "-m", str(strict_chat_model), "--chat", "-n", "3")
+    assert plain.exit_code == 0, plain.output
 
 
 def test_no_model_named_uses_the_builtin_model_offline(monkeypatch):

@@ -28,6 +28,23 @@ def test_pieces_are_valid_and_join_to_whole_decode(folder):
     assert len(output) > len([p for p in pieces if p])  # some characters span tokens
 
 
+@pytest.mark.parametrize("folder", [STORIES, CODE_TARGET], ids=["sentencepiece", "byte-bpe"])
+def test_prompt_ending_in_byte_tokens_keeps_generated_characters(folder):
+    """stories260K spells "日本" as six byte-fallback tokens: a window that started in
+    the middle of them turned the generated "語です", bytes too, into U+FFFD."""
+    if not folder.is_dir():
+        pytest.skip(f"{folder} not present")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    prompt = tok("日本")["input_ids"]
+    whole = tok("日本語です")["input_ids"]
+    assert whole[:len(prompt)] == prompt
+    output = whole[len(prompt):]
+    decoder = IncrementalDecoder(tok, prompt)
+    pieces = [decoder.push(t) for t in output] + [decoder.flush()]
+    assert "".join(pieces) == "語です"
+    assert tok.decode(output, skip_special_tokens=True) == "語です"
+
+
 def test_stop_strings_hold_back_possible_prefix():
     stops = StopStrings(["\n\n", "END"])
     assert stops.feed("abc\n") == "abc"  # "\n" may start "\n\n": held back

@@ -185,6 +185,21 @@ def test_output_file_gets_the_texts_and_stdout_stays_empty(tmp_path, command, ex
     assert run("generate", PROMPT, *M, "-n", "5").stdout == texts[0] + "\n"
 
 
+def test_output_file_lays_several_outputs_out_as_stdout_does(tmp_path):
+    """generate -o FILE holds what stdout would: with --num-return-sequences, each
+    output on its lines and a blank line between them (not run together)."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    sampled = ["generate", PROMPT, *M, "-n", "6", "-t", "1", "--seed", "3",
+               "--num-return-sequences", "3", "--stop", "."]
+    target = tmp_path / "out.txt"
+    shown = run(*sampled).stdout
+    assert run(*sampled, "-o", str(target)).stdout == ""
+    assert target.read_text() == shown
+    texts = [o["text"] for o in json.loads(run(*sampled, "--json").stdout)["outputs"]]
+    assert shown == "\n\n".join(texts) + "\n"
+
+
 @pytest.mark.parametrize("command", ["generate", "beam", "speculate", "compare", "bench"])
 def test_json_and_jsonl_together_are_refused(command):
     result = CliRunner().invoke(app, [command, *([PROMPT] if command != "bench" else []),
