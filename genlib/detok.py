@@ -73,3 +73,31 @@ class IncrementalDecoder:
         after = self._decode(self._ids[self._prefix:])
         self._prefix = self._read = len(self._ids)
         return after[len(before):] if after.startswith(before) else ""
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
+    """A token's bytes, as OpenAI's and vLLM's logprobs give them: its text's UTF-8, or,
+    where the token is part of a character (its text is U+FFFD), the bytes it stands
+    for: a sentencepiece byte-fallback piece `<0xC3>`'s one byte, a byte-level BPE
+    piece's bytes through GPT-2's byte alphabet."""
+    import re
+
+    if REPLACEMENT not in text:
+        return list(text.encode("utf-8"))
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not isinstance(piece, str):
+        return list(text.encode("utf-8"))
+    byte = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+    if byte:
+        return [int(byte.group(1), 16)]
+    alphabet = _byte_alphabet()
+    if all(ch in alphabet for ch in piece):
+        return [alphabet[ch] for ch in piece]
+    return list(text.encode("utf-8"))
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (tokenizers' ByteLevel)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {ch: b for b, ch in bytes_to_unicode().items()}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genlib.config import GenerationSettings
+from genlib.detok import token_bytes
 from genlib.events import Finish, Token
 from genlib.models import LoadedModel
 from genlib.processors import GRAMMAR_STAGE
@@ -140,7 +141,7 @@ def candidate_dict(lm: LoadedModel, c: Candidate, stage_names: Sequence[str]
     """One candidate as JSON, in the OpenAI/vLLM logprobs shape plus genlab's keys."""
     text = token_text(lm, c.token_id)
     out: dict[str, Any] = {"token": text, "id": c.token_id,
-                           "bytes": list(text.encode("utf-8")),
+                           "bytes": token_bytes(lm.tokenizer, c.token_id, text),
                            "logprob": _num(c.logprob),
                            "processed_logprob": _num(c.processed_logprob), "rank": c.rank}
     if c.stage_probs:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from genlib.detok import IncrementalDecoder
+from genlib.detok import IncrementalDecoder, token_bytes
 from genlib.stopping import StopStrings
 from tests.conftest import CODE_TARGET, STORIES
 
@@ -43,6 +43,25 @@ def test_prompt_ending_in_byte_tokens_keeps_generated_characters(folder):
     pieces = [decoder.push(t) for t in output] + [decoder.flush()]
     assert "".join(pieces) == "語です"
     assert tok.decode(output, skip_special_tokens=True) == "語です"
+
+
+@pytest.mark.parametrize("folder", [STORIES, CODE_TARGET], ids=["sentencepiece", "byte-bpe"])
+def test_token_bytes_join_to_the_text_s_utf8(folder):
+    """OpenAI's and vLLM's `bytes`: joined over the tokens, the text's UTF-8. A token
+    that is part of a character (stories260K's `<0xC3>`) had U+FFFD's three bytes."""
+    from types import SimpleNamespace
+
+    from genlib.explain import token_text
+
+    if not folder.is_dir():
+        pytest.skip(f"{folder} not present")
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    lm = SimpleNamespace(tokenizer=tok)
+    ids = tok(" " + TEXT + " 日本語", add_special_tokens=False)["input_ids"]
+    texts = [token_text(lm, i) for i in ids]
+    assert any("\ufffd" in t for t in texts)  # some tokens are parts of characters
+    joined = b"".join(bytes(token_bytes(tok, i, t)) for i, t in zip(ids, texts))
+    assert joined.decode("utf-8").strip() == (TEXT + " 日本語").strip()
 
 
 def test_stop_strings_hold_back_possible_prefix():
