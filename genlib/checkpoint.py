@@ -21,6 +21,8 @@ from genlib.errors import ModelLoadError
 IGNORED_UNEXPECTED = (r"rotary_emb\.inv_freq", r"(^|\.)position_ids$")
 
 FIX_CONFIG = "fix config.json or restore it from the model's source"
+# The generation_config.json token ids genlab reads (eos_token_id: or a list of them).
+GENERATION_TOKEN_IDS = ("eos_token_id", "pad_token_id")
 # Config fields that count something (tokens, widths, layers, positions; aliases such as
 # GPT-2's n_embd read through them): 0 or less makes a model that cannot run.
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -36,6 +38,10 @@ def check_folder(ref: str) -> None:
     and a generation_config.json that is one if it holds any (transformers passes over
     one that is not JSON, and fails on one that is JSON but not an object)."""
     path = Path(ref).expanduser()
+    if path.is_symlink() and not path.exists():
+        raise ModelLoadError(f"model folder {ref} is a symbolic link that leads nowhere (its "
+                             f"target is missing, or links lead back to it); point --model "
+                             f"at the model folder itself")
     if not path.exists():
         raise ModelLoadError(f"model folder {ref} does not exist; give a local folder in "
                              f"Hugging Face layout or a hub id like 'org/name'")
@@ -51,9 +57,29 @@ def check_folder(ref: str) -> None:
         raise ModelLoadError(f"cannot load {ref}: config.json {problem}; {FIX_CONFIG}")
     generation = path / "generation_config.json"
     problem = json_problem(generation) if generation.is_file() else None
+    problem = problem or (_token_ids_problem(generation) if generation.is_file() else None)
     if problem is not None:
         raise ModelLoadError(f"cannot load {ref}: generation_config.json {problem}; fix it, "
                              f"or remove it (it holds the model's default settings only)")
+
+
+def _token_ids_problem(path: Path) -> str | None:
+    """What is wrong with the token ids in generation_config.json (a JSON object), in
+    words; None when each is an integer (eos_token_id: or a list of them) or absent.
+    transformers fails on another type with a TypeError that says nothing of the file."""
+    fields = json.loads(path.read_bytes())
+    for name in GENERATION_TOKEN_IDS:
+        value = fields.get(name)
+        listed = name == "eos_token_id" and isinstance(value, list)
+        if value is None or all(_is_id(v) for v in (value if listed else [value])):
+            continue
+        either = "an integer or a list of integers" if name == "eos_token_id" else "an integer"
+        return f"sets {name} to {_excerpt(value)}, which must be a token id ({either})"
+    return None
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def json_problem(path: Path) -> str | None:
@@ -71,8 +97,13 @@ def json_problem(path: Path) -> str | None:
         return f"cannot be read ({exc.strerror or exc})"
     if isinstance(value, dict):
         return None
+    return f"holds {_excerpt(value)}, not a JSON object"
+
+
+def _excerpt(value: Any) -> str:
+    """A JSON value as a message quotes it: its first 30 characters at most."""
     text = json.dumps(value)
-    return f"holds {text if len(text) <= 30 else text[:27] + '...'}, not a JSON object"
+    return text if len(text) <= 30 else text[:27] + "..."
 
 
 def check_sizes(ref: str, config: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -62,7 +63,7 @@ def display_name(ref: str) -> str:
         return ref
     try:
         path = Path(ref).expanduser().resolve()
-    except OSError:
+    except (OSError, RuntimeError):  # RuntimeError: a symlink loop, before Python 3.13
         return ref
     return next((name for name, folder in BUILTIN_MODELS.items() if folder.resolve() == path),
                 ref)
@@ -309,6 +310,11 @@ def _load_weights(ref: str, spec: ModelSpec, kwargs: dict[str, Any]) -> Any:
         if isinstance(exc, OSError):
             raise ModelLoadError(_load_message(spec.ref, exc)) from None
         raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
+    except pickle.UnpicklingError:  # torch.load's weights_only refusal: its advice is unsafe
+        raise ModelLoadError(f"the .bin weights of {spec.ref} are not plain tensors: the "
+                             f"pickle holds other Python objects (which genlab never runs) "
+                             f"or is damaged; use the model's safetensors weights, or "
+                             f"download it again from a source you trust") from None
     except Exception as exc:
         if type(exc).__module__.split(".")[0] != "safetensors":
             raise

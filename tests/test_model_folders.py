@@ -176,6 +176,56 @@ def test_a_file_given_as_the_model_folder_names_the_folder(tmp_path, command):
         f"the folder holding config.json and the weights: --model {folder}")
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("target", ["loop", "missing"])
+def test_a_symlink_that_leads_nowhere_is_named_as_one(tmp_path, command, target):
+    link = tmp_path / "model"
+    link.symlink_to(tmp_path / ("model" if target == "loop" else "gone"))
+    result = runner.invoke(app, [*COMMANDS[command], "-m", str(link)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: model folder {link} is a symbolic link that leads nowhere (its target is "
+        f"missing, or links lead back to it); point --model at the model folder itself")
+
+
+class Payload:
+    """A pickle that would run code when loaded: it would create the file `marker`."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("weights", ["code", "garbage"])
+def test_bin_weights_that_are_not_plain_tensors_are_refused_unrun(tmp_path, command, weights):
+    """pytorch_model.bin is a pickle: transformers reads it with torch's weights_only, so
+    a pickle holding code is refused without running it, in one line (not torch's own
+    advice to load it with weights_only=False), as is one that is not a pickle at all."""
+    import torch
+
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    for name in ("config.json", "generation_config.json", "tokenizer.json",
+                 "tokenizer_config.json"):
+        (folder / name).symlink_to(STORIES / name)
+    marker = tmp_path / "ran"
+    if weights == "code":
+        torch.save({"model.embed_tokens.weight": Payload(marker)},
+                   folder / "pytorch_model.bin")
+    else:
+        (folder / "pytorch_model.bin").write_bytes(bytes(range(256)) * 4)
+    result = runner.invoke(app, [*COMMANDS[command], "-m", str(folder)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip() == (
+        f"error: the .bin weights of {folder} are not plain tensors: the pickle holds other "
+        f"Python objects (which genlab never runs) or is damaged; use the model's "
+        f"safetensors weights, or download it again from a source you trust")
+    assert not marker.exists()
+
+
 @pytest.mark.parametrize("quick", [True, False])
 def test_a_sharded_checkpoint_is_compared_shard_by_shard(tmp_path, quick):
     """model.safetensors.index.json's shards: a matching config loads, a config whose
@@ -219,11 +269,18 @@ def test_a_base_model_checkpoint_without_the_prefix_still_loads(tmp_path):
 @pytest.mark.parametrize(("text", "fragment"), [
     ("{broken", "generation_config.json is not valid JSON (Expecting property name"),
     ("null", "generation_config.json holds null, not a JSON object"),
-    ("[1, 2]", "generation_config.json holds [1, 2], not a JSON object")])
+    ("[1, 2]", "generation_config.json holds [1, 2], not a JSON object"),
+    ('{"eos_token_id": "x"}', 'generation_config.json sets eos_token_id to "x", which must '
+                              'be a token id (an integer or a list of integers)'),
+    ('{"eos_token_id": [1, null]}', "sets eos_token_id to [1, null], which must be a token"),
+    ('{"eos_token_id": 1.5}', "sets eos_token_id to 1.5, which must be a token id"),
+    ('{"pad_token_id": [1, 2]}', "generation_config.json sets pad_token_id to [1, 2], which "
+                                 "must be a token id (an integer)")])
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_broken_generation_config_is_named(tmp_path, command, text, fragment):
     """transformers passes over a generation_config.json that is not JSON (the end ids
-    it names are then lost) and fails with a TypeError on JSON that is not an object."""
+    it names are then lost) and fails with a TypeError on JSON that is not an object, or
+    on an end or pad id that is not an integer."""
     folder = copy_of_stories(tmp_path)
     write(folder, "generation_config.json", text)
     result = runner.invoke(app, [*COMMANDS[command], "-m", str(folder)])
