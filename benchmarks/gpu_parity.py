@@ -6,7 +6,8 @@ cover for every backend).
 
     python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64] [--device cpu]
 
-Prints one line per (model, dtype, backend or beam): same tokens or where they part.
+Prints one line per (model, dtype, prompt, backend or beam): same tokens or where they
+part.
 Exits 1 if any differ.
 """
 
@@ -19,7 +20,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_llamacpp
-PROMPTS = {"story": "Once upon a time", "code": "def fibonacci(n):\n    "}
+# Several prompts a kind: a backend that sums in another order flips near-ties on some
+# prompts only (the compiled step in bfloat16 on a CPU parted on 3 of 7).
+PROMPTS = {"story": ("Once upon a time", "The little dog"),
+           "code": ("def fibonacci(n):\n    ", "def fibonacci(n):", "import os\nclass Foo:",
+                    "def parse_args(argv):")}
 
 
 def reference(lm, ids: list[int], n: int, beams: int = 1) -> list[int]:
@@ -42,16 +47,23 @@ def parted(ours: list[int], theirs: list[int]) -> str:
 
 def check(path: str, device: str, dtype: str, n: int) -> bool:
     from genlib.backends.choose import Request, choose_backend
-    from genlib.beam import beam_search
-    from genlib.config import GenerationSettings
-    from genlib.errors import ConfigError
-    from genlib.generate import generate
     from genlib.models import ModelSpec, load_model
 
     lm = load_model(ModelSpec(path, device=device, dtype=dtype))
     auto = choose_backend(lm, Request())
     print(f"{Path(path).name} {dtype}: auto picks {auto.name} ({auto.reason})")
-    ids = lm.encode(PROMPTS["code" if "code" in Path(path).name else "story"])
+    prompts = PROMPTS["code" if "code" in Path(path).name else "story"]
+    return all([check_prompt(lm, prompt, n) for prompt in prompts])
+
+
+def check_prompt(lm, prompt: str, n: int) -> bool:
+    from genlib.beam import beam_search
+    from genlib.config import GenerationSettings
+    from genlib.errors import ConfigError
+    from genlib.generate import generate
+
+    print(f" prompt {prompt!r}")
+    ids = lm.encode(prompt)
     expected = reference(lm, ids, n)
     ok = True
     for name in ("auto", "compiled", "lean", "transformers"):

@@ -87,15 +87,15 @@ def test_bandwidth_is_sampled_once_a_round_and_the_bound_uses_the_median(
 
 
 @pytest.mark.slow
-def test_a_compiled_step_auto_picks_is_warmed_up_even_with_warmup_0(one_thread):
-    """auto runs a float16 model on the compiled backend: its compilation goes into an
-    uncounted warm-up run (reported as compile_s), never into the counted runs."""
+def test_a_compiled_step_is_warmed_up_even_with_warmup_0(one_thread):
+    """A float16 model on the compiled backend: its compilation goes into an uncounted
+    warm-up run (reported as compile_s), never into the counted runs."""
     from genlib.models import ModelSpec, load_model
 
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
     lm = load_model(ModelSpec(str(STORIES), dtype="float16"))
-    case = bench.Case("greedy", GenerationSettings(), 4, 4, 1)  # backend auto
+    case = bench.Case("greedy", GenerationSettings(), 4, 4, 1, backend="compiled")
     [result] = bench.measure(lm, [case], runs=1, warmup=0, baseline=False).results
     assert result.backend == "compiled"
     assert result.first_run_s is not None  # the compiling run, uncounted

@@ -8,14 +8,17 @@ token-identical to transformers' `generate()`):
 | --- | --- |
 | a float32 Llama-style model on a CPU with a C compiler (any rows, beams too) | native |
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
-| one row of an unquantized model in another dtype or on a GPU | compiled |
+| one row of a Llama-style model in bfloat16/float16 on a CPU | lean |
+| one row of an unquantized model on a GPU | compiled |
 | several rows otherwise, a quantized model, or any other model | transformers |
-| speculation in another dtype or on a GPU without the lean forward | transformers |
+| speculation on a GPU without the lean forward | transformers |
 
-On a GPU or in bfloat16 a step's kernel launches and casts, not its arithmetic, set the
-pace, which a compiled step (torch.compile over a fixed-size cache, in inductor's
-default mode: no CUDA graphs, whose fixed sizes the lean step's attention length is not)
-removes; its first step compiles for seconds. An explicit backend
+On a GPU a step's kernel launches and casts, not its arithmetic, set the pace, which a
+compiled step (torch.compile over a fixed-size cache, in inductor's default mode: no
+CUDA graphs, whose fixed sizes the lean step's attention length is not) removes; its
+first step compiles for seconds. On a CPU in bfloat16/float16 auto keeps to the lean
+forward, which is exact, where the compiled step is about twice as fast but sums in its
+own order (`--backend compiled` asks for it). An explicit backend
 that cannot serve the request or the model is refused with a `ConfigError` naming what
 would work, never replaced by another.
 
@@ -103,6 +106,8 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
             return "transformers", f"{many} in {_dtype(lm)} on {lm.device.type}"
+        if lm.device.type == "cpu":
+            return _cpu_low_precision(lm)
         if _static_cache_must_crop(lm, request):
             why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
             return "transformers", (f"speculative decoding in {_dtype(lm)} on "
@@ -122,6 +127,20 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
             f"no native kernel: {why_not}"
     return "transformers", f"{many}, and no native kernel ({why_not}): the lean forward " \
                            f"runs one row"
+
+
+def _cpu_low_precision(lm: LoadedModel) -> tuple[str, str]:
+    """One row in bfloat16/float16 on a CPU: the lean forward, whose products and norms
+    are transformers' own operations. A compiled step fuses them and sums in its own
+    order, which in these dtypes moves a logit by a rounding step often enough to flip
+    greedy tokens at near-ties (3 of 7 prompts within 64 tokens: docs/performance.md)."""
+    dtype = _dtype(lm)
+    if not lean_allowed():
+        return "transformers", f"one row in {dtype} on cpu, GENLAB_LEAN=0"
+    if _lean(lm) is None:
+        return "transformers", f"one row in {dtype} on cpu, not a plain Llama-style model"
+    return "lean", (f"one row in {dtype} on cpu: the lean forward, exact (a compiled step "
+                    f"sums in another order)")
 
 
 def _dtype(lm: LoadedModel) -> str:
