@@ -126,5 +126,6 @@ def _unexpected(exc: Exception) -> typer.Exit:
     on request (GENLAB_DEBUG=1) for a bug report."""
     if os.environ.get("GENLAB_DEBUG"):
         raise exc
-    return fail(f"unexpected {type(exc).__name__}: {exc} (run with GENLAB_DEBUG=1 "
-                f"for the traceback)", 1)
+    from genlib.errors import unexpected
+
+    return fail(f"{unexpected(exc)} (run with GENLAB_DEBUG=1 for the traceback)", 1)

@@ -224,7 +224,7 @@ def test_unexpected_errors_are_one_line_exit_1(monkeypatch):
     import cli.generate
 
     def broken(*args, **kwargs):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\n  at the second of torch's many lines\n")
 
     monkeypatch.setattr(cli.generate, "run_generation", broken)
     result = invoke("generate", "Once", *MODEL, "-n", "2")
