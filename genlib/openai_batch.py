@@ -171,6 +171,8 @@ def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
                 continue
         if key == "stop" and isinstance(value, str):
             value = [value]
+        if key == "top_k" and value == -1 and not isinstance(value, bool):
+            value = 0  # vLLM's "off" (-1) is genlab's and transformers' 0
         put(key, OTHER_NAMES.get(key, key), value)  # genlab's checks name anything unknown
     return out
 

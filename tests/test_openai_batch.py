@@ -93,6 +93,16 @@ def test_null_fields_are_not_set_as_in_openai_s_api():
     assert job.settings == plain.settings and job.fingerprint == plain.fingerprint
 
 
+def test_vllm_s_top_k_minus_one_is_off():
+    """vLLM's request files write top_k -1 for no top-k; it failed the line
+    (top_k must be >= 0). -2 is still refused."""
+    off, bad = gb.parse_lines([request("a", prompt="x", temperature=0.7, top_k=-1),
+                               request("b", prompt="x", temperature=0.7, top_k=-2)],
+                              RUN, ob.to_genlab_line)
+    assert isinstance(off, gb.Job) and off.settings.top_k == 0, off
+    assert "top_k" in bad.message and ">= 0" in bad.message, bad
+
+
 def test_two_fields_for_one_setting_fail_the_line():
     """max_tokens with max_completion_tokens (or genlab's max_new_tokens) kept whichever
     came last, silently."""
