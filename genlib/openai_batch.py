@@ -20,6 +20,7 @@ record written, `record_of` for each result read back when resuming.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
@@ -36,7 +37,11 @@ CHAT = "/v1/chat/completions"
 ENDPOINTS = (COMPLETIONS, CHAT)
 
 # Request fields that do not change the output: which model is genlab's -m, not the file's.
-IGNORED = ("model", "user", "metadata", "store")
+IGNORED = ("model", "user", "metadata", "store", "service_tier")
+# OpenAI request fields genlab does not implement, at the values that ask for nothing
+# (what serialized request objects write): those pass, any other fails the line.
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": "", "tools": [], "functions": [],
+               "tool_choice": "none", "function_call": "none", "parallel_tool_calls": True}
 # genlab's finish reasons as OpenAI's: "stop" (the output ended: an end token, a stop
 # string, or genlab.grammar's schema_invalid, an end its JSON schema then failed) or
 # "length" (a budget ended it: tokens, time, or genlab.grammar's grammar_incomplete).
@@ -151,6 +156,13 @@ def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
         if key == "stream":
             if value:
                 raise ConfigError(f"{where}: stream must be false in a batch request")
+            continue
+        if key in UNSUPPORTED:
+            if value != UNSUPPORTED[key] or isinstance(value, bool) != isinstance(
+                    UNSUPPORTED[key], bool):
+                raise ConfigError(f"{where}: genlab does not support {key} "
+                                  f"{shown(value)}; remove {key} or set it to "
+                                  f"{json.dumps(UNSUPPORTED[key])}")
             continue
         if key == "n" and value != 1:
             raise ConfigError(f"{where}: n must be 1 (genlab answers a request with one "

@@ -62,7 +62,7 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     assert all(isinstance(i, gb.LineError) for i in items)
     assert errors["a"].startswith("line 1: url '/v1/embeddings' is not supported")
     assert errors["b"] == 'line 2: a /v1/chat/completions request needs "messages" in its body'
-    assert errors["c"].startswith("line 3: unknown setting 'best_of'")
+    assert errors["c"] == "line 3: genlab does not support best_of 3; remove best_of or set it to 1"
     assert errors["d"] == ("line 4: n must be 1 (genlab answers a request with one "
                            "choice), got 2; repeat the request with other custom_ids for more")
     assert errors["e"] == "line 5: stream must be false in a batch request"
@@ -101,6 +101,22 @@ def test_vllm_s_top_k_minus_one_is_off():
                               RUN, ob.to_genlab_line)
     assert isinstance(off, gb.Job) and off.settings.top_k == 0, off
     assert "top_k" in bad.message and ">= 0" in bad.message, bad
+
+
+def test_fields_genlab_lacks_pass_at_values_that_ask_for_nothing():
+    """echo false, best_of 1, tools [] ... (what OpenAI's client objects write) failed
+    the line as unknown settings, with hints such as "did you mean 'eta_cutoff'?"."""
+    quiet = request("a", prompt="x", echo=False, best_of=1, tools=[], tool_choice="none",
+                    parallel_tool_calls=True, service_tier="auto")
+    items = gb.parse_lines([quiet, request("b", prompt="x", best_of=3),
+                            request("c", prompt="x", echo=True),
+                            request("d", prompt="x", best_of=True)], RUN, ob.to_genlab_line)
+    plain = gb.parse_lines([request("a", prompt="x")], RUN, ob.to_genlab_line)[0]
+    assert isinstance(items[0], gb.Job) and items[0].settings == plain.settings, items[0]
+    assert [i.message for i in items[1:]] == [
+        "line 2: genlab does not support best_of 3; remove best_of or set it to 1",
+        "line 3: genlab does not support echo True; remove echo or set it to false",
+        "line 4: genlab does not support best_of True; remove best_of or set it to 1"]
 
 
 def test_two_fields_for_one_setting_fail_the_line():
