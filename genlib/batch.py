@@ -303,11 +303,28 @@ def _prompt_of(data: Mapping[str, Any], where: str
     messages = data["messages"]
     ok = isinstance(messages, list) and messages and all(
         isinstance(m, dict) and isinstance(m.get("role"), str)
-        and isinstance(m.get("content"), str) for m in messages)
+        and isinstance(m.get("content"), (str, list)) for m in messages)
     if not ok:
         raise ConfigError(f"{where}: messages must be a non-empty list of "
                           f"{{\"role\": ..., \"content\": ...}} objects")
-    return None, [{"role": m["role"], "content": m["content"]} for m in messages]
+    return None, [{"role": m["role"], "content": _content_text(m["content"], where)}
+                  for m in messages]
+
+
+def _content_text(content: str | list[Any], where: str) -> str:
+    """A message's content as text: a string, or OpenAI's list of content parts, whose
+    text parts are joined by newlines as vLLM joins them; other parts are refused."""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for part in content:
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text" or not isinstance(part.get("text"), str):
+            raise ConfigError(f"{where}: a message's content parts must be text "
+                              f"({{\"type\": \"text\", \"text\": ...}}); genlab "
+                              f"generates from text only, got {shown(part)}")
+        texts.append(part["text"])
+    return "\n".join(texts)
 
 
 def check_run_settings(settings: GenerationSettings) -> None:

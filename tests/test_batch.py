@@ -162,6 +162,19 @@ def test_messages_need_a_chat_template(stories):
         gb.encode(stories, job, RUN)
 
 
+def test_content_parts_are_text_joined_as_vllm_joins_them():
+    """OpenAI's content as a list of parts was refused as not {role, content}."""
+    parts = [{"type": "text", "text": "Be brief."}, {"type": "text", "text": "Hi"}]
+    joined, image, bare = gb.parse_lines(lines_of(
+        {"messages": [{"role": "user", "content": parts}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+        {"messages": [{"role": "user", "content": [{"type": "text"}]}]}), RUN)
+    assert joined.messages == [{"role": "user", "content": "Be brief.\nHi"}]
+    assert image.message.startswith("line 2: a message's content parts must be text")
+    assert image.message.endswith("got {'image_url': {}, 'type': 'image_url'}")
+    assert bare.message.startswith("line 3: a message's content parts must be text")
+
+
 # ---------------------------------------------------------------- generation
 
 
