@@ -292,6 +292,10 @@ def _line_preset(name: Any, where: str) -> Mapping[str, Any]:
 
 def _prompt_of(data: Mapping[str, Any], where: str
                ) -> tuple[str | None, list[dict[str, str]] | None]:
+    if "body" in data and "custom_id" in data and "prompt" not in data:
+        raise ConfigError(f"{where}: an OpenAI batch request (custom_id, body) where genlab "
+                          f"lines are read; a file holds one format, and --format openai "
+                          f"reads OpenAI's")
     if ("prompt" in data) == ("messages" in data):
         raise ConfigError(f"{where}: give exactly one of \"prompt\" (text) or \"messages\" "
                           f"(a chat conversation)")

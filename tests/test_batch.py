@@ -175,6 +175,16 @@ def test_content_parts_are_text_joined_as_vllm_joins_them():
     assert bare.message.startswith("line 3: a message's content parts must be text")
 
 
+def test_an_openai_request_read_as_a_genlab_line_names_the_format():
+    """--format genlab on an OpenAI file said "give exactly one of prompt or messages"."""
+    request = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+               "body": {"prompt": "x"}}
+    (item,) = gb.parse_lines(lines_of(request), RUN)
+    assert item.message == ("line 1: an OpenAI batch request (custom_id, body) where genlab "
+                            "lines are read; a file holds one format, and --format openai "
+                            "reads OpenAI's")
+
+
 # ---------------------------------------------------------------- generation
 
 
