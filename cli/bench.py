@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, load, settings_for
+from cli.context import ModelFlags, load, presets_model, settings_for
 from cli.errors import fail, user_errors
 from cli.output import Sink, check_writable, opened, sink
 from genlib.backends.choose import BACKENDS
@@ -165,8 +165,7 @@ def bench(
     strategy: Annotated[str | None, typer.Option(
         "--strategy", "-s", help="Comma list of strategies to measure: greedy, sample "
         "(default greedy, unless -p is given).")] = None,
-    preset: Annotated[list[str] | None, typer.Option(
-        "--preset", "-p", help="Preset to measure (repeatable, or a comma list).")] = None,
+    preset: opt.Presets = None,
     prompt_len: Annotated[str, typer.Option(
         "--prompt-len", help="Comma list of prompt lengths in tokens (exact).")] = "128",
     new_tokens: Annotated[str, typer.Option(
@@ -223,7 +222,7 @@ def bench(
     """
     opt.refuse_compile(compile)
     target = sink(as_json, as_jsonl, output)
-    presets = [name for item in preset or [] for name in str_list("--preset", item)]
+    presets = opt.preset_refs(preset)
     names = measured(str_list("--strategy", strategy) if strategy is not None
                      else [] if presets else ["greedy"], presets)
     lengths = int_list("--prompt-len", prompt_len)
@@ -246,6 +245,8 @@ def bench(
     check_threads(threads)
     groups = build_cases(strategy_settings(names, seed, baseline == "transformers"), lengths,
                          counts, batches, backends, no_cache)
+    if model is None:
+        model = presets_model(presets)
     records, machine = run_sweep(model, device, trust_remote_code, dtypes, quants, groups,
                                  runs, warmup, baseline == "transformers", threads, bandwidth)
     with opened(target):

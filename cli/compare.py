@@ -527,9 +527,6 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
 
 # --- the command --------------------------------------------------------------------
 
-Presets = Annotated[list[str] | None, typer.Option(
-    "--preset", "-p", rich_help_panel=opt.DECODING_PANEL,
-    help="A preset to compare (repeatable).")]
 Variants = Annotated[list[str] | None, typer.Option(
     "--variant", rich_help_panel=opt.DECODING_PANEL,
     help="An ad-hoc strategy, e.g. \"temperature=0.7,top_p=0.9\" (repeatable).")]
@@ -551,7 +548,7 @@ MarkdownPath = Annotated[str | None, typer.Option(
 def compare(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
-    preset: Presets = None,
+    preset: opt.Presets = None,
     variant: Variants = None,
     samples: Samples = 1,
     max_new_tokens: opt.MaxNewTokens = None,
@@ -591,7 +588,7 @@ def compare(
       genlab compare "def add(a, b):" --samples 3 --seed 1 --json -o out.json\n
       genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
-    from cli.context import read_prompt
+    from cli.context import presets_model, read_prompt
     from genlib.compare import build_strategies, strategy_from_variant, with_seed
     from genlib.config import fresh_seed
 
@@ -600,14 +597,17 @@ def compare(
     if model is not None and models is not None:
         raise fail("-m/--model and --models exclude each other: give every model to "
                    "--models (comma-separated), or one with -m")
+    presets = opt.preset_refs(preset)
     opt.check_one_stdin({"prompt": prompt, "json_schema": json_schema, "grammar": grammar})
     flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
                               stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
                               seed=seed, **opt.grammar_flags(json_schema, regex, grammar))
     base_seed = seed if seed is not None else fresh_seed()
-    strategies = with_seed(build_strategies(preset or [], variant or [], flags, samples),
+    strategies = with_seed(build_strategies(presets, variant or [], flags, samples),
                            base_seed)
     text = read_prompt(prompt)
+    if model is None and models is None:
+        model = presets_model(presets, ", or compare them with --models")
     model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend)
     model_refs, quantizations = split_list(models), split_list(quantize) or ["none"]
     if models is not None and not model_refs:
@@ -616,7 +616,7 @@ def compare(
     if quantize is not None and not split_list(quantize):
         raise fail("--quantize names no quantization; give a comma list of none, 8bit, 4bit")
     if len(model_refs) > 1 or len(quantizations) > 1:
-        if not preset and not variant:
+        if not presets and not variant:
             greedy = strategy_from_variant("strategy=greedy", flags, label="greedy")
             strategies = with_seed([greedy], base_seed)
         if samples > 1:

@@ -4,7 +4,7 @@ settings (flag > preset > defaults), load the model once and encode the prompt."
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -41,6 +41,18 @@ def settings_for(preset_ref: str | None, flags: dict[str, Any],
 
     warn_unused(settings)
     return settings, preset
+
+
+def presets_model(refs: Sequence[str], alternative: str = "") -> str | None:
+    """The model the presets `refs` name, for a command that runs several presets on one
+    model (compare, bench): --model's default there, as one preset's model is elsewhere;
+    None when none names one. They must agree: an input error names them otherwise,
+    ending with the command's `alternative` to picking one with -m."""
+    named = list(dict.fromkeys(m for m in (load_preset(ref).model for ref in refs) if m))
+    if len(named) > 1:
+        raise fail(f"the presets name different models ({', '.join(named)}); pick one "
+                   f"with -m/--model{alternative}")
+    return named[0] if named else None
 
 
 def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -> LoadedModel:

@@ -113,6 +113,7 @@ def explain(
     grammar: opt.Grammar = None,
     chat: opt.Chat = False,
     system: opt.System = None,
+    truncate_prompt: opt.TruncatePrompt = False,
     steps: Annotated[str | None, typer.Option(
         "--steps", rich_help_panel=opt.OUTPUT_PANEL,
         help="Steps to show, A:B (0-based, B excluded; default all), in the terminal "
@@ -168,7 +169,7 @@ def explain(
     text = read_prompt(prompt)
     lm = load(ModelFlags(model, device, dtype, "none", trust_remote_code, backend),
               loaded_preset, quick=True)
-    ids = encode_prompt(lm, text, chat, system, False, settings.max_new_tokens)
+    ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
     render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)

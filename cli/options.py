@@ -44,6 +44,11 @@ RetiredCompile = Annotated[bool, typer.Option(
 Preset = Annotated[str | None, typer.Option(
     "--preset", "-p", rich_help_panel=DECODING_PANEL,
     help="Preset name (see `genlab presets list`) or path to a .yaml file.")]
+# Commands that run several presets side by side (compare, bench); `preset_refs` reads it.
+Presets = Annotated[list[str] | None, typer.Option(
+    "--preset", "-p", rich_help_panel=DECODING_PANEL,
+    help="Preset name (see `genlab presets list`) or path to a .yaml file; repeatable, or "
+         "a comma list.")]
 
 Strategy = Annotated[str | None, typer.Option(
     "--strategy", "-s", rich_help_panel=DECODING_PANEL, help="greedy, sample or beam.")]
@@ -185,6 +190,20 @@ def refuse_compile(given: bool) -> None:
         raise ConfigError("--compile was replaced by --backend: --backend native runs the "
                           "native kernel (auto already picks it where it applies), --backend "
                           "compiled runs torch.compile")
+
+
+def preset_refs(given: list[str] | None) -> list[str]:
+    """The presets a Presets option names, in order: each -p may be a comma list."""
+    from genlib.errors import ConfigError
+
+    refs = []
+    for item in given or []:
+        named = [ref.strip() for ref in item.split(",") if ref.strip()]
+        if not named:
+            raise ConfigError(f"--preset {item!r} names no preset; give a preset name or a "
+                              f".yaml path")
+        refs += named
+    return refs
 
 
 def unescape(text: str) -> str:

@@ -168,6 +168,9 @@ def build_strategies(presets: Sequence[str], variants: Sequence[str],
     `flags` are the settings common to every column (max_new_tokens, seed, ...).
     `samples` > 1 sets num_return_sequences for every stochastic strategy.
     """
+    # Checked once, as the command line's: a column would name its own preset or
+    # variant (the default set's `strategy=greedy`, which the user never wrote).
+    validate_settings(flags, "command line")
     strategies = [strategy_from_preset(p, flags) for p in presets]
     strategies += [strategy_from_variant(v, flags) for v in variants]
     if not strategies:

@@ -156,8 +156,8 @@ class LoadedModel:
                 f"files the model was trained with")
 
     def check_fits(self, prompt_len: int, max_new_tokens: int, *, whose: str = "the model's",
-                   remedy: str = "shorten the prompt (generate, beam and speculate take "
-                                 "--truncate-prompt, which keeps its last tokens)") -> None:
+                   remedy: str = "shorten the prompt (generate, beam, speculate and explain "
+                                 "take --truncate-prompt, which keeps its last tokens)") -> None:
         """ContextLengthError unless prompt + new tokens fit in the model's positions,
         naming the model (`whose`) and what else to change (`remedy`, for a draft model:
         another draft)."""

@@ -212,6 +212,26 @@ def test_bad_input_is_one_line_and_exit_2(args, message):
     assert "Traceback" not in result.output
 
 
+def test_presets_model_is_the_default_model(tmp_path):
+    """Without -m, bench measures the model its presets name (as `generate -p` runs a
+    preset's model), and refuses presets that name different ones."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    story, other = tmp_path / "story.yaml", tmp_path / "other.yaml"
+    story.write_text(f"model: {STORIES}\n")
+    other.write_text(f"model: {STORIES.parent / 'llama2xs'}\n")
+    result = CliRunner().invoke(app, ["bench", "-p", f"{story},greedy", "--json",
+                                      "--runs", "1", "--warmup", "0", "--prompt-len", "4",
+                                      "--new-tokens", "3", "--no-bandwidth"])
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert doc["model"] == str(STORIES)
+    assert [r["strategy"] for r in doc["results"]] == [str(story), "greedy"]
+    result = CliRunner().invoke(app, ["bench", "-p", str(story), "-p", str(other)])
+    assert result.exit_code == 2
+    assert result.stderr.startswith("error: the presets name different models")
+
+
 @pytest.mark.parametrize("preset, message", [
     ("name: penalised\nstrategy: greedy\npresence_penalty: 1.5\n",
      "uses presence_penalty, which model.generate() does not have"),

@@ -161,8 +161,9 @@ def test_context_message_when_the_prompt_alone_is_too_long():
     # beam has --truncate-prompt too: the advice names the commands that take it
     beam = invoke("beam", "the dog ran. " * 200, *MODEL, "-n", "5", "-k", "2")
     assert beam.exit_code == 2
-    assert beam.stderr.strip().endswith("shorten the prompt (generate, beam and speculate "
-                                        "take --truncate-prompt, which keeps its last tokens)")
+    assert beam.stderr.strip().endswith("shorten the prompt (generate, beam, speculate and "
+                                        "explain take --truncate-prompt, which keeps its "
+                                        "last tokens)")
 
 
 def test_a_reader_closing_the_pipe_ends_generation_quietly():

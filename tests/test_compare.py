@@ -73,6 +73,14 @@ def test_bad_strategies_are_rejected(variants, message):
         cmp.build_strategies([], variants, {})
 
 
+@pytest.mark.parametrize("variants", [[], ["top_k=5"]])
+def test_a_bad_common_flag_is_the_command_lines_error(variants):
+    """-n 0 is blamed on the command line, not on a column: the default set's first
+    (`--variant 'strategy=greedy'`, which nobody wrote) or the user's variant."""
+    with pytest.raises(ConfigError, match=r"^command line: max_new_tokens must be >= 1"):
+        cmp.build_strategies([], variants, {"max_new_tokens": 0})
+
+
 def test_too_many_samples_name_the_samples_flag():
     with pytest.raises(ConfigError, match=r"^--samples: num_return_sequences must be .*2000"):
         cmp.build_strategies([], ["top_k=5"], {}, samples=2000)
@@ -376,6 +384,8 @@ def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at, tmp_path)
     (["-o", "out.json"], "-o/--output writes the --json or --jsonl output"),
     (["-m", str(STORIES), "--models", "a,b"], "-m/--model and --models exclude each other"),
     (["--models", "a,b", "-p", "greedy", "-p", "creative"], "one strategy"),
+    (["-n", "0"], "error: command line: max_new_tokens must be >= 1, got 0"),
+    (["-p", "greedy", "-p", " , "], "error: --preset ' , ' names no preset"),
 ])
 def test_cli_user_errors(args, message):
     model = [] if "--models" in args else ["-m", str(STORIES)]
@@ -383,6 +393,36 @@ def test_cli_user_errors(args, message):
     assert result.exit_code == 2
     assert message in result.stderr
     assert "Traceback" not in result.output
+
+
+def preset_file(tmp_path: Path, name: str, model: Path) -> str:
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(f"model: {model}\ntemperature: 0.8\n")
+    return str(path)
+
+
+def test_cli_presets_model_is_the_default_model(tmp_path, stories):
+    """Without -m, the model the presets name runs, as `generate -p` runs a preset's
+    model; -p takes a comma list, as bench's -p does."""
+    story = preset_file(tmp_path, "story", STORIES)
+    result = runner.invoke(app, ["compare", PROMPT, "-p", f"{story},greedy", "-n", "8",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["model"] == str(STORIES)
+    assert [s["label"] for s in data["strategies"]] == ["story", "greedy"]
+    assert GREEDY_START.startswith(data["strategies"][1]["outputs"][0]["text"])
+    assert data["strategies"][1]["outputs"][0]["text"].startswith(", there was")
+
+
+def test_cli_presets_naming_different_models_are_refused(tmp_path):
+    one = preset_file(tmp_path, "one", STORIES)
+    two = preset_file(tmp_path, "two", LLAMA2XS)
+    result = runner.invoke(app, ["compare", PROMPT, "-p", one, "-p", two])
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: the presets name different models ({STORIES}, "
+                             f"{LLAMA2XS}); pick one with -m/--model, or compare them with "
+                             f"--models\n")
 
 
 def test_cli_quantize_comparison_keeps_a_failed_run_in_its_column(stories):

@@ -86,6 +86,23 @@ def test_explain_max_new_tokens_is_flag_then_preset_then_20(stories, tmp_path):
     assert explain_steps("-p", str(preset), "-n", "5") == (5, 5)
 
 
+def test_explain_truncates_the_prompt_as_generate_does():
+    """--truncate-prompt, as generate, beam and speculate take it: the same last tokens,
+    so the same greedy tokens as generate's (without it, the error names the flag)."""
+    llama2xs = SHARED_MODELS / "llama2xs"  # 256 positions
+    if not llama2xs.is_dir():
+        pytest.skip("llama2xs not present")
+    prompt = "Once upon a time there was a dog. " * 60  # about 600 tokens
+    args = [prompt, "-m", str(llama2xs), "-n", "4", "--truncate-prompt"]
+    explained = run_json("explain", *args)
+    generated = run_json("generate", *args)
+    assert explained["prompt_tokens"] == generated["prompt_tokens"] == 256 - 4
+    assert explained["original"]["token_ids"] == generated["outputs"][0]["token_ids"]
+    refused = runner.invoke(app, ["explain", *args[:-1]])
+    assert refused.exit_code == 2
+    assert "explain take --truncate-prompt" in refused.stderr
+
+
 def test_explain_steps_past_the_run_warn_and_json_refuses_steps(stories):
     result = runner.invoke(app, ["explain", "Once upon a time", *MODEL, "-n", "3",
                                  "--steps", "5:8"])
