@@ -133,6 +133,7 @@ def explain(
         "for its step (with --branch, both runs).")] = None,
     device: opt.Device = "auto",
     dtype: opt.Dtype = "auto",
+    quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
     **sampler_flags: Any,
@@ -167,7 +168,7 @@ def explain(
                    "(see `genlab beam --tree`)")
     settings = with_seed(settings)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, "none", trust_remote_code, backend),
+    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
               loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None

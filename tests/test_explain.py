@@ -103,6 +103,20 @@ def test_explain_truncates_the_prompt_as_generate_does():
     assert "explain take --truncate-prompt" in refused.stderr
 
 
+def test_explain_takes_quantize_as_generate_does():
+    """explain loaded every model unquantized, whatever the user ran generate with."""
+    def logprobs(command: str, *quantize: str) -> list[float]:
+        args = ["Once upon a time", *MODEL, "-n", "4", *quantize]
+        if command == "explain":
+            return [s["chosen"]["logprob"] for s in run_json(command, *args)["original"]["steps"]]
+        doc = run_json(command, *args, "--logprobs", "1")
+        return [t["logprob"] for t in doc["outputs"][0]["logprobs"]["content"]]
+
+    quantized = logprobs("explain", "--quantize", "8bit")
+    assert quantized == pytest.approx(logprobs("generate", "--quantize", "8bit"), abs=1e-5)
+    assert quantized != pytest.approx(logprobs("explain"), abs=1e-5)
+
+
 def test_explain_steps_past_the_run_warn_and_json_refuses_steps(stories):
     result = runner.invoke(app, ["explain", "Once upon a time", *MODEL, "-n", "3",
                                  "--steps", "5:8"])
