@@ -139,10 +139,9 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     from genlib.models import resolve_model_ref
     from genlib.presets import load_preset
 
-    batch_size = DEFAULT_BATCH_SIZE if batch_size is None else batch_size
     if output is None:
         raise fail("--input needs --output FILE (or --output - for stdout)")
-    if batch_size < 1:
+    if batch_size is not None and batch_size < 1:
         raise fail(f"--batch-size must be >= 1, got {batch_size}")
     if system and not chat:
         raise fail("--system needs --chat")
@@ -197,17 +196,19 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise typer.Exit(1)
 
 
-def _rows_per_forward(batch_size: int, backend: str) -> int:
-    """--batch-size, or 1 (said once) on a backend that runs one row per forward."""
+def _rows_per_forward(batch_size: int | None, backend: str) -> int:
+    """--batch-size (None: not given, DEFAULT_BATCH_SIZE), or 1 on a backend that runs one
+    row per forward, said once where --batch-size asked for more."""
     from cli import render
     from genlib.backends.choose import ONE_ROW, check_name
 
-    if batch_size > 1 and check_name(backend) in ONE_ROW:
+    if check_name(backend) not in ONE_ROW:
+        return DEFAULT_BATCH_SIZE if batch_size is None else batch_size
+    if batch_size is not None and batch_size > 1:
         render.info(f"--backend {backend} runs one row per forward, so the lines run one by "
                     f"one (--batch-size {batch_size} is not used; --backend auto batches "
                     f"them)")
-        return 1
-    return batch_size
+    return 1
 
 
 def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: Tally

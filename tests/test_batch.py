@@ -353,6 +353,16 @@ def test_a_one_row_backend_runs_the_lines_one_by_one_and_says_so(tmp_path: Path)
     assert texts["lean"] == texts["transformers"]
 
 
+def test_a_one_row_backend_without_batch_size_says_nothing(tmp_path: Path):
+    """--backend lean alone said '--batch-size 16 is not used', a flag never given."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    src.write_text("\n".join(mixed_prompts(2)) + "\n")
+    result = invoke("--input", str(src), "--output", str(out), "-n", "3", "--backend", "lean")
+    assert result.exit_code == 0, result.output
+    assert "--batch-size" not in result.stderr
+    assert len(read_results(out)) == 2
+
+
 @pytest.mark.slow
 def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_path: Path):
     src = tmp_path / "in.jsonl"
