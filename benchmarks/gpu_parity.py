@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # bench_llamacpp
 # Several prompts a kind: a backend that sums in another order flips near-ties on some
-# prompts only (the compiled step in bfloat16 on a CPU parted on 3 of 7).
+# prompts only (the compiled step in bfloat16 on a CPU parted on 4 of 12 pairs).
 PROMPTS = {"story": ("Once upon a time", "The little dog"),
            "code": ("def fibonacci(n):\n    ", "def fibonacci(n):", "import os\nclass Foo:",
                     "def parse_args(argv):")}

@@ -133,14 +133,15 @@ def _cpu_low_precision(lm: LoadedModel) -> tuple[str, str]:
     """One row in bfloat16/float16 on a CPU: the lean forward, whose products and norms
     are transformers' own operations. A compiled step fuses them and sums in its own
     order, which in these dtypes moves a logit by a rounding step often enough to flip
-    greedy tokens at near-ties (3 of 7 prompts within 64 tokens: docs/performance.md)."""
+    greedy tokens at near-ties (4 of 12 prompt-model pairs within 64 tokens:
+    docs/performance.md)."""
     dtype = _dtype(lm)
     if not lean_allowed():
         return "transformers", f"one row in {dtype} on cpu, GENLAB_LEAN=0"
     if _lean(lm) is None:
         return "transformers", f"one row in {dtype} on cpu, not a plain Llama-style model"
-    return "lean", (f"one row in {dtype} on cpu: the lean forward, exact (a compiled step "
-                    f"sums in another order)")
+    return "lean", (f"one row in {dtype} on cpu: the lean forward, exact; a compiled step "
+                    f"sums in another order")
 
 
 def _dtype(lm: LoadedModel) -> str:
