@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 from genlib import jsonl
 from genlib.config import GenerationSettings, resolve_settings, shown, validate_settings
 from genlib.errors import (
+    ChatRenderError,
     ChatTemplateError,
     ConfigError,
     GenlabError,
@@ -333,12 +334,15 @@ def _content_text(content: str | list[Any], where: str) -> str:
 
 def check_run_settings(settings: GenerationSettings) -> None:
     """Refuse once, before any line, the run's own settings (its flags over its
-    --preset) that would fail every line: each line gets one result."""
-    if settings.num_return_sequences != 1:
-        raise ConfigError(f"num_return_sequences is {settings.num_return_sequences} "
-                          f"(--num-return-sequences or --preset), but each --input line "
-                          f"gets one result; drop it, and repeat a line with other ids "
-                          f"for more outputs")
+    --preset) that would fail every line."""
+    check_one_result(settings.num_return_sequences, "--num-return-sequences (or --preset)")
+
+
+def check_one_result(count: Any, where: str, name: str = "num_return_sequences") -> None:
+    """Each line gets one result: its num_return_sequences (OpenAI's n) must be 1."""
+    if count != 1:
+        raise ConfigError(f"{where}: {name} must be 1, as each line gets one result, got "
+                          f"{shown(count)}; for more outputs repeat the line with other ids")
 
 
 def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
@@ -350,9 +354,7 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
 
     under = {**run.preset_settings, **run.flags, **line_preset}
     # Before the settings' own rules (which would suggest sampling for a greedy line).
-    if {**under, **overrides}.get("num_return_sequences", 1) != 1:
-        raise ConfigError(f"{where}: num_return_sequences must be 1 in batch mode; "
-                          f"repeat the line with other ids for more outputs")
+    check_one_result({**under, **overrides}.get("num_return_sequences", 1), where)
     settings = resolve_settings(overrides, under, source=where,
                                 presets=[run.preset_settings, line_preset])
     seed = overrides.get("seed")
@@ -375,6 +377,11 @@ def encode(lm: LoadedModel, job: Job, run: RunDefaults) -> None:
         except ChatTemplateError:
             raise ChatTemplateError(f"{lm.ref} has no chat template, so \"messages\" cannot "
                                     f"be used; give the text as \"prompt\" instead") from None
+        except ChatRenderError as exc:
+            raise ChatRenderError(f"the chat template of {lm.ref} cannot render these "
+                                  f"\"messages\" ({exc.reason}); change them (many "
+                                  f"templates take no system message), or give the text as "
+                                  f"\"prompt\"", exc.reason) from None
     elif run.chat:
         system = [{"role": "system", "content": run.system}] if run.system else []
         job.ids = lm.encode_chat([*system, {"role": "user", "content": job.prompt or ""}])

@@ -44,7 +44,12 @@ class ChatTemplateError(UserInputError):
 
 class ChatRenderError(UserInputError):
     """The tokenizer's chat template refused the conversation (a system message it
-    does not take, roles out of order) or cannot be rendered at all."""
+    does not take, roles out of order) or cannot be rendered at all. `reason` is the
+    template's own words, for a caller that words its own remedy (a batch line)."""
+
+    def __init__(self, message: str, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class CompileError(GenlabError):

@@ -104,7 +104,8 @@ class LoadedModel:
             ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True,
                                                      tokenize=True, return_dict=False)
         except TemplateError as exc:
-            raise ChatRenderError(chat_refusal(self.ref, messages, exc)) from None
+            reason = template_reason(exc)
+            raise ChatRenderError(chat_refusal(self.ref, messages, reason), reason) from None
         if isinstance(ids, dict) or hasattr(ids, "keys"):
             ids = ids["input_ids"]
         return [int(i) for i in ids]
@@ -174,11 +175,15 @@ class LoadedModel:
             f"{remedy}")
 
 
-def chat_refusal(ref: str, messages: list[dict[str, str]], exc: Exception) -> str:
-    """What a chat template's error (its own `raise_exception` text, or a template that
-    does not render) means for the user, and what to change."""
+def template_reason(exc: Exception) -> str:
+    """A chat template's error (its own `raise_exception` text, or a template that does
+    not render) in one line, as every error message."""
     said = getattr(exc, "message", None) or str(exc) or type(exc).__name__
-    reason = " ".join(said.split()).rstrip(".")  # one line, as every error message
+    return " ".join(said.split()).rstrip(".")
+
+
+def chat_refusal(ref: str, messages: list[dict[str, str]], reason: str) -> str:
+    """What a chat template's refusal means for a user of --chat, and what to change."""
     if any(m.get("role") == "system" for m in messages):
         remedy = "drop the system message (--system) and put its text in the prompt"
     else:

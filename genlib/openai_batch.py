@@ -142,51 +142,61 @@ def _settings_of(body: Mapping[str, Any], where: str) -> dict[str, Any]:
     (`max_tokens` and `max_completion_tokens`, ...) fail the line, not one of them."""
     out: dict[str, Any] = {}
     field_of: dict[str, str] = {}  # genlab setting -> the field that set it
-
-    def put(field: str, name: str, value: Any) -> None:
-        if name in field_of:
-            raise ConfigError(f"{where}: {field_of[name]} and {field} both set genlab's "
-                              f"{name}; give one of them")
-        field_of[name] = field
-        out[name] = value
-
     for key, value in body.items():
         if key in IGNORED or key in ("logprobs", "top_logprobs") or value is None:
             continue  # logprobs: see _logprobs_of
-        if key == "stream":
-            if value:
-                raise ConfigError(f"{where}: stream must be false in a batch request")
-            continue
-        if key in UNSUPPORTED:
-            if value != UNSUPPORTED[key] or isinstance(value, bool) != isinstance(
-                    UNSUPPORTED[key], bool):
-                raise ConfigError(f"{where}: genlab does not support {key} "
-                                  f"{shown(value)}; remove {key} or set it to "
-                                  f"{json.dumps(UNSUPPORTED[key])}")
-            continue
-        if key == "n" and value != 1:
-            raise ConfigError(f"{where}: n must be 1 (genlab answers a request with one "
-                              f"choice), got {shown(value)}; repeat the request with other "
-                              f"custom_ids for more")
-        if key == "response_format":
-            schema = _response_schema(value, where)
-            if schema is not None:
-                put(key, "json_schema", schema)
-            continue
-        if key == "temperature":
-            # OpenAI samples at any temperature above 0; 0 means the most likely token.
-            # A strategy the body gives (genlab's own field) wins, as over --temperature.
-            zero = isinstance(value, (int, float)) and not isinstance(value, bool) \
-                and value == 0
-            out.setdefault("strategy", "greedy" if zero else "sample")
-            if zero:
+        for name, setting in _field_settings(key, value, where):
+            if key == "temperature" and name == "strategy":
+                out.setdefault(name, setting)  # a strategy the body gives wins
                 continue
-        if key == "stop" and isinstance(value, str):
-            value = [value]
-        if key == "top_k" and value == -1 and not isinstance(value, bool):
-            value = 0  # vLLM's "off" (-1) is genlab's and transformers' 0
-        put(key, OTHER_NAMES.get(key, key), value)  # genlab's checks name anything unknown
+            if name in field_of:
+                raise ConfigError(f"{where}: {field_of[name]} and {key} both set genlab's "
+                                  f"{name}; give one of them")
+            field_of[name] = key
+            out[name] = setting
     return out
+
+
+def _field_settings(key: str, value: Any, where: str) -> list[tuple[str, Any]]:
+    """One body field as the genlab settings it sets (none, one, or temperature's two);
+    a name genlab does not know passes on, for genlab's own checks to name."""
+    from genlib.batch import check_one_result
+
+    if key == "stream":
+        if value:
+            raise ConfigError(f"{where}: stream must be false in a batch request")
+        return []
+    if key in UNSUPPORTED:
+        _check_unsupported(key, value, where)
+        return []
+    if key == "n":
+        check_one_result(value, where, "n")
+    if key == "response_format":
+        schema = _response_schema(value, where)
+        return [] if schema is None else [("json_schema", schema)]
+    if key == "temperature":
+        # OpenAI samples at any temperature above 0; 0 means the most likely token.
+        zero = isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+        return [("strategy", "greedy")] if zero else [("strategy", "sample"), (key, value)]
+    if key == "stop" and isinstance(value, str):
+        value = [value]
+    if key == "top_k" and value == -1 and not isinstance(value, bool):
+        value = 0  # vLLM's "off" (-1) is genlab's and transformers' 0
+    return [(OTHER_NAMES.get(key, key), value)]
+
+
+def _check_unsupported(key: str, value: Any, where: str) -> None:
+    """A field genlab lacks passes only at the value that asks for nothing."""
+    wanted = UNSUPPORTED[key]
+    if value != wanted or isinstance(value, bool) != isinstance(wanted, bool):
+        raise ConfigError(f"{where}: genlab does not support {key} {_json_shown(value)}; "
+                          f"remove {key} or set it to {json.dumps(wanted)}")
+
+
+def _json_shown(value: Any) -> str:
+    """A value from a JSON line as JSON writes it, cut short."""
+    text = json.dumps(value, ensure_ascii=False, default=str)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _response_schema(value: Any, where: str) -> dict[str, Any] | None:

@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib import batch as gb
 from genlib.config import derive_seed
-from genlib.errors import ChatTemplateError
+from genlib.errors import ChatRenderError, ChatTemplateError
 from tests.conftest import ROOT, STORIES, wait_for_lines
 
 RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7)
@@ -69,8 +69,8 @@ def test_bad_lines_are_reported_with_their_line_number():
     assert errors[8] == "line 8: id must be a string or an integer, got 1.5"
     assert errors[9].startswith('line 9: give exactly one of "prompt"')
     # the batch rule comes first (not the greedy rule's advice to sample, which it refuses)
-    assert errors[10] == ("line 10: num_return_sequences must be 1 in batch mode; repeat "
-                          "the line with other ids for more outputs")
+    assert errors[10] == ("line 10: num_return_sequences must be 1, as each line gets one "
+                          "result, got 2; for more outputs repeat the line with other ids")
     assert errors[11] == "line 11: min_new_tokens (50) must be <= max_new_tokens (5)"
     assert errors[12].startswith("line 12: ") and "no-such-preset" in errors[12]
     assert [i.id for i in items if isinstance(i, gb.LineError)] == \
@@ -183,6 +183,26 @@ def test_an_openai_request_read_as_a_genlab_line_names_the_format():
     assert item.message == ("line 1: an OpenAI batch request (custom_id, body) where genlab "
                             "lines are read; a file holds one format, and --format openai "
                             "reads OpenAI's")
+
+
+def test_a_template_refusing_a_line_s_messages_names_the_line_s_fix(stories):
+    """A "messages" line with a system message, on a template that refuses system roles,
+    was told to "drop the system message (--system)", a flag the run never had."""
+    refusing = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}"
+                "{{ m['content'] }}{% endfor %}")
+    (job,) = gb.parse_lines(lines_of({"messages": [{"role": "system", "content": "Be kind."},
+                                                   {"role": "user", "content": "Hi"}]}), RUN)
+    stories.tokenizer.chat_template = refusing
+    try:
+        with pytest.raises(ChatRenderError) as refused:
+            gb.encode(stories, job, RUN)
+    finally:
+        stories.tokenizer.chat_template = None
+    assert str(refused.value) == (
+        f'the chat template of {stories.ref} cannot render these "messages" (System role not '
+        f'supported); change them (many templates take no system message), or give the '
+        f'text as "prompt"')
 
 
 # ---------------------------------------------------------------- generation
@@ -330,9 +350,8 @@ def test_cli_refuses_more_outputs_per_line_once_before_any_line(tmp_path: Path):
                     "--num-return-sequences", "2")
     assert result.exit_code == 2, result.output
     assert result.stderr.strip().splitlines() == [
-        "error: num_return_sequences is 2 (--num-return-sequences or --preset), but each "
-        "--input line gets one result; drop it, and repeat a line with other ids for "
-        "more outputs"]
+        "error: --num-return-sequences (or --preset): num_return_sequences must be 1, as "
+        "each line gets one result, got 2; for more outputs repeat the line with other ids"]
     assert not out.exists()
 
 

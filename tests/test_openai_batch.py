@@ -63,8 +63,8 @@ def test_bad_requests_fail_their_own_line_with_its_custom_id():
     assert errors["a"].startswith("line 1: url '/v1/embeddings' is not supported")
     assert errors["b"] == 'line 2: a /v1/chat/completions request needs "messages" in its body'
     assert errors["c"] == "line 3: genlab does not support best_of 3; remove best_of or set it to 1"
-    assert errors["d"] == ("line 4: n must be 1 (genlab answers a request with one "
-                           "choice), got 2; repeat the request with other custom_ids for more")
+    assert errors["d"] == ("line 4: n must be 1, as each line gets one result, got 2; for "
+                           "more outputs repeat the line with other ids")
     assert errors["e"] == "line 5: stream must be false in a batch request"
     assert errors["f"].startswith('line 6: not an OpenAI batch request (no "body")')
     assert errors["g"].startswith("line 7: unknown request field 'extra'")
@@ -115,8 +115,8 @@ def test_fields_genlab_lacks_pass_at_values_that_ask_for_nothing():
     assert isinstance(items[0], gb.Job) and items[0].settings == plain.settings, items[0]
     assert [i.message for i in items[1:]] == [
         "line 2: genlab does not support best_of 3; remove best_of or set it to 1",
-        "line 3: genlab does not support echo True; remove echo or set it to false",
-        "line 4: genlab does not support best_of True; remove best_of or set it to 1"]
+        "line 3: genlab does not support echo true; remove echo or set it to false",
+        "line 4: genlab does not support best_of true; remove best_of or set it to 1"]
 
 
 def test_two_fields_for_one_setting_fail_the_line():
