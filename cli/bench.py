@@ -51,7 +51,7 @@ def check_decode_steps(counts: list[int]) -> None:
 
 
 def str_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> list[str]:
-    values = [v.strip() for v in text.split(",") if v.strip()]
+    values = opt.comma_list(text)
     if not values:
         raise fail(f"{flag}: give at least one value")
     for value in values:

@@ -192,13 +192,18 @@ def refuse_compile(given: bool) -> None:
                           "compiled runs torch.compile")
 
 
+def comma_list(text: str | None) -> list[str]:
+    """A comma list flag's items, stripped, empty ones dropped (`-p a,b`, `--models`)."""
+    return [part.strip() for part in (text or "").split(",") if part.strip()]
+
+
 def preset_refs(given: list[str] | None) -> list[str]:
     """The presets a Presets option names, in order: each -p may be a comma list."""
     from genlib.errors import ConfigError
 
     refs = []
     for item in given or []:
-        named = [ref.strip() for ref in item.split(",") if ref.strip()]
+        named = comma_list(item)
         if not named:
             raise ConfigError(f"--preset {item!r} names no preset; give a preset name or a "
                               f".yaml path")
