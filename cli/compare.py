@@ -10,6 +10,7 @@ alternatives per token), the OpenAI/vLLM object per output in the JSON.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from pathlib import Path
@@ -295,7 +296,7 @@ def comparison_markdown(comparison: Comparison) -> str:
             continue
         for n, sample in enumerate(r.samples):
             lines += [f"### sample {n + 1} ({sample.reason}, {len(sample.token_ids)} tokens)",
-                      "", "```text", sample.text, "```", ""]
+                      "", *fenced(sample.text), ""]
     return "\n".join(lines).rstrip() + "\n"
 
 
@@ -312,8 +313,16 @@ def models_markdown(comparison: ModelComparison) -> str:
     for run in comparison.runs:
         cut = " (interrupted)" if run.interrupted else ""
         lines += ["", f"## {run.label}{cut}", ""]
-        lines += [f"Error: {run.error}"] if run.error else ["```text", run.text, "```"]
+        lines += [f"Error: {run.error}"] if run.error else fenced(run.text)
     return "\n".join(lines).rstrip() + "\n"
+
+
+def fenced(text: str) -> list[str]:
+    """`text` as a fenced code block whose fence is longer than any run of backticks in
+    it (CommonMark's rule), so generated code that writes ``` cannot close it early."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}text", text, fence]
 
 
 def _md_inline(text: str) -> str:
@@ -636,6 +645,10 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
     if target.machine and target.to_stdout and markdown_path == "-":
         raise fail(f"--{target.mode} and --markdown - both want stdout; write one of them to "
                    f"a file (-o FILE or --markdown FILE)")
+    if markdown_path not in (None, "-") and not target.to_stdout \
+            and Path(markdown_path).resolve() == Path(target.path or "").resolve():
+        raise fail(f"-o and --markdown both name {markdown_path}; the Markdown would "
+                   f"overwrite the {target.mode.upper()}: give them different files")
     if markdown_path is not None and markdown_path != "-":
         from cli.output import check_writable
 

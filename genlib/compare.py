@@ -195,7 +195,11 @@ def with_samples(strategy: Strategy, samples: int) -> Strategy:
     """Stochastic strategies draw `samples` outputs; deterministic ones run once."""
     if samples == 1 or not strategy.stochastic:
         return strategy
-    settings = strategy.settings.replace(num_return_sequences=samples)
+    try:
+        settings = strategy.settings.replace(num_return_sequences=samples)
+    except ConfigError as exc:  # beam sampling: num_return_sequences <= num_beams
+        raise ConfigError(f"--samples {samples} does not fit strategy {strategy.label!r}: "
+                          f"{exc}") from None
     return Strategy(strategy.label, settings, strategy.source)
 
 
@@ -306,11 +310,12 @@ def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
 
 
 def warm_up(lm: LoadedModel, prompt_ids: Sequence[int]) -> None:
-    """One greedy token, untimed, before the first strategy's clock starts: the
-    process's first forward pays once for the weights' first reads and the backend's
-    first call, which the first column's time and tokens/s would otherwise carry (several
-    times the second column's for the same settings). A prompt the model cannot take is
-    left for the strategies to report."""
+    """One greedy token, untimed, before the first strategy's clock starts (and before
+    each model run's, comparing models): the process's first forward, and a freshly
+    loaded model's, pays for the weights' first reads and the backend's first call, which
+    the first column's time and tokens/s would otherwise carry (several times the second
+    column's for the same settings). A prompt the model cannot take is left for the
+    strategies to report."""
     from genlib.generate import stream
 
     try:
@@ -401,14 +406,16 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
     run = ModelRun(display_name(spec.ref), spec.quantize)
     try:
         lm = load_model(spec)
+        prompt_ids = lm.encode(prompt)
+        warm_up(lm, prompt_ids)  # else the first run's tokens/s carries the first forward
         _reset_peak_memory(lm)
-        start = time.perf_counter()
-        finish, run.logprobs_object = generate_one(lm, lm.encode(prompt), strategy,
-                                                   logprobs)
+        finish, run.logprobs_object = generate_one(lm, prompt_ids, strategy, logprobs)
     except GenlabError as exc:
         run.error = str(exc)
         return run, None
-    run.seconds = time.perf_counter() - start
+    # The decoder's clock (prefill and every step), as each output's timings: not the
+    # logprobs object's bookkeeping after it.
+    run.seconds = finish.end - finish.start
     run.text, run.token_ids, run.logprobs = finish.text, finish.token_ids, finish.logprobs
     run.finish_reason = finish.reason
     run.tokens_per_s = finish.new_tokens / run.seconds if run.seconds > 0 else None

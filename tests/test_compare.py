@@ -86,6 +86,16 @@ def test_too_many_samples_name_the_samples_flag():
         cmp.build_strategies([], ["top_k=5"], {}, samples=2000)
 
 
+def test_samples_beyond_a_beam_sampling_columns_beams_name_the_flag_and_column():
+    """It said only "num_return_sequences (3) must be <= num_beams (2)", a setting the
+    user never wrote, in none of several columns."""
+    variant = "strategy=beam,num_beams=2,do_sample=true"
+    with pytest.raises(ConfigError, match=r"^--samples 3 does not fit strategy "
+                       r"'strategy=beam,num_beams=2,do_sample=true': num_return_sequences "
+                       r"\(3\) must be <= num_beams \(2\)$"):
+        cmp.build_strategies([], ["top_k=5", variant], {}, samples=3)
+
+
 def test_column_headers_name_only_the_settings_that_changed():
     greedy, creative, top_k = cmp.build_strategies(["greedy", "creative"], ["top_k=5"], {})
     biased = cmp.Strategy("biased", greedy.settings.replace(logit_bias={"5": 2.0}), "variant")
@@ -215,6 +225,35 @@ def test_model_comparison_divergence(tmp_path):
     assert other.agreement < 1.0 and other.weight_bytes > 0
 
 
+def test_each_model_run_times_its_generation_only(monkeypatch):
+    """The first run's tokens/s carried the process's first forward (3-10 times below the
+    same model's next run) and, after the generation, the logprobs object's bookkeeping:
+    each run now gets an untimed token first and is timed by the decoder's clock."""
+    import genlib.generate
+    from genlib.models import ModelSpec
+
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    calls = []
+
+    def recording(lm, prompts, settings, **kwargs):
+        calls.append(settings.max_new_tokens)
+        yield from stream(lm, prompts, settings, **kwargs)
+
+    def slow_bookkeeping(lm, recorded):
+        import time
+
+        time.sleep(0.5)
+        return {}
+
+    monkeypatch.setattr(genlib.generate, "stream", recording)
+    monkeypatch.setattr(cmp, "logprobs_objects", slow_bookkeeping)
+    [greedy] = cmp.build_strategies([], ["strategy=greedy"], {"max_new_tokens": 6})
+    runs = cmp.compare_models([ModelSpec(str(STORIES))] * 2, PROMPT, greedy).runs
+    assert calls == [1, 6, 1, 6]  # an untimed token before each timed run
+    assert all(r.seconds < 0.5 and len(r.token_ids) == 6 for r in runs)
+
+
 def test_ctrl_c_stops_the_model_comparison_after_the_cut_run(ctrl_c_at):
     from genlib.models import ModelSpec
 
@@ -277,6 +316,24 @@ def test_markdown_has_every_strategy(default_run):
         assert f"\n## {label}\n" in text
     assert "| repeated 4-grams |" in text and "**" in text
 
+
+def test_markdown_code_blocks_hold_texts_that_write_backticks():
+    """A sample (or model run) that writes ``` closed its ```text block early: the rest
+    of the text, and every section after it, read as Markdown instead of as output."""
+    from markdown_it import MarkdownIt
+
+    from cli.compare import models_markdown
+
+    texts = ["```python\nx = 1\n```\n## not a heading", "a ```` b"]
+    [greedy] = cmp.build_strategies(["greedy"], [], {})
+    result = cmp.StrategyResult(greedy, [cmp.Sample(text, (1,), (-1.0,), "length", 0.1)
+                                         for text in texts], {})
+    runs = [cmp.ModelRun("m", "none", text=text, token_ids=(1,), finish_reason="length")
+            for text in texts]
+    for markdown in (comparison_markdown(cmp.Comparison("m", PROMPT, 4, 1, [result])),
+                     models_markdown(cmp.ModelComparison(PROMPT, greedy, runs))):
+        blocks = [t.content for t in MarkdownIt().parse(markdown) if t.type == "fence"]
+        assert blocks == [text + "\n" for text in texts]
 
 # --- the command --------------------------------------------------------------------
 
@@ -394,6 +451,19 @@ def test_cli_user_errors(args, message):
     assert message in result.stderr
     assert "Traceback" not in result.output
 
+
+@pytest.mark.parametrize("form", ["--json", "--jsonl"])
+def test_cli_json_and_markdown_to_one_file_are_refused(tmp_path, form):
+    """The Markdown was written last over the JSON, exit 0: the JSON was lost."""
+    out = tmp_path / "c.out"
+    out.write_text("kept\n")
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "4",
+                                 "-p", "greedy", form, "-o", str(out),
+                                 "--markdown", str(tmp_path / "." / "c.out")])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.startswith("error: -o and --markdown both name ")
+    assert "give them different files" in result.stderr
+    assert out.read_text() == "kept\n"  # refused before anything was written
 
 def preset_file(tmp_path: Path, name: str, model: Path) -> str:
     path = tmp_path / f"{name}.yaml"
