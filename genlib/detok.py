@@ -11,6 +11,8 @@ Joined, the emitted pieces equal `decode(prompt + output) - decode(prompt)`.
 
 from __future__ import annotations
 
+import functools
+import re
 from typing import Any
 
 REPLACEMENT = "\ufffd"
@@ -80,8 +82,6 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     where the token is part of a character (its text is U+FFFD), the bytes it stands
     for: a sentencepiece byte-fallback piece `<0xC3>`'s one byte, a byte-level BPE
     piece's bytes through GPT-2's byte alphabet."""
-    import re
-
     if REPLACEMENT not in text:
         return list(text.encode("utf-8"))
     piece = tokenizer.convert_ids_to_tokens(token_id)
@@ -96,6 +96,7 @@ def token_bytes(tokenizer: Any, token_id: int, text: str) -> list[int]:
     return list(text.encode("utf-8"))
 
 
+@functools.cache
 def _byte_alphabet() -> dict[str, int]:
     """GPT-2's byte-level alphabet, character -> byte (tokenizers' ByteLevel)."""
     from transformers.convert_slow_tokenizer import bytes_to_unicode
