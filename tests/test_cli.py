@@ -416,17 +416,21 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def chat_model(tmp_path_factory, stories):
-    """stories260K saved with a (toy) chat template, as a local model folder."""
-    folder = tmp_path_factory.mktemp("chat-model")
+def saved_with_template(stories, folder, template: str):
+    """stories260K saved to `folder` with a chat template, as a local model folder."""
     stories.model.save_pretrained(folder)
-    stories.tokenizer.chat_template = CHAT_TEMPLATE
+    stories.tokenizer.chat_template = template
     try:
         stories.tokenizer.save_pretrained(folder)
     finally:
         stories.tokenizer.chat_template = None
     return folder
+
+
+@pytest.fixture(scope="module")
+def chat_model(tmp_path_factory, stories):
+    """stories260K with a (toy) chat template."""
+    return saved_with_template(stories, tmp_path_factory.mktemp("chat-model"), CHAT_TEMPLATE)
 
 
 def test_chat_applies_template_with_system_message(chat_model):
@@ -451,14 +455,8 @@ STRICT_TEMPLATE = ("{% for m in messages %}{% if m['role'] == 'system' %}"
 @pytest.fixture(scope="module")
 def strict_chat_model(tmp_path_factory, stories):
     """stories260K with a chat template that refuses system messages (as Gemma's does)."""
-    folder = tmp_path_factory.mktemp("strict-chat-model")
-    stories.model.save_pretrained(folder)
-    stories.tokenizer.chat_template = STRICT_TEMPLATE
-    try:
-        stories.tokenizer.save_pretrained(folder)
-    finally:
-        stories.tokenizer.chat_template = None
-    return folder
+    return saved_with_template(stories, tmp_path_factory.mktemp("strict-chat-model"),
+                               STRICT_TEMPLATE)
 
 
 def test_chat_template_refusing_the_system_message_is_one_input_error(strict_chat_model):
