@@ -109,14 +109,13 @@ def show_document(preset: Preset) -> dict[str, Any]:
     """`presets show --json`: the preset, its resolved settings, and which file along
     its `extends` chain set each setting it holds (the others are genlab's defaults)."""
     from genlib.presets import resolve_alone
-    from genlib.provenance import preset_files
 
     described = {"name": preset.name, "description": preset.description,
                  "source": source_of(preset.path), "path": str(preset.path)}
     return output.document(
         "presets show", preset.model, preset=described,
         settings=resolve_alone(preset).to_dict(),
-        set_by={key: str(path) for key, path in preset_files(preset).items()})
+        set_by={key: str(path) for key, path in preset.set_by.items()})
 
 
 def show_yaml(preset: Preset) -> str:

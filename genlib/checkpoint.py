@@ -56,25 +56,26 @@ def check_folder(ref: str) -> None:
     if problem is not None:
         raise ModelLoadError(f"cannot load {ref}: config.json {problem}; {FIX_CONFIG}")
     generation = path / "generation_config.json"
-    problem = json_problem(generation) if generation.is_file() else None
-    problem = problem or (_token_ids_problem(generation) if generation.is_file() else None)
-    if problem is not None:
-        raise ModelLoadError(f"cannot load {ref}: generation_config.json {problem}; fix it, "
-                             f"or remove it (it holds the model's default settings only)")
+    if generation.is_file():
+        problem = json_problem(generation) or _token_ids_problem(generation)
+        if problem is not None:
+            raise ModelLoadError(f"cannot load {ref}: generation_config.json {problem}; fix "
+                                 f"it, or remove it (it holds the model's default settings "
+                                 f"only)")
 
 
 def _token_ids_problem(path: Path) -> str | None:
     """What is wrong with the token ids in generation_config.json (a JSON object), in
     words; None when each is an integer (eos_token_id: or a list of them) or absent.
     transformers fails on another type with a TypeError that says nothing of the file."""
-    fields = json.loads(path.read_bytes())
+    fields = json.loads(path.read_bytes(), parse_int=jsonl.read_integer)
     for name in GENERATION_TOKEN_IDS:
         value = fields.get(name)
         listed = name == "eos_token_id" and isinstance(value, list)
         if value is None or all(_is_id(v) for v in (value if listed else [value])):
             continue
         either = "an integer or a list of integers" if name == "eos_token_id" else "an integer"
-        return f"sets {name} to {_excerpt(value)}, which must be a token id ({either})"
+        return f"sets {name} to {jsonl.excerpt(value, 30)}, which must be a token id ({either})"
     return None
 
 
@@ -85,7 +86,7 @@ def _is_id(value: Any) -> bool:
 def json_problem(path: Path) -> str | None:
     """What keeps the file at `path` from being a JSON object, in words; None if it is one."""
     try:
-        value = json.loads(path.read_bytes())
+        value = json.loads(path.read_bytes(), parse_int=jsonl.read_integer)
     except json.JSONDecodeError as exc:
         return (f"is not valid JSON ({jsonl.syntax_error(exc)} at line {exc.lineno} column "
                 f"{exc.colno})")
@@ -93,17 +94,13 @@ def json_problem(path: Path) -> str | None:
         return "is not UTF-8 text"
     except RecursionError:
         return "is nested too deeply to read"
+    except jsonl.LongInteger as exc:
+        return f"holds an integer of {exc.digits:,} digits, more than Python reads"
     except OSError as exc:
         return f"cannot be read ({exc.strerror or exc})"
     if isinstance(value, dict):
         return None
-    return f"holds {_excerpt(value)}, not a JSON object"
-
-
-def _excerpt(value: Any) -> str:
-    """A JSON value as a message quotes it: its first 30 characters at most."""
-    text = json.dumps(value)
-    return text if len(text) <= 30 else text[:27] + "..."
+    return f"holds {jsonl.excerpt(value, 30)}, not a JSON object"
 
 
 def check_sizes(ref: str, config: Any) -> None:

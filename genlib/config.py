@@ -22,6 +22,7 @@ from typing import Any
 
 import yaml
 
+from genlib import jsonl
 from genlib.errors import ConfigError
 
 STRATEGIES = ("greedy", "sample", "beam")
@@ -395,11 +396,14 @@ def _coerce_schema(source: str, key: str, value: Any) -> str:
     """json_schema as compact JSON text, checked to be a valid JSON schema."""
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = json.loads(value, parse_int=jsonl.read_integer)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}: {key} is not valid JSON: {exc}") from None
         except RecursionError:
             raise _schema_too_deep(source, key) from None
+        except jsonl.LongInteger as exc:
+            raise ConfigError(f"{source}: {key} holds an integer of {exc.digits:,} digits, "
+                              f"more than Python reads; no schema needs one") from None
     if not isinstance(value, (Mapping, bool)):
         raise _type_error(source, key, SPECS[key], value)
     _check_schema_shape(source, key, value)

@@ -59,7 +59,7 @@ def loads(text: str, text_only: bool = True) -> Any:
         raise JsonLineError(f"holds a lone surrogate (U+{ord(char):04X}) at character "
                             f"{index + 1}, which is not valid Unicode text")
     try:
-        value = json.loads(text, object_pairs_hook=_unique_keys, parse_int=_integer)
+        value = json.loads(text, object_pairs_hook=_unique_keys, parse_int=read_integer)
     except json.JSONDecodeError as exc:
         raise JsonLineError(f"not valid JSON ({syntax_error(exc)} at column "
                             f"{exc.colno})") from None
@@ -68,7 +68,7 @@ def loads(text: str, text_only: bool = True) -> Any:
                             f"one (JSON readers differ on which one counts)") from None
     except RecursionError:
         raise JsonLineError("not usable JSON: nested too deeply for the parser") from None
-    except _LongInteger as exc:
+    except LongInteger as exc:
         raise JsonLineError(f"not usable JSON: an integer of {exc.digits:,} digits, more "
                             f"than Python reads; no setting takes one, so fix or drop the "
                             f"line") from None
@@ -79,17 +79,28 @@ def loads(text: str, text_only: bool = True) -> Any:
     return value
 
 
-class _LongInteger(ValueError):
+class LongInteger(ValueError):
+    """An integer with more digits than Python converts (`read_integer`)."""
+
     def __init__(self, digits: int) -> None:
         super().__init__(digits)
         self.digits = digits
 
 
-def _integer(text: str) -> int:
+def read_integer(text: str) -> int:
+    """json's `parse_int` for any JSON genlab reads: LongInteger, with the digit count,
+    where json's own ValueError would advise raising sys.set_int_max_str_digits."""
     try:
         return int(text)
     except ValueError:  # more digits than sys.get_int_max_str_digits()
-        raise _LongInteger(len(text.lstrip("-"))) from None
+        raise LongInteger(len(text.lstrip("-"))) from None
+
+
+def excerpt(value: Any, width: int) -> str:
+    """A JSON value as a message quotes it, as JSON writes it (true, null, "text"), cut
+    to `width` characters."""
+    text = json.dumps(value)
+    return text if len(text) <= width else text[:width - 3] + "..."
 
 
 class _DuplicateKey(ValueError):

@@ -189,14 +189,8 @@ def _check_unsupported(key: str, value: Any, where: str) -> None:
     """A field genlab lacks passes only at the value that asks for nothing."""
     wanted = UNSUPPORTED[key]
     if value != wanted or isinstance(value, bool) != isinstance(wanted, bool):
-        raise ConfigError(f"{where}: genlab does not support {key} {_json_shown(value)}; "
+        raise ConfigError(f"{where}: genlab does not support {key} {jsonl.excerpt(value, 60)}; "
                           f"remove {key} or set it to {json.dumps(wanted)}")
-
-
-def _json_shown(value: Any) -> str:
-    """A value from a JSON line as JSON writes it, cut short."""
-    text = json.dumps(value, ensure_ascii=False, default=str)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _response_schema(value: Any, where: str) -> dict[str, Any] | None:

@@ -39,12 +39,6 @@ class Source:
     ignored: str = ""
 
 
-def preset_files(preset: Preset) -> dict[str, Path]:
-    """Which file along a preset's `extends` chain set each of its settings (the
-    child's own keys win), as `load_preset` followed the chain."""
-    return dict(preset.set_by)
-
-
 def model_generation_config(model_ref: str, model: Callable[[], Any] | None = None
                             ) -> dict[str, Any]:
     """The settings a model's generation_config.json names (a local folder's file, else
@@ -67,7 +61,7 @@ def model_generation_config(model_ref: str, model: Callable[[], Any] | None = No
 def sources(settings: GenerationSettings, cli: Mapping[str, Any], preset: Preset | None,
             model_config: Mapping[str, Any]) -> list[Source]:
     """Every setting of `settings` with its source (see the module doc)."""
-    files = preset_files(preset) if preset is not None else {}
+    files = preset.set_by if preset is not None else {}
     out = []
     for name in SPECS:
         value = getattr(settings, name)

@@ -162,3 +162,13 @@ def test_early_stopping_never_is_read_in_any_case_as_true_and_false_are():
                         ("false", False)):
         assert parse_assignments(f"early_stopping={text}", "--variant") == {
             "early_stopping": value}
+
+
+def test_a_schema_text_holding_an_integer_too_long_to_read_is_named():
+    """json.loads raised a ValueError advising sys.set_int_max_str_digits, which reached
+    the user as `unexpected ValueError` (--json-schema FILE)."""
+    schema = '{"type": "string", "maxLength": ' + "9" * 5000 + "}"
+    with pytest.raises(ConfigError) as caught:
+        validate_settings({"json_schema": schema}, "--json-schema")
+    assert str(caught.value) == ("--json-schema: json_schema holds an integer of 5,000 digits, "
+                                 "more than Python reads; no schema needs one")

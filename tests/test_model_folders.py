@@ -275,7 +275,10 @@ def test_a_base_model_checkpoint_without_the_prefix_still_loads(tmp_path):
     ('{"eos_token_id": [1, null]}', "sets eos_token_id to [1, null], which must be a token"),
     ('{"eos_token_id": 1.5}', "sets eos_token_id to 1.5, which must be a token id"),
     ('{"pad_token_id": [1, 2]}', "generation_config.json sets pad_token_id to [1, 2], which "
-                                 "must be a token id (an integer)")])
+                                 "must be a token id (an integer)"),
+    pytest.param('{"eos_token_id": ' + "9" * 5000 + "}",  # not json's advice to raise a limit
+                 "generation_config.json holds an integer of 5,000 digits, more than Python "
+                 "reads", id="long-integer")])
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_broken_generation_config_is_named(tmp_path, command, text, fragment):
     """transformers passes over a generation_config.json that is not JSON (the end ids
