@@ -32,8 +32,9 @@ from genlib.errors import GenlabError, UserInputError
 INSTALL_HINT = 'install it with: pip install "genlab[ray]" (in a checkout: pip install ".[ray]")'
 AUTH_MODE = "RAY_AUTH_MODE"  # Ray's switch for token authentication: "token" or "disabled"
 PROBE_TIMEOUT_S = 10.0  # for a TCP connection to the cluster's address
-# What --ray-address takes: auto, HOST:PORT (an IPv6 host in brackets), ray://...
-ADDRESS = re.compile(r"auto|ray://\S+|(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]@]+):(?P<port>\d{1,5})")
+# What --ray-address takes: auto, HOST:PORT (an IPv6 host in brackets). Not Ray Client's
+# ray://, which Ray's docs advise against for ML workloads and genlab does not test.
+ADDRESS = re.compile(r"auto|(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]@]+):(?P<port>\d{1,5})")
 
 
 class RayMissingError(UserInputError):
@@ -110,8 +111,8 @@ def connect(address: str | None, cpus: int | None = None) -> bool:
 
 
 def check_address(address: str) -> None:
-    """UserInputError unless `address` is one that --ray-address takes: `auto`, the
-    head's HOST:PORT or a Ray Client ray://HOST:PORT. Ray would take others (`local`,
+    """UserInputError unless `address` is one that --ray-address takes: `auto` or the
+    head's HOST:PORT. Ray would take others (`local`,
     or an empty one, starts a cluster that is not private; a malformed one prints a
     traceback) or answer them with a message about something else."""
     match = ADDRESS.fullmatch(address)
@@ -148,7 +149,7 @@ def resolve(address: str) -> str | None:
 
 def check_reachable(address: str, found: str | None) -> None:
     """RayEngineError at once if nothing listens at `found` (HOST:PORT), where ray.init
-    would retry for many minutes. Other address forms (ray://...) are left to Ray."""
+    would retry for many minutes."""
     host, _, port = (found or "").rpartition(":")
     if not host or not port.isdigit() or "/" in host:
         return

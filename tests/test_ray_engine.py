@@ -398,7 +398,8 @@ def test_engine_ray_without_ray_says_how_to_install_it(monkeypatch, tmp_path):
     *[(["--input", "x", "--output", "o", "--engine", "ray", "--ray-address", address],
        f"--ray-address must be auto or the head's HOST:PORT (`ray start --head` prints "
        f"it), got {address!r}; leave it out to start a private cluster on this machine")
-      for address in ("", "local", ":6379", "head", "head:port", "head:65536")],
+      for address in ("", "local", ":6379", "head", "head:port", "head:65536",
+                      "ray://head:10001")],
 ])
 def test_cli_refuses_engine_flags_that_cannot_apply(args: list[str], message: str):
     result = runner.invoke(app, ["generate", *MODEL, *args])
