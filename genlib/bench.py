@@ -257,7 +257,7 @@ def baseline_gap(settings: GenerationSettings) -> str | None:
     """What of `settings` transformers' `generate()` cannot run, in words (None: it runs
     them all, in the same order), so that the baseline never runs other settings."""
     from genlib.config import SPECS, active_stages
-    from genlib.processors import DEFAULT_ORDER, SAMPLING_STAGES
+    from genlib.processors import DEFAULT_ORDER, SAMPLING_STAGES, stage_order
 
     values = settings.to_dict()
     stages = [name for name in active_stages(values)
@@ -267,9 +267,9 @@ def baseline_gap(settings: GenerationSettings) -> str | None:
     missing += [name for name in stages if name not in BASELINE_STAGES]
     if missing:
         return f"{', '.join(missing)}, which model.generate() does not have"
-    order = [name for name in settings.samplers if name in stages]
+    order = [name for name in stage_order(settings) if name in stages]
     fixed = [name for name in DEFAULT_ORDER if name in stages]
-    if settings.samplers and order != fixed:
+    if order != fixed:
         return (f"the samplers order {', '.join(order)}, where model.generate() runs "
                 f"{', '.join(fixed)}")
     return None

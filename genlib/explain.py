@@ -15,6 +15,7 @@ from typing import Any
 
 from genlib.config import GenerationSettings
 from genlib.detok import token_bytes
+from genlib.errors import ConfigError
 from genlib.events import Finish, Token
 from genlib.models import LoadedModel
 from genlib.processors import GRAMMAR_STAGE
@@ -57,8 +58,6 @@ def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSett
 def check_forced(lm: LoadedModel, t: Token) -> None:
     """ConfigError for a branch token the grammar forbids at its step: the grammar then
     allows no next token, and the branch would go on outside it."""
-    from genlib.errors import ConfigError
-
     if t.detail is not None and t.detail.forced and \
             t.detail.chosen.removed_by == GRAMMAR_STAGE:
         raise ConfigError(
@@ -81,8 +80,6 @@ def parse_branch(lm: LoadedModel, step: str, token: str, max_new_tokens: int, *,
     `usage` (how the caller writes one) when the step is not a number or the token is
     missing; naming the caller (`name`) and what sets max_new_tokens there (`limit`)
     when the step is past it."""
-    from genlib.errors import ConfigError
-
     if not step.isdigit() or not token.strip():
         raise ConfigError(usage)
     if int(step) >= max_new_tokens:
@@ -94,8 +91,6 @@ def parse_branch(lm: LoadedModel, step: str, token: str, max_new_tokens: int, *,
 def parse_token(lm: LoadedModel, text: str) -> int:
     """A branch's TOKEN: an id (digits, or `#id`) or a text that is exactly one token
     (tried as is and with a leading space, as a word inside a sentence)."""
-    from genlib.errors import ConfigError
-
     raw = text[1:] if text.startswith("#") else text
     if raw.isdigit():
         tid = int(raw)

@@ -2,8 +2,8 @@
 or an EBNF/GBNF grammar becomes the chain's first stage, "grammar", which sets the logit
 of every token the grammar cannot take next to -inf.
 
-    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
-    stage = grammar.stage(constraint, prompt_width)
+    compiled = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, constraint=compiled, ...)
 
 The stage is a pure function of the context: each row's generated tokens (the columns
 of `token_ids` from `prompt_width` on) select a grammar matcher, kept in a small cache
@@ -70,7 +70,7 @@ def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> 
 
 
 def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], settings: Any
-                ) -> Any | None:
+                ) -> CompiledGrammar | None:
     """The settings' constraint compiled for this tokenizer (None without one).
     ConfigError when xgrammar is missing or cannot read the schema, regex or grammar."""
     kind = kind_of(settings)
@@ -82,17 +82,17 @@ def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], setting
     text = getattr(settings, kind)
     try:
         if kind == "json_schema":
-            return Constraint(compiler.compile_json_schema(text, any_whitespace=False),
-                              _schema_check(tokenizer, text))
+            return CompiledGrammar(compiler.compile_json_schema(text, any_whitespace=False),
+                                   _schema_check(tokenizer, text))
         if kind == "regex":
-            return Constraint(compiler.compile_regex(text))
-        return Constraint(compiler.compile_grammar(text))
+            return CompiledGrammar(compiler.compile_regex(text))
+        return CompiledGrammar(compiler.compile_grammar(text))
     except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
 
 
 @dataclass(frozen=True)
-class Constraint:
+class CompiledGrammar:
     """A grammar compiled for one tokenizer, and for a JSON schema `valid`: whether a
     finished output's tokens are an instance of it, which the mask alone cannot promise
     (xgrammar leaves some keywords unenforced)."""
@@ -139,10 +139,10 @@ class Matchers:
     compiled: Any
     cache: OrderedDict[tuple[int, ...], Any]  # key -> its matcher (None: not allowed)
     moved: OrderedDict[tuple[int, ...], tuple[int, ...]]  # key -> the longer key it became
-    valid: Callable[[Sequence[int]], bool] | None = None  # Constraint.valid
+    valid: Callable[[Sequence[int]], bool] | None = None  # CompiledGrammar.valid
 
     @classmethod
-    def start(cls, constraint: Constraint) -> Matchers:
+    def start(cls, constraint: CompiledGrammar) -> Matchers:
         root = _xgrammar().GrammarMatcher(constraint.grammar)
         return cls(constraint.grammar, OrderedDict({(): root}), OrderedDict(),
                    constraint.valid)

@@ -49,6 +49,7 @@ from genlib.step import (
     Plan,
     Row,
     advance,
+    check_prompts,
     finish_row,
     make_plan,
     new_row,
@@ -313,13 +314,10 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
     if settings.num_return_sequences > 1:
         raise ConfigError(f"speculative decoding supports one sequence at a time (batch "
                           f"size 1); got num_return_sequences={settings.num_return_sequences}")
-    if not prompt_ids:
-        raise ConfigError("the prompt needs at least one token")
     if not 1 <= num_draft_tokens <= MAX_DRAFT_TOKENS:
         raise ConfigError(f"--num-draft-tokens must be 1 to {MAX_DRAFT_TOKENS}, got "
                           f"{num_draft_tokens}")
-    target.check_fits(len(prompt_ids), settings.max_new_tokens)
-    target.check_token_ids(prompt_ids)
+    check_prompts(target, [prompt_ids], settings)
     if draft_lm is not None:
         check_same_vocabulary(target, draft_lm)
         draft_lm.check_fits(len(prompt_ids), settings.max_new_tokens,

@@ -267,6 +267,10 @@ def test_baseline_runs_what_generate_has_with_every_value_passed():
         assert bench.baseline_gap(resolve_settings({}, load_preset(name).settings)) is None
     # top_k off is passed as 0: None would let a model's generation_config top_k in
     assert bench.baseline_kwargs(sample)["top_k"] == 0
+    cut = resolve_settings({"strategy": "sample", "epsilon_cutoff": 3e-4, "eta_cutoff": 2e-3})
+    assert bench.baseline_gap(cut) is None
+    assert (bench.baseline_kwargs(cut)["epsilon_cutoff"],
+            bench.baseline_kwargs(cut)["eta_cutoff"]) == (3e-4, 2e-3)
 
 
 def test_one_case_per_backend_asked_for_and_the_no_cache_loop():

@@ -76,12 +76,8 @@ def check_name(name: str) -> str:
 def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     """A fresh backend for one generation on `lm` (see the module doc); its `reason`
     says why it was picked."""
-    name = check_name(request.backend)
-    if name == "auto":
-        name, reason = _auto(lm, request)
-    else:
-        reason = "asked for with --backend"
-    backend = _build(name, lm, request)
+    name, reason = _pick(lm, request)
+    backend = _build(name, lm)
     backend.reason = reason
     return backend
 
@@ -89,13 +85,19 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
 def backend_name(lm: LoadedModel, request: Request) -> str:
     """The name of the backend `choose_backend` gives `request`, without building it; the
     same ConfigError for an explicit backend that cannot serve it."""
+    return _pick(lm, request)[0]
+
+
+def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
+    """The backend's name and why: auto's choice, or the one asked for, which is refused
+    with a ConfigError naming what would work when it cannot serve `request` on `lm`."""
     name = check_name(request.backend)
     if name == "auto":
-        return _auto(lm, request)[0]
+        return _auto(lm, request)
     refusal = _refusal(name, lm, request)
     if refusal is not None:
         raise ConfigError(refusal)
-    return name
+    return name, "asked for with --backend"
 
 
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
@@ -210,11 +212,8 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     return None
 
 
-def _build(name: str, lm: LoadedModel, request: Request) -> Backend:
-    """The named backend over `lm`, or a ConfigError saying why it cannot serve."""
-    refusal = _refusal(name, lm, request)
-    if refusal is not None:
-        raise ConfigError(refusal)
+def _build(name: str, lm: LoadedModel) -> Backend:
+    """The named backend over `lm`, which `_pick` found can serve the request."""
     if name == "transformers":
         from genlib.backends.transformers import TransformersBackend
 
@@ -222,7 +221,7 @@ def _build(name: str, lm: LoadedModel, request: Request) -> Backend:
     if name == "compiled":
         return _compiled(lm)
     lean = _lean(lm)
-    assert lean is not None  # _refusal refused it otherwise
+    assert lean is not None  # _auto picks it only then, and _refusal refused it otherwise
     if name == "lean":
         from genlib.backends.lean import LeanBackend
 
