@@ -603,10 +603,7 @@ def compare(
         raise fail("-m/--model and --models exclude each other: give every model to "
                    "--models (comma-separated), or one with -m")
     presets = opt.preset_refs(preset)
-    opt.check_one_stdin({"prompt": prompt, "json_schema": json_schema, "grammar": grammar})
-    flags = opt.setting_flags(max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                              stop_strings=stop, max_time=max_time, ignore_eos=ignore_eos,
-                              seed=seed, **opt.grammar_flags(json_schema, regex, grammar))
+    flags = opt.decoding_flags(locals())
     base_seed = seed if seed is not None else fresh_seed()
     strategies = with_seed(build_strategies(presets, variant or [], flags, samples),
                            base_seed)

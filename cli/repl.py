@@ -374,18 +374,18 @@ def set_values(session: Session, args: str) -> None:
     cleared = [p[:-1] for p in parts
                if p not in views and p.endswith("=") and "=" not in p[:-1]]
     args = " ".join(p for p in parts if p not in views and p[:-1] not in cleared)
+    changes: dict[str, Any] = {}
+    if args or cleared:  # the settings first: logprobs changes only if they are valid
+        unknown = [key for key in cleared if key not in SPECS]
+        if unknown:
+            raise CommandError(f"/set {unknown[0]}=: no such setting (`genlab presets keys` "
+                               f"lists them)")
+        changes = parse_assignments(args, "/set") if args else {}
+        flags = {k: v for k, v in session.flags.items() if k not in cleared}
+        apply(session, flags | changes, session.preset, "/set")
     if views:
         session.logprobs = int(views[-1].partition("=")[2] or 0)  # KEY=: the default
         render.info(f"logprobs {session.logprobs}")
-        if not args and not cleared:
-            return
-    unknown = [key for key in cleared if key not in SPECS]
-    if unknown:
-        raise CommandError(f"/set {unknown[0]}=: no such setting (`genlab presets keys` "
-                           f"lists them)")
-    changes = parse_assignments(args, "/set") if args else {}
-    flags = {k: v for k, v in session.flags.items() if k not in cleared}
-    apply(session, flags | changes, session.preset, "/set")
     if cleared:
         render.info(f"cleared {', '.join(cleared)} (the preset's or the default value)")
     if changes:

@@ -251,3 +251,14 @@ def test_logprobs_cleared_with_an_empty_value_and_beam_says_it_shows_none(tmp_pa
         "warning: beam search keeps no per-token logprobs to show; /set logprobs=0, or "
         "another strategy")
     assert "logprobs 0" in result.stderr
+
+
+@pytest.mark.slow
+def test_a_refused_set_leaves_logprobs_as_they_were(tmp_path: Path):
+    """`/set logprobs=3 temperature=abc` is refused as a whole: logprobs stay off, as the
+    temperature does (it said `logprobs 3` and kept them on beside the error)."""
+    result = piped(tmp_path, ["/set logprobs=3 temperature=abc", "/show"], "-n", "4")
+    assert result.returncode == 0, result.stderr
+    assert errors(result.stderr) == ["error: /set: temperature must be a number, got 'abc'"]
+    assert "logprobs 3" not in result.stderr
+    assert "logprobs: 0" in result.stdout + result.stderr
