@@ -465,6 +465,7 @@ def test_cli_json_and_markdown_to_one_file_are_refused(tmp_path, form):
     assert "give them different files" in result.stderr
     assert out.read_text() == "kept\n"  # refused before anything was written
 
+
 def preset_file(tmp_path: Path, name: str, model: Path) -> str:
     path = tmp_path / f"{name}.yaml"
     path.write_text(f"model: {model}\ntemperature: 0.8\n")

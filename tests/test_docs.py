@@ -350,7 +350,7 @@ def markdown_rows(text: str) -> dict[str, list[str]]:
     """A Markdown table's rows by their first cell, bold dropped."""
     rows = {}
     for line in text.splitlines():
-        cells = [cell.strip().strip("*") for cell in line.strip().strip("|").split("|")]
+        cells = [cell.strip().strip("*") for cell in CELL_BORDER.split(line.strip())[1:-1]]
         if line.startswith("|") and len(cells) > 1:
             rows[cells[0]] = cells[1:]
     return rows
