@@ -39,11 +39,6 @@ def parse_steps(text: str | None) -> tuple[int, int | None]:
     return first, last
 
 
-def runs_of(record: dict[str, Any]) -> list[dict[str, Any]]:
-    """The record's runs: the original and, with --branch, the branch."""
-    return [record["original"], *([record["branch"]] if "branch" in record else [])]
-
-
 def warn_if_no_step(steps: str, first: int, runs: list[dict[str, Any]]) -> None:
     """A warning when `--steps A:B` selects none of the steps the view would show."""
     from cli.render import warn
@@ -175,7 +170,10 @@ def explain(
     record = explain_record(lm, ids, text, settings, top, forced)
     render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)
     if steps:  # the page shows both runs' steps, the terminal view the original's
-        warn_if_no_step(steps, first, runs_of(record) if html_file else [record["original"]])
+        from genlib.explain import runs_of
+
+        runs = list(runs_of(record).values()) if html_file else [record["original"]]
+        warn_if_no_step(steps, first, runs)
     if html_file is not None:
         from cli.explain_html import page
 
@@ -187,5 +185,4 @@ def explain(
     elif html_file is None:
         render_explain.show_steps(record["original"]["steps"], first, last)
         if "branch" in record:
-            render_explain.show_branch(record["original"], record["branch"],
-                                       record["branch"]["diverges_at"])
+            render_explain.show_branch(record["original"], record["branch"])

@@ -135,25 +135,27 @@ def run_text(run: str, steps: list[dict[str, Any]], prompt: str, shown: range | 
 
 def branch_note(branch: dict[str, Any]) -> str:
     """What the page says of the branch: where it diverges and how that is marked."""
-    step, at = branch["step"], branch["diverges_at"]
-    if len(branch["steps"]) <= step:
+    from genlib.explain import branch_outcome
+
+    step, outcome = branch["step"], branch_outcome(branch)
+    if outcome == "ended":
         return (f" The run ended after {len(branch['steps'])} steps, before step {step}: "
                 f"the branch forced nothing, the two runs are the same.")
     forced = html.escape(repr(branch["steps"][step]["token"]))
-    if at is None:
+    if outcome == "same":
         return (f" The branch forced {forced} at step {step} (wavy underline), the token the "
                 f"original chose there: no divergence, the two runs are the same.")
     return (f" The branch forced {forced} at step {step} (wavy underline) and "
-            f"continued with the same random draws; the runs diverge at step {at}: from "
-            f"there on tokens have a bar above.")
+            f"continued with the same random draws; the runs diverge at step "
+            f"{branch['diverges_at']}: from there on tokens have a bar above.")
 
 
 def page(record: dict[str, Any], first: int = 0, last: int | None = None) -> str:
     """The whole page for an `explain --json` record: the original run and, with a
     branch, the branch below it; only steps first to last - 1 (--steps) clickable."""
-    runs = {"original": record["original"]}
-    if "branch" in record:
-        runs["branch"] = record["branch"]
+    from genlib.explain import runs_of
+
+    runs = runs_of(record)
     at = record["branch"]["diverges_at"] if "branch" in record else None
     longest = max(len(run["steps"]) for run in runs.values())
     shown = None if first == 0 and last is None else \

@@ -98,18 +98,22 @@ def show_steps(steps: Sequence[dict[str, Any]], first: int, last: int | None) ->
             out.print()
 
 
-def show_branch(original: dict[str, Any], branch: dict[str, Any], at: int | None) -> None:
-    """The original and the branch side by side; tokens from the divergence on marked."""
+def show_branch(original: dict[str, Any], branch: dict[str, Any]) -> None:
+    """The original and the branch (the two runs of an explain document) side by side;
+    tokens from the divergence on marked."""
+    from genlib.explain import branch_outcome
+
+    at = branch["diverges_at"]
     table = Table(show_edge=False)
     table.add_column("original")
     table.add_column("branch")
     table.add_row(_marked(original["steps"], at), _marked(branch["steps"], at))
     out.print(table)
-    step, length = branch["step"], len(branch["steps"])
-    if at is None and length <= step:
-        note = (f"no divergence: the run ended after {length} steps, before step {step}, so "
-                f"nothing was forced and the two runs are the same")
-    elif at is None:
+    step, outcome = branch["step"], branch_outcome(branch)
+    if outcome == "ended":
+        note = (f"no divergence: the run ended after {len(branch['steps'])} steps, before "
+                f"step {step}, so nothing was forced and the two runs are the same")
+    elif outcome == "same":
         note = (f"no divergence: the token forced at step {step} is the one the original "
                 f"chose there, so the two runs are the same")
     else:

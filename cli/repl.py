@@ -490,8 +490,7 @@ def branch(session: Session, args: str) -> None:
                                 "or /branch 3 the (a text that is one token; a leading space "
                                 "is tried too); STEP counts the answer's tokens from 0")
     record = explain_record(session.lm, ids, "", settings, 1, forced)
-    render_explain.show_branch(record["original"], record["branch"],
-                               record["branch"]["diverges_at"])
+    render_explain.show_branch(record["original"], record["branch"])
 
 
 def save(session: Session, args: str) -> None:

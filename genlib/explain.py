@@ -74,6 +74,21 @@ def divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
+def runs_of(record: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """An explain document's runs by name: the original and, with a branch, the branch."""
+    return {"original": record["original"],
+            **({"branch": record["branch"]} if "branch" in record else {})}
+
+
+def branch_outcome(branch: dict[str, Any]) -> str:
+    """What a branch record (the `branch` of an explain document) did: "ended" (the run
+    stopped before its step, so nothing was forced), "same" (it forced the token the
+    original chose there) or "diverged" (at `diverges_at`)."""
+    if len(branch["steps"]) <= branch["step"]:
+        return "ended"
+    return "same" if branch["diverges_at"] is None else "diverged"
+
+
 def parse_branch(lm: LoadedModel, step: str, token: str, max_new_tokens: int, *,
                  usage: str, name: str, limit: str) -> tuple[int, int]:
     """A branch point, (step, token id), from its two parts as typed. ConfigError with
