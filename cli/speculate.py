@@ -35,18 +35,25 @@ BAR_WIDTH = 20
 
 def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | None
                ) -> str | None:
-    """The draft model to load (None for prompt lookup). Without either flag, the
+    """The draft model to load (None for prompt lookup alone). Without either flag, the
     built-in draft pairs with the built-in target; any other target needs a flag."""
     from genlib.models import DEFAULT_DRAFT, DEFAULT_DRAFT_NAME, DEFAULT_MODEL_NAME, display_name
 
-    if draft_model is not None and prompt_lookup is not None:
-        raise fail("give --draft-model or --prompt-lookup, not both")
     if draft_model is not None or prompt_lookup is not None:
         return draft_model
     if display_name(target_ref) == DEFAULT_MODEL_NAME and DEFAULT_DRAFT.is_dir():
         return DEFAULT_DRAFT_NAME
     raise fail(f"no drafter for {target_ref}: pass --draft-model PATH|ID (a small model with "
                f"the same tokenizer) or --prompt-lookup N (drafts from the context, no model)")
+
+
+def drafter_name(draft: LoadedModel | None, prompt_lookup: int | None) -> str:
+    """Who drafts, as the report and the JSON's `drafter` name it."""
+    lookup = f"prompt-lookup (n={prompt_lookup})" if prompt_lookup is not None else None
+    if draft is None:
+        assert lookup is not None
+        return lookup
+    return draft.ref if lookup is None else f"{lookup}, then {draft.ref}"
 
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
@@ -225,14 +232,17 @@ def speculate(
     prompt_lookup: Annotated[int | None, typer.Option(
         "--prompt-lookup", rich_help_panel=SPEC_PANEL,
         help="Draft with no model: continue the latest earlier match of the last N-gram "
-             "(N down to 1) in the context.")] = None,
+             "(N down to 1) in the context. With --draft-model: lookup first, the draft "
+             "model where the context has no match.")] = None,
     num_draft_tokens: Annotated[int | None, typer.Option(
         "--num-draft-tokens", "-g", rich_help_panel=SPEC_PANEL,
-        help="Tokens drafted per step, gamma (default 5; 10 with --prompt-lookup).")] = None,
+        help="Tokens drafted per step, gamma (default 5; 10 with --prompt-lookup alone).")
+    ] = None,
     adaptive: Annotated[bool | None, typer.Option(
         "--adaptive/--fixed", rich_help_panel=SPEC_PANEL, show_default=False,
         help="Adapt gamma: +2 after a fully accepted block, -1 after a rejection. "
-             "Default: adaptive with a draft model, fixed with --prompt-lookup.")] = None,
+             "Default: adaptive with a draft model, fixed with --prompt-lookup alone.")
+    ] = None,
     baseline: Annotated[bool, typer.Option(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
@@ -277,6 +287,7 @@ def speculate(
     Examples:\n
       genlab speculate "def parse(line):" -m TARGET -d DRAFT\n
       genlab speculate "Once upon a time" -m ../shared/models/stories260K --prompt-lookup 3\n
+      genlab speculate "def parse(line):" -m TARGET -d DRAFT --prompt-lookup 3\n
       genlab speculate "import os" -t 0.8 --seed 1 --fixed -g 3 --json
     """
     from genlib.models import resolve_model_ref
@@ -300,9 +311,8 @@ def speculate(
         # the draft reads the prompt too: cut it to fit the shorter context of the two
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)
     # before the warm-up, which feeds both models the prompt's first tokens
-    check_request(target, ids, settings, draft,
-                  draft_length(num_draft_tokens, prompt_lookup is not None))
-    drafter = draft.ref if draft is not None else f"prompt-lookup (n={prompt_lookup})"
+    check_request(target, ids, settings, draft, draft_length(num_draft_tokens, draft is not None))
+    drafter = drafter_name(draft, prompt_lookup)
     with opened(target_sink) as out:
         code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
                       num_draft_tokens, adaptive, baseline, out, logprobs or 0)
@@ -349,7 +359,7 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     tokens = [e for e in events if isinstance(e, Token)]
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
     backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
-    gamma = draft_length(num_draft_tokens, prompt_lookup is not None)
+    gamma = draft_length(num_draft_tokens, draft is not None)
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
                       gamma, adapts(adaptive, draft is not None), backend, tokens)
     sink.json_document(doc)

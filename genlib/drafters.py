@@ -11,6 +11,9 @@ which tokens stay.
 - `PromptLookupDrafter`: no model; proposes what followed the latest earlier occurrence
   of the context's last n-gram (Saxena 2023, "Prompt Lookup Decoding"; transformers'
   `prompt_lookup_num_tokens`). Its proposals are deterministic, so its q is a point mass.
+- `LookupFirstDrafter`: both: prompt lookup's free proposal where the context has a
+  match, the draft model's where it has none. Each step's proposal comes from one of
+  them, with its own q, so each verify is exact on its own.
 """
 
 from __future__ import annotations
@@ -139,6 +142,28 @@ class PromptLookupDrafter:
 
     def commit(self, ids: Sequence[int]) -> None:
         return None
+
+
+class LookupFirstDrafter:
+    """Prompt lookup first, the draft model where lookup finds no match: code repeats
+    its own names and lines, which lookup proposes at no cost, and the draft model
+    proposes the rest. The model's cache catches up on lookup's accepted tokens at its
+    next proposal, in one forward over them."""
+
+    def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
+        self.lookup = lookup
+        self.model = model
+
+    def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
+        self.model.start(prompt_ids, capacity)
+
+    def propose(self, ids: Sequence[int], gamma: int, process: Process,
+                generator: torch.Generator | None) -> Draft:
+        draft = self.lookup.propose(ids, gamma, process, generator)
+        return draft if draft.tokens else self.model.propose(ids, gamma, process, generator)
+
+    def commit(self, ids: Sequence[int]) -> None:
+        self.model.commit(ids)
 
 
 def lookup(ids: Sequence[int], max_ngram: int, gamma: int) -> list[int]:

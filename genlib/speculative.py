@@ -37,6 +37,7 @@ from genlib.config import GenerationSettings
 from genlib.drafters import (
     Draft,
     Drafter,
+    LookupFirstDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     check_same_vocabulary,
@@ -65,10 +66,10 @@ MAX_DRAFT_TOKENS = 64  # adaptive gamma never grows past this
 
 @dataclass(frozen=True)
 class Drafting:
-    """Speculative decoding: a draft model (same vocabulary as the target) or prompt
-    lookup (the largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for
-    a draft model and 10 for prompt lookup; `adaptive` grows/shrinks it per step
-    (default: `adapts`)."""
+    """Speculative decoding: a draft model (same vocabulary as the target), prompt
+    lookup (the largest n-gram to match), or both (lookup first, `LookupFirstDrafter`).
+    `num_draft_tokens` (gamma) defaults to 5 with a draft model and 10 for prompt lookup
+    alone; `adaptive` grows/shrinks it per step (default: `adapts`)."""
 
     draft_lm: LoadedModel | None = None
     prompt_lookup: int | None = None
@@ -125,12 +126,12 @@ class GammaSchedule:
             self.gamma = max(1, self.gamma - 1)
 
 
-def draft_length(num_draft_tokens: int | None, uses_lookup: bool) -> int:
-    """Gamma to start with: as asked (0 too, which `check_request` refuses), else 10 for
-    prompt lookup and 5 for a draft model."""
+def draft_length(num_draft_tokens: int | None, draft_model: bool) -> int:
+    """Gamma to start with: as asked (0 too, which `check_request` refuses), else 5 with
+    a draft model (lookup first or not) and 10 for prompt lookup alone."""
     if num_draft_tokens is not None:
         return num_draft_tokens
-    return DEFAULT_LOOKUP_TOKENS if uses_lookup else DEFAULT_DRAFT_TOKENS
+    return DEFAULT_DRAFT_TOKENS if draft_model else DEFAULT_LOOKUP_TOKENS
 
 
 def adapts(adaptive: bool | None, draft_model: bool) -> bool:
@@ -285,20 +286,22 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
                  draft_lm: LoadedModel | None, prompt_lookup: int | None,
                  backend: str | None = None) -> Drafter:
     """The drafter asked for: a draft model (its vocabulary checked by `check_request`)
-    on the backend `choose_backend` picks for it under the user's `backend`, or prompt
-    lookup."""
-    if (draft_lm is None) == (prompt_lookup is None):
-        raise ConfigError("speculative decoding needs exactly one drafter: a draft model "
-                          "(--draft-model) or prompt lookup (--prompt-lookup N)")
-    if prompt_lookup is not None:
-        if prompt_lookup < 1:
-            raise ConfigError(f"--prompt-lookup is the n-gram size to match, >= 1; "
-                              f"got {prompt_lookup}")
-        return PromptLookupDrafter(prompt_lookup)
-    assert draft_lm is not None
+    on the backend `choose_backend` picks for it under the user's `backend`, prompt
+    lookup, or both, lookup first."""
+    if draft_lm is None and prompt_lookup is None:
+        raise ConfigError("speculative decoding needs a drafter: a draft model "
+                          "(--draft-model), prompt lookup (--prompt-lookup N), or both")
+    if prompt_lookup is not None and prompt_lookup < 1:
+        raise ConfigError(f"--prompt-lookup is the n-gram size to match, >= 1; "
+                          f"got {prompt_lookup}")
+    lookup = PromptLookupDrafter(prompt_lookup) if prompt_lookup is not None else None
+    if draft_lm is None:
+        assert lookup is not None
+        return lookup
     draft_backend = choose_backend(draft_lm, Request(rows=1, crop=True,
                                                      backend=backend or draft_lm.backend))
-    return ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
+    model = ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
+    return LookupFirstDrafter(lookup, model) if lookup is not None else model
 
 
 def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
@@ -334,13 +337,14 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     Token events (draft=True for accepted draft tokens, False for the target's own),
     then Finish. Stopping, detokenization and processing are the core loop's.
 
-    Give either `draft_lm` (same vocabulary as the target) or `prompt_lookup` (the
-    largest n-gram to match). `num_draft_tokens` (gamma) defaults to 5 for a draft model
-    and 10 for prompt lookup; `adaptive` grows/shrinks it per step (default: `adapts`,
+    Give `draft_lm` (same vocabulary as the target), `prompt_lookup` (the largest n-gram
+    to match), or both (lookup first, the draft model where it finds no match).
+    `num_draft_tokens` (gamma) defaults to 5 with a draft model and 10 for prompt lookup
+    alone; `adaptive` grows/shrinks it per step (default: `adapts`,
     for a draft model only). `backend` is the
     user's choice for both models (default: each model's own, `LoadedModel.backend`).
     """
-    gamma = draft_length(num_draft_tokens, prompt_lookup is not None)
+    gamma = draft_length(num_draft_tokens, draft_lm is not None)
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
                            backend=backend)

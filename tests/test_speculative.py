@@ -19,7 +19,13 @@ from genlib.backends.choose import Request, choose_backend
 from genlib.backends.lean import LeanBackend
 from genlib.backends.native import NativeBackend
 from genlib.config import resolve_settings
-from genlib.drafters import ModelDrafter, lookup, prefill_all_but_last
+from genlib.drafters import (
+    LookupFirstDrafter,
+    ModelDrafter,
+    PromptLookupDrafter,
+    lookup,
+    prefill_all_but_last,
+)
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
 from genlib.events import Finish, Token, Verify
 from genlib.generate import generate
@@ -167,6 +173,22 @@ def test_prompt_lookup_greedy_same_tokens_and_stops_like_core(stories) -> None:
     assert summarize(events).accepted > 5  # the prompt repeats itself: lookup pays
 
 
+@needs_models
+def test_lookup_first_greedy_same_tokens_with_both_drafters_proposing(stories, xs) -> None:
+    """--draft-model with --prompt-lookup: lookup proposes where the context has a match
+    (no draft forward), the draft model elsewhere; the tokens stay the target's."""
+    settings = resolve_settings({"max_new_tokens": 80})
+    ids = stories.encode("Once upon a time")
+    plain = generate(stories, [ids], settings)[0]
+    finish, events = run(stories, ids, settings, draft_lm=xs, prompt_lookup=3)
+    assert (finish.token_ids, finish.reason) == (plain.token_ids, plain.reason)
+    verifies = [e for e in events if isinstance(e, Verify) and e.proposed]
+    by_lookup = [e for e in verifies if e.draft_forwards == 0]
+    by_model = [e for e in verifies if e.draft_forwards > 0]
+    assert by_lookup and by_model
+    assert sum(e.accepted for e in by_lookup) > 0 and sum(e.accepted for e in by_model) > 0
+
+
 def test_lookup_takes_latest_match_longest_ngram_first() -> None:
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert lookup(ids, 2, 3) == [7, 8, 5]  # (2, 3) occurs twice: the later one wins
@@ -177,19 +199,27 @@ def test_lookup_takes_latest_match_longest_ngram_first() -> None:
 # ---------------------------------------------------------------- cache rollback
 
 @needs_models
-def test_caches_after_rejections_equal_fresh_prefill(stories, xs) -> None:
+@pytest.mark.parametrize("lookup_first", [False, True])
+def test_caches_after_rejections_equal_fresh_prefill(stories, xs, lookup_first) -> None:
+    """Both caches hold exactly the committed ids but the last after a run of steps with
+    rejections; with lookup first, the draft model's catches up on lookup's tokens."""
     settings = resolve_settings({"max_new_tokens": 60})
     ids = stories.encode("Once upon a time")
     plan = make_plan(stories, settings, 1)
-    drafter = ModelDrafter(xs, choose_backend(xs, Request(rows=1, crop=True)), sample=False)
+    model = ModelDrafter(xs, choose_backend(xs, Request(rows=1, crop=True)), sample=False)
+    drafter = LookupFirstDrafter(PromptLookupDrafter(3), model) if lookup_first else model
     spec = start(stories, choose_backend(stories, Request(rows=1, crop=True)), ids, plan,
                  drafter)
-    rejected = 0
-    for _ in range(8):
+    rejected = lookups = 0
+    for _ in range(12):
         result = speculative_step(spec, 4)
         rejected += result.accepted < result.proposed
+        lookups += result.proposed > 0 and result.draft_forwards == 0
     assert rejected >= 2
-    for lm, backend in ((stories, spec.backend), (xs, drafter.backend)):
+    assert (lookups > 0) == lookup_first
+    model.propose(spec.ids, 1, lambda context, logits, i: logits, None)  # the catch-up
+    model.commit(spec.ids)
+    for lm, backend in ((stories, spec.backend), (xs, model.backend)):
         assert backend.length == len(spec.ids) - 1
         cached = backend.extend(torch.tensor([[spec.ids[-1]]]))[0, -1]
         fresh = transformers_backend(lm.model).prefill_ids(
@@ -248,6 +278,7 @@ RUNS = 600
     ({"top_k": 3}, 2, "model"),
     ({"top_p": 0.8, "temperature": 1.3}, 1, "model"),
     ({"temperature": 1.5}, 2, "lookup"),
+    ({"temperature": 1.5}, 1, "lookup first"),  # the model, then lookup after a rejection
 ])
 def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter) -> None:
     """Chi-square goodness of fit of the first two tokens' joint distribution over
@@ -256,17 +287,30 @@ def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter)
     target = tiny_lm(1)
     draft = tiny_lm(2, like=target)
     prompt = [0, 3, 1, 0, 3]  # lookup: the tail (0, 3) recurs, so tokens get drafted
+    max_new_tokens = 2
+    if drafter == "lookup first":
+        # the tail 5 is new, so the model drafts the first token; after a rejection a
+        # token the prompt has (0, 1, 3) is looked up and drafts the second; a third
+        # token makes room for it, and the first two tokens' law is the same
+        prompt, max_new_tokens = [0, 3, 1, 0, 5], 3
     settings = resolve_settings({"max_new_tokens": 2, **flags})
     probs = exact_pairs(target, prompt, settings)
+    settings = settings.replace(max_new_tokens=max_new_tokens)
     counts: Counter = Counter()
     rejected = 0
-    kw = {"draft_lm": draft} if drafter == "model" else {"prompt_lookup": 2}
+    kw = {"model": {"draft_lm": draft}, "lookup": {"prompt_lookup": 2},
+          "lookup first": {"draft_lm": draft, "prompt_lookup": 2}}[drafter]
+    looked_up = 0
     for seed in range(RUNS):
         finish, events = run(target, prompt, settings.replace(seed=seed),
                              num_draft_tokens=gamma, **kw)
-        counts[finish.token_ids] += 1
-        rejected += any(e.accepted < e.proposed for e in events if isinstance(e, Verify))
+        counts[tuple(finish.token_ids[:2])] += 1
+        verifies = [e for e in events if isinstance(e, Verify) and e.proposed]
+        rejected += verifies[0].accepted < verifies[0].proposed
+        looked_up += any(e.draft_forwards == 0 for e in verifies)
     assert 0.05 * RUNS < rejected < 0.95 * RUNS, "both accept and reject paths must run"
+    if drafter == "lookup first":
+        assert 0.05 * RUNS < looked_up < 0.95 * RUNS, "both drafters must propose"
     stat, dof = chi_square(counts, probs, RUNS)
     assert stat < chi_square_critical(dof), f"chi2={stat:.1f} dof={dof}"
 
@@ -323,7 +367,7 @@ def test_refusals_name_the_fix() -> None:
     with pytest.raises(ConfigError, match="batch size 1"):
         list(speculative_stream(target, [1, 2], sample, prompt_lookup=2))
     greedy = resolve_settings({"max_new_tokens": 3})
-    with pytest.raises(ConfigError, match="exactly one drafter"):
+    with pytest.raises(ConfigError, match="needs a drafter: a draft model"):
         list(speculative_stream(target, [1, 2], greedy))
     with pytest.raises(ModelLoadError, match="vocabulary"):
         list(speculative_stream(target, [1, 2], greedy, draft_lm=tiny_lm(2, vocab=7)))
@@ -452,6 +496,26 @@ def test_cli_speculate_json_matches_baseline() -> None:
     assert data["speedup"] > 0 and data["predicted_speedup"] > 0
     assert data["adaptive"] is True and data["num_draft_tokens"] == 5  # a draft model's defaults
     assert stats["mean_num_draft_tokens"] != 5
+
+
+@needs_models
+def test_cli_draft_model_with_prompt_lookup_drafts_lookup_first() -> None:
+    """Both drafter flags: lookup first, the draft model where nothing matches; named so
+    in the JSON, with a draft model's defaults, and the baseline's tokens."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    lookup = "--prompt-lookup"
+    result = CliRunner().invoke(app, [
+        "speculate", "Once upon a time", "-m", str(MODELS / "stories260K"),
+        "--draft-model", str(MODELS / "llama2xs"), lookup, "2", "-n", "60", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["drafter"] == f"prompt-lookup (n=2), then {MODELS / 'llama2xs'}"
+    assert data["outputs"][0]["token_ids"] == data["baseline"]["token_ids"]
+    assert data["adaptive"] is True and data["num_draft_tokens"] == 5
+    assert data["speculation"]["accepted"] > 0
 
 
 @needs_models
