@@ -1,5 +1,6 @@
 """Speculative decoding speed, in one run: plain decoding vs draft-model speculation vs
-prompt-lookup speculation, with acceptance and the speed-up Leviathan et al.'s formula
+prompt-lookup speculation vs both (lookup first, the draft model where it finds no
+match), with acceptance and the speed-up Leviathan et al.'s formula
 predicts from the measured acceptance and draft/target cost ratio.
 
     python benchmarks/bench_speculative.py [--repeats 3] [--max-new-tokens 200] [--json]
@@ -142,6 +143,8 @@ def bench_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
                                      args.schedules.split(",")))
         modes["prompt lookup"] = {"prompt_lookup": args.ngram,
                                   "num_draft_tokens": args.lookup_tokens}
+        if prompt_name == "open":  # both drafters: lookup first, the draft model's defaults
+            modes["lookup, then draft model"] = {"draft_lm": draft, "prompt_lookup": args.ngram}
         measured = measure({mode: lambda ids=ids, kw=kw: (
             speculative_stream(target, ids, settings, **kw) if kw
             else stream(target, [ids], settings)) for mode, kw in modes.items()}, args.repeats)
