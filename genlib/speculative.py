@@ -480,7 +480,9 @@ class Summary:
     def predicted_speedup(self, verify_cost: float = 1.0) -> float:
         """Leviathan et al. 2023, Theorem 3.8 / eq. (1) with the measured alpha and c,
         summed over the steps taken with their own gamma: the expected tokens
-        (1 - alpha^(gamma+1)) / (1 - alpha) over the costs (gamma c + 1).
+        (1 - alpha^(gamma+1)) / (1 - alpha) over the costs, in target forwards: one a
+        step, plus c for each draft forward the step ran (gamma c + 1 with a draft
+        model; 1 for a step prompt lookup drafted, lookup first or alone).
 
         The formula takes a target forward over gamma+1 tokens to cost one plain decoding
         step. Pass `verify_cost` (measured verify seconds / plain step seconds) where that
@@ -491,7 +493,7 @@ class Summary:
         # gamma varies per step (adaptive, or lookup finding shorter or no matches): sum
         # the formula's expected tokens and costs over the steps actually taken.
         tokens = sum(expected_tokens(self.alpha, g) for g in self.gammas)
-        cost = sum(g * self.cost_ratio + 1 for g in self.gammas)
+        cost = self.steps + self.draft_forwards * self.cost_ratio
         return tokens / cost / verify_cost
 
 

@@ -138,16 +138,19 @@ def test_beam_search_hypotheses_follow_the_schema(builtin):
         assert hyp.finish_reason == "eos" and is_valid(hyp.text), hyp.text
 
 
-@pytest.mark.parametrize("drafter", ["lookup", "model"])
+@pytest.mark.parametrize("drafter", ["lookup", "model", "lookup first"])
 def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     """Greedy speculation under a schema gives the plain constrained tokens; prompt
-    lookup copies the prompt's JSON, whose keys the schema forbids, so drafts get cut."""
+    lookup copies the prompt's JSON, whose keys the schema forbids, so drafts get cut
+    (lookup first too: a step whose lookup draft is cut to nothing verifies no draft)."""
     prompt = 'x = {"title": "abc", "ok": true, "n": 5}\ny = '
     ids = builtin.encode(prompt)
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 40})
     [plain] = generate.generate(builtin, [ids], settings)
-    kwargs = ({"prompt_lookup": 2, "num_draft_tokens": 6} if drafter == "lookup"
-              else {"draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))})
+    kwargs = {"lookup": {"prompt_lookup": 2, "num_draft_tokens": 6},
+              "model": {"draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))},
+              "lookup first": {"prompt_lookup": 2,
+                               "draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))}}[drafter]
     events = list(speculative_stream(builtin, ids, settings, **kwargs))
     finish = events[-1]
     assert finish.token_ids == plain.token_ids and finish.reason == plain.reason == "eos"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -458,8 +459,8 @@ def test_adaptive_gamma_and_predicted_speedup() -> None:
 
 
 def test_summary_prediction_sums_the_formula_over_each_steps_gamma():
-    # alpha = 3 / (3 + 1); c = (1 s / 4 forwards) / (1.5 s / 3 steps) = 0.5
-    run = Summary(steps=3, accepted=3, rejections=1, draft_seconds=1.0, draft_forwards=4,
+    # alpha = 3 / (3 + 1); c = (1.5 s / 6 forwards) / (1.5 s / 3 steps) = 0.5
+    run = Summary(steps=3, accepted=3, rejections=1, draft_seconds=1.5, draft_forwards=6,
                   target_seconds=1.5, gammas=[4, 0, 2])
     tokens = sum((1 - 0.75 ** (g + 1)) / 0.25 for g in (4, 0, 2))
     cost = (4 * 0.5 + 1) + 1 + (2 * 0.5 + 1)
@@ -471,6 +472,10 @@ def test_summary_prediction_sums_the_formula_over_each_steps_gamma():
     # Not the formula at the mean gamma (2): steps without a draft count as they were.
     assert run.predicted_speedup() != pytest.approx(predicted_speedup(0.75, 2, 0.5))
     assert Summary().predicted_speedup() == 0.0
+    # lookup first: lookup drafted the 4 tokens, the model the 2 (2 forwards); the
+    # lookup step costs one target forward, no draft forward
+    mixed = replace(run, draft_seconds=0.5, draft_forwards=2)
+    assert mixed.predicted_speedup() == pytest.approx(tokens / (1 + 1 + (2 * 0.5 + 1)))
 
 
 # ---------------------------------------------------------------- CLI
