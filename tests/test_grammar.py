@@ -147,10 +147,11 @@ def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     ids = builtin.encode(prompt)
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 40})
     [plain] = generate.generate(builtin, [ids], settings)
-    kwargs = {"lookup": {"prompt_lookup": 2, "num_draft_tokens": 6},
-              "model": {"draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))},
-              "lookup first": {"prompt_lookup": 2,
-                               "draft_lm": load_model(ModelSpec(str(DEFAULT_DRAFT)))}}[drafter]
+    kwargs: dict = {"prompt_lookup": 2} if "lookup" in drafter else {}
+    if drafter == "lookup":
+        kwargs["num_draft_tokens"] = 6
+    else:
+        kwargs["draft_lm"] = load_model(ModelSpec(str(DEFAULT_DRAFT)))
     events = list(speculative_stream(builtin, ids, settings, **kwargs))
     finish = events[-1]
     assert finish.token_ids == plain.token_ids and finish.reason == plain.reason == "eos"
