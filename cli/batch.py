@@ -151,7 +151,9 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise fail("--output is the --input file; give another file for the results")
     preset = load_preset(preset_ref) if preset_ref else None
     # bad flags: fail once, not on every line
-    gb.check_run_settings(resolve_settings(flags, preset.settings if preset else None))
+    run_settings = resolve_settings(flags, preset.settings if preset else None)
+    gb.check_one_result(run_settings.num_return_sequences,
+                        "--num-return-sequences (or --preset)")
     model_ref = resolve_model_ref(model_flags.model, preset.model if preset else None)
     run_defaults = gb.RunDefaults(
         preset_settings=preset.settings if preset else {},

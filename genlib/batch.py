@@ -332,12 +332,6 @@ def _content_text(content: str | list[Any], where: str) -> str:
     return "\n".join(texts)
 
 
-def check_run_settings(settings: GenerationSettings) -> None:
-    """Refuse once, before any line, the run's own settings (its flags over its
-    --preset) that would fail every line."""
-    check_one_result(settings.num_return_sequences, "--num-return-sequences (or --preset)")
-
-
 def check_one_result(count: Any, where: str, name: str = "num_return_sequences") -> None:
     """Each line gets one result: its num_return_sequences (OpenAI's n) must be 1."""
     if count != 1:
