@@ -9,7 +9,7 @@ import typer
 
 from cli import options as opt
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
-from cli.errors import INTERRUPTED, fail, user_errors
+from cli.errors import INTERRUPTED, exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
 from genlib.config import parse_value, resolve_settings, with_seed
 
@@ -121,11 +121,8 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
                      tree=tree, live=live, tree_steps=tree_steps, tree_width=tree_width)
         render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
                     f"backend {backend.name}")
-    if interrupted:
-        return INTERRUPTED
-    invalid = render.warn_incomplete([h.finish_reason for h in result.hypotheses],
-                                     settings.max_new_tokens)
-    return 1 if invalid else 0
+    return exit_code([h.finish_reason for h in result.hypotheses],
+                            settings.max_new_tokens, interrupted)
 
 
 def show_results(result: BeamResult, greedy: Finish | None, prompt: str,

@@ -27,6 +27,17 @@ STDOUT_CLOSED = ("standard output is closed; redirect it to a file (> out.txt) o
                  "/dev/null to discard it")
 
 
+def exit_code(reasons: list[str], max_new_tokens: int, interrupted: bool) -> int:
+    """A run's exit status from its outputs' finish reasons: INTERRUPTED after Ctrl-C or
+    SIGTERM; 1 when an output is not valid under its grammar (`warn_incomplete` warns);
+    else 0."""
+    from cli.render import warn_incomplete
+
+    if interrupted:
+        return INTERRUPTED
+    return 1 if warn_incomplete(reasons, max_new_tokens) else 0
+
+
 def _stdout_open() -> bool:
     try:
         os.fstat(1)

@@ -11,7 +11,7 @@ import typer
 from cli import options as opt
 from cli import render_tokens
 from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
-from cli.errors import INTERRUPTED, user_errors
+from cli.errors import exit_code, user_errors
 from cli.output import Json, Jsonl, Sink, opened, sink
 from cli.settings_view import show_settings_table
 from genlib.config import with_seed
@@ -111,10 +111,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
                          backend_note(prefill))
-    if interrupted:
-        return INTERRUPTED
-    incomplete = render.warn_incomplete([f.reason for f in finished], settings.max_new_tokens)
-    return 1 if incomplete else 0
+    return exit_code([f.reason for f in finished], settings.max_new_tokens, interrupted)
 
 
 def text_block(row: int, text: str) -> str:

@@ -19,7 +19,7 @@ from cli.context import (
     read_prompt,
     settings_for,
 )
-from cli.errors import INTERRUPTED, fail, user_errors
+from cli.errors import exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
 from genlib.config import with_seed
 
@@ -340,7 +340,7 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
            num_draft_tokens: int | None, adaptive: bool | None, baseline: bool, sink: Sink,
            logprobs: int = 0) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
-    from cli import output, render
+    from cli import output
     from genlib.events import Finish, Token
     from genlib.speculative import adapts, draft_length, summarize
 
@@ -371,6 +371,4 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
         render_report(summary, drafter, plain[1] if plain else None,
                       identical_line(finish, plain[0]) if plain else None,
                       settings.do_sample)
-    if interrupted:
-        return INTERRUPTED
-    return 1 if render.warn_incomplete([finish.reason], settings.max_new_tokens) else 0
+    return exit_code([finish.reason], settings.max_new_tokens, interrupted)
