@@ -5,6 +5,7 @@ predicts from the measured acceptance and draft/target cost ratio.
 
     python benchmarks/bench_speculative.py [--repeats 3] [--max-new-tokens 200] [--json]
     python benchmarks/bench_speculative.py --num-draft-tokens 2,3,4,5,6   # gammas, interleaved
+    python benchmarks/bench_speculative.py --pairs code --draft-weights float32,bfloat16
     python benchmarks/bench_speculative.py --pairs code --schedules fixed,adaptive \
         [--code-prompt TEXT] [--temperature 0.8 --seed 2]
 
@@ -110,15 +111,16 @@ def measure(runs: dict[str, Callable[[], Any]], repeats: int
 SCHEDULES = {"default": None, "fixed": False, "adaptive": True}  # speculative_stream's adaptive
 
 
-def draft_modes(draft: Any, gammas: list[int], schedules: list[str]
+def draft_modes(draft: Any, gammas: list[int], schedules: list[str], weights: list[str]
                 ) -> dict[str, dict[str, Any]]:
-    """One draft-model mode per (gamma, schedule), named by what varies."""
+    """One draft-model mode per (gamma, schedule, draft weights), named by what varies."""
     modes = {}
-    for gamma, schedule in itertools.product(gammas, schedules):
-        varies = [f"gamma {gamma}"] * (len(gammas) > 1) + [schedule] * (len(schedules) > 1)
+    for gamma, schedule, stored in itertools.product(gammas, schedules, weights):
+        varies = ([f"gamma {gamma}"] * (len(gammas) > 1) + [schedule] * (len(schedules) > 1)
+                  + [f"{stored} weights"] * (len(weights) > 1))
         mode = "draft model" + (f" ({', '.join(varies)})" if varies else "")
         modes[mode] = {"draft_lm": draft, "num_draft_tokens": gamma,
-                       "adaptive": SCHEDULES[schedule]}
+                       "adaptive": SCHEDULES[schedule], "draft_weights": stored}
     return modes
 
 
@@ -140,7 +142,8 @@ def bench_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
         modes: dict[str, dict[str, Any]] = {plain_mode: {}}
         if prompt_name == "open":
             modes.update(draft_modes(draft, [int(g) for g in args.num_draft_tokens.split(",")],
-                                     args.schedules.split(",")))
+                                     args.schedules.split(","),
+                                     args.draft_weights.split(",")))
         modes["prompt lookup"] = {"prompt_lookup": args.ngram,
                                   "num_draft_tokens": args.lookup_tokens}
         if prompt_name == "open":  # both drafters: lookup first, the draft model's defaults
@@ -219,6 +222,9 @@ def main() -> None:
     parser.add_argument("--schedules", default="default",
                         help="the draft model's gamma schedule: a comma list of fixed, "
                              "adaptive and default (genlib's: adaptive)")
+    parser.add_argument("--draft-weights", default="auto",
+                        help="how the native kernel stores the draft model's matrices: a "
+                             "comma list of auto (genlib's: bfloat16), float32, bfloat16")
     parser.add_argument("--pairs", default="code,stories",
                         help="which pairs to run, a comma list of code and stories")
     parser.add_argument("--code-prompt", default=CODE_PROMPT,

@@ -33,7 +33,8 @@ def use_threads(lm: Any, threads: int) -> None:
     from genlib.backends.lean import lean_model_of
 
     lean = lean_model_of(lm)
-    lean._native = NativeStep(lean, threads)
+    lean._native = {weights: NativeStep(lean, threads, weights=weights)
+                    for weights in ("float32", "bfloat16")}
 
 
 def cases(max_new: int) -> dict[str, tuple[Callable[[int], None], Callable[[], Any]]]:

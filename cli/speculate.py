@@ -24,10 +24,11 @@ from cli.output import Sink, opened, sink
 from genlib.config import with_seed
 
 if TYPE_CHECKING:
+    from genlib.backends.choose import Request
     from genlib.config import GenerationSettings
     from genlib.events import Event, Finish, Token
     from genlib.models import LoadedModel
-    from genlib.speculative import Summary
+    from genlib.speculative import Drafting, Summary
 
 SPEC_PANEL = "Speculation"
 BAR_WIDTH = 20
@@ -57,13 +58,11 @@ def drafter_name(draft: LoadedModel | None, prompt_lookup: int | None) -> str:
 
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
-                       draft: LoadedModel | None, prompt_lookup: int | None,
-                       num_draft_tokens: int | None, adaptive: bool | None, live: bool,
-                       logprobs: int = 0) -> tuple[list[Event], bool]:
+                       drafting: Drafting, live: bool, logprobs: int = 0
+                       ) -> tuple[list[Event], bool]:
     from cli import render
     from genlib.events import Finish, Token
     from genlib.generate import stream
-    from genlib.speculative import Drafting
     from genlib.step import collect
     from genlib.stepdetail import Detail
 
@@ -77,8 +76,6 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
             render.stream_text(event.tail)
             render.end_line()
 
-    drafting = Drafting(draft_lm=draft, prompt_lookup=prompt_lookup,
-                        num_draft_tokens=num_draft_tokens, adaptive=adaptive)
     detail = Detail(logprobs=logprobs) if logprobs else None
     events = stream(target, [ids], settings, drafter=drafting, detail=detail)
     return collect(events, handle)
@@ -188,9 +185,11 @@ def render_report(s: Summary, drafter: str, baseline_tps: float | None,
 def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
                 finish: Finish, s: Summary, baseline: tuple[Finish, float] | None,
                 settings: GenerationSettings, num_draft_tokens: int, adaptive: bool,
-                backend: dict[str, str], tokens: Sequence[Token] = ()) -> dict[str, Any]:
+                backend: dict[str, str], draft_weights: str | None,
+                tokens: Sequence[Token] = ()) -> dict[str, Any]:
     """The run as JSON; with --logprobs, its output carries each token's in the
-    OpenAI/vLLM shape (as generate's outputs do)."""
+    OpenAI/vLLM shape (as generate's outputs do). `draft_weights`: how the draft model's
+    matrices were stored (None: no draft model)."""
     from cli import output
 
     extra: dict[str, Any] = {}
@@ -214,8 +213,8 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
         tokens_per_s=s.tokens_per_second), **extra)
     return output.run_document(
         "speculate", target.ref, settings, prompt, prompt_tokens, [out], drafter=drafter,
-        num_draft_tokens=num_draft_tokens, adaptive=adaptive, speculation=summary_json(s),
-        baseline=base_json, speedup=speedup,
+        draft_weights=draft_weights, num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+        speculation=summary_json(s), baseline=base_json, speedup=speedup,
         predicted_speedup=round(s.predicted_speedup(), 4), backend=backend)
 
 
@@ -243,6 +242,13 @@ def speculate(
         help="Adapt gamma: +2 after a fully accepted block, -1 after a rejection. "
              "Default: adaptive with a draft model, fixed with --prompt-lookup alone.")
     ] = None,
+    draft_weights: Annotated[str, typer.Option(
+        "--draft-weights", rich_help_panel=SPEC_PANEL,
+        help="auto, float32 or bfloat16: how the native backend stores the draft model's "
+             "matrices (auto: bfloat16 where the draft runs on it, half the reads; the "
+             "arithmetic stays float32; greedy tokens are the same either way, and "
+             "sampling keeps the target's law).")
+    ] = "auto",
     baseline: Annotated[bool, typer.Option(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
@@ -290,10 +296,12 @@ def speculate(
       genlab speculate "def parse(line):" -m TARGET -d DRAFT --prompt-lookup 3\n
       genlab speculate "import os" -t 0.8 --seed 1 --fixed -g 3 --json
     """
+    from genlib.backends.choose import check_draft_weights
     from genlib.models import resolve_model_ref
-    from genlib.speculative import check_request, draft_length
+    from genlib.speculative import Drafting, check_request, draft_length
 
     flags = opt.decoding_flags(locals() | sampler_flags)
+    check_draft_weights(draft_weights)
     target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
@@ -301,6 +309,9 @@ def speculate(
     settings = with_seed(settings)
     target_ref = resolve_model_ref(model, loaded_preset.model if loaded_preset else None)
     draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
+    if draft_weights != "auto" and draft_ref is None:
+        raise fail(f"--draft-weights {draft_weights} sets how the draft model's matrices "
+                   f"are stored; give --draft-model too, or drop it")
     text = read_prompt(prompt)
     model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code, backend)
     target = load(model_flags)
@@ -312,43 +323,48 @@ def speculate(
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)
     # before the warm-up, which feeds both models the prompt's first tokens
     check_request(target, ids, settings, draft, draft_length(num_draft_tokens, draft is not None))
-    drafter = drafter_name(draft, prompt_lookup)
+    drafting = Drafting(draft_lm=draft, prompt_lookup=prompt_lookup,
+                        num_draft_tokens=num_draft_tokens, adaptive=adaptive,
+                        draft_weights=draft_weights)
     with opened(target_sink) as out:
-        code = report(target, draft, drafter, ids, text, settings, prompt_lookup,
-                      num_draft_tokens, adaptive, baseline, out, logprobs or 0)
+        code = report(target, drafting, ids, text, settings, baseline, out, logprobs or 0)
     if code:
         raise typer.Exit(code)
 
 
-def warm_up(lm: LoadedModel, ids: list[int]) -> None:
-    """A short prefill, a two-token extension and a step on the backend the runs use, so
-    first-call costs (allocation, lazy init, a kernel build) fall on neither the
-    speculative run nor the baseline."""
+def warm_up(lm: LoadedModel, ids: list[int], request: Request) -> None:
+    """A short prefill, a two-token extension and a step on the backend the runs use
+    (`request`'s), so first-call costs (allocation, lazy init, a kernel build) fall on
+    neither the speculative run nor the baseline."""
     import torch
 
-    from genlib.backends.choose import Request, choose_backend
+    from genlib.backends.choose import choose_backend
 
-    backend = choose_backend(lm, Request(rows=1, crop=True, backend=lm.backend))
+    backend = choose_backend(lm, request)
     head = torch.tensor([ids[:2]], dtype=torch.long, device=lm.device)
     backend.prefill([ids[:2]], 8)
     backend.extend(head)
     backend.step(head[:, 0])
 
 
-def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: list[int],
-           text: str, settings: GenerationSettings, prompt_lookup: int | None,
-           num_draft_tokens: int | None, adaptive: bool | None, baseline: bool, sink: Sink,
-           logprobs: int = 0) -> int:
+def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
+           settings: GenerationSettings, baseline: bool, sink: Sink, logprobs: int = 0
+           ) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output
+    from genlib.backends.choose import Request, draft_request
     from genlib.events import Finish, Token
     from genlib.speculative import adapts, draft_length, summarize
 
-    for lm in (target, draft):
-        if lm is not None:
-            warm_up(lm, ids)
-    events, interrupted = stream_speculation(target, ids, settings, draft, prompt_lookup,
-                                             num_draft_tokens, adaptive,
+    draft = drafting.draft_lm
+    warm_up(target, ids, Request(rows=1, crop=True, backend=target.backend))
+    weights = None
+    if draft is not None:
+        request = draft_request(draft, draft.backend, drafting.draft_weights)
+        warm_up(draft, ids, request)
+        weights = request.weights or str(draft.dtype).removeprefix("torch.")
+    drafter = drafter_name(draft, drafting.prompt_lookup)
+    events, interrupted = stream_speculation(target, ids, settings, drafting,
                                              live=not sink.machine, logprobs=logprobs)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
@@ -359,16 +375,18 @@ def report(target: LoadedModel, draft: LoadedModel | None, drafter: str, ids: li
     tokens = [e for e in events if isinstance(e, Token)]
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
     backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
-    gamma = draft_length(num_draft_tokens, draft is not None)
+    gamma = draft_length(drafting.num_draft_tokens, draft is not None)
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
-                      gamma, adapts(adaptive, draft is not None), backend, tokens)
+                      gamma, adapts(drafting.adaptive, draft is not None), backend, weights,
+                      tokens)
     sink.json_document(doc)
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
     sink.texts([finish.text])
     if not sink.machine:
         if logprobs:
             render_tokens.logprobs_table(target, tokens)
-        render_report(summary, drafter, plain[1] if plain else None,
+        shown = drafter + (" (bfloat16 weights)" if weights == "bfloat16" else "")
+        render_report(summary, shown, plain[1] if plain else None,
                       identical_line(finish, plain[0]) if plain else None,
                       settings.do_sample)
     return exit_code([finish.reason], settings.max_new_tokens, interrupted)

@@ -32,7 +32,7 @@ import torch
 
 from genlib import grammar, processors, sampling, stepdetail
 from genlib.backends.base import Backend
-from genlib.backends.choose import Request, choose_backend
+from genlib.backends.choose import Request, choose_backend, draft_request
 from genlib.config import GenerationSettings
 from genlib.drafters import (
     Draft,
@@ -69,12 +69,14 @@ class Drafting:
     """Speculative decoding: a draft model (same vocabulary as the target), prompt
     lookup (the largest n-gram to match), or both (lookup first, `LookupFirstDrafter`).
     `num_draft_tokens` (gamma) defaults to 5 with a draft model and 10 for prompt lookup
-    alone; `adaptive` grows/shrinks it per step (default: `adapts`)."""
+    alone; `adaptive` grows/shrinks it per step (default: `adapts`); `draft_weights`:
+    how the native kernel stores the draft model's matrices (`choose.draft_request`)."""
 
     draft_lm: LoadedModel | None = None
     prompt_lookup: int | None = None
     num_draft_tokens: int | None = None
     adaptive: bool | None = None
+    draft_weights: str = "auto"
 
 
 @dataclass
@@ -284,10 +286,11 @@ def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
 
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
                  draft_lm: LoadedModel | None, prompt_lookup: int | None,
-                 backend: str | None = None) -> Drafter:
+                 backend: str | None = None, draft_weights: str = "auto") -> Drafter:
     """The drafter asked for: a draft model (its vocabulary checked by `check_request`)
-    on the backend `choose_backend` picks for it under the user's `backend`, prompt
-    lookup, or both, lookup first."""
+    on the backend `choose_backend` picks for it under the user's `backend`, its
+    matrices stored as `draft_weights` says (`choose.draft_request`), prompt lookup, or
+    both, lookup first."""
     if draft_lm is None and prompt_lookup is None:
         raise ConfigError("speculative decoding needs a drafter: a draft model "
                           "(--draft-model), prompt lookup (--prompt-lookup N), or both")
@@ -298,8 +301,8 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
     if draft_lm is None:
         assert lookup is not None
         return lookup
-    draft_backend = choose_backend(draft_lm, Request(rows=1, crop=True,
-                                                     backend=backend or draft_lm.backend))
+    draft_backend = choose_backend(draft_lm, draft_request(
+        draft_lm, backend or draft_lm.backend, draft_weights))
     model = ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
     return LookupFirstDrafter(lookup, model) if lookup is not None else model
 
@@ -332,7 +335,8 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                        settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
                        prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
                        adaptive: bool | None = None, backend: str | None = None,
-                       detail: Detail | None = None) -> Iterator[Event]:
+                       detail: Detail | None = None, draft_weights: str = "auto"
+                       ) -> Iterator[Event]:
     """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
     Token events (draft=True for accepted draft tokens, False for the target's own),
     then Finish. Stopping, detokenization and processing are the core loop's.
@@ -343,11 +347,13 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     alone; `adaptive` grows/shrinks it per step (default: `adapts`,
     for a draft model only). `backend` is the
     user's choice for both models (default: each model's own, `LoadedModel.backend`).
+    `draft_weights`: how the native kernel stores the draft model's matrices (auto:
+    bfloat16 where the draft runs on it; `choose.draft_request`).
     """
     gamma = draft_length(num_draft_tokens, draft_lm is not None)
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
-                           backend=backend)
+                           backend=backend, draft_weights=draft_weights)
     target = choose_backend(target_lm, Request(rows=1, crop=True,
                                                backend=backend or target_lm.backend))
     plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids), detail=detail)
@@ -366,7 +372,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                                   prompt_lookup=drafting.prompt_lookup,
                                   num_draft_tokens=drafting.num_draft_tokens,
                                   adaptive=drafting.adaptive, backend=backend,
-                                  detail=detail)
+                                  detail=detail, draft_weights=drafting.draft_weights)
 
 
 def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter: Drafter,

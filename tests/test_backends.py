@@ -161,7 +161,7 @@ def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
     with pytest.raises(ConfigError, match=r"^the native backend does not run quantized "
                                           r"models; use --backend transformers \(or auto\)$"):
         choose_backend(quantized, Request(backend="native"))
-    monkeypatch.setattr(choose, "_kernel_missing", lambda lean: "no C compiler found")
+    monkeypatch.setattr(choose, "_kernel_missing", lambda lean, weights=None: "no C compiler found")
     with pytest.raises(ConfigError, match=r"no C compiler found; use --backend lean \(or"):
         choose_backend(stories, Request(backend="native"))
     with pytest.raises(ConfigError, match=r"no C compiler found; use --backend transformers"):

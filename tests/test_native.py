@@ -43,7 +43,7 @@ def tiny(arch: str):
 
 
 def assert_native_follows_lean(lean: LeanLlama, step: kernel.NativeStep, ids: list[int],
-                               steps: int = 40) -> None:
+                               steps: int = 40, kv_atol: float = 1e-5) -> None:
     """`steps` tokens (past 16 positions, so every vector remainder runs) through the
     native step and the lean step side by side: logits within float32 rounding of the
     sums' order, the same greedy token, the same KV cache."""
@@ -59,7 +59,7 @@ def assert_native_follows_lean(lean: LeanLlama, step: kernel.NativeStep, ids: li
         assert int(got.argmax()) == int(logits.argmax())
     for expected, actual in zip(eager.keys + eager.values, fast.keys + fast.values):
         torch.testing.assert_close(actual[:, :, :eager.length], expected[:, :, :eager.length],
-                                   rtol=1e-5, atol=1e-5)
+                                   rtol=1e-5, atol=kv_atol)
 
 
 @pytest.fixture(scope="module")
@@ -70,8 +70,11 @@ def library():
     return build.library
 
 
-@pytest.mark.parametrize("make", [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama],
-                         ids=["tiny-gqa-llama", "tiny-qwen2-biases", "odd-shapes"])
+TINY_MODELS = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
+
+
+@pytest.mark.parametrize("make", TINY_MODELS, ids=["tiny-gqa-llama", "tiny-qwen2-biases",
+                                                   "odd-shapes"])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_step_follows_the_lean_step_on_tiny_models(library, make, threads):
     lean = LeanLlama.from_model(make())
@@ -97,6 +100,52 @@ def test_the_portable_build_follows_the_lean_step_too(library):
         for threads in (1, 2):
             step = kernel.NativeStep(lean, threads, portable.library)
             assert_native_follows_lean(lean, step, [1, 5, 9, 200])
+
+
+def bf16_matrices(model):
+    """A copy of `model` whose projections and lm_head hold bfloat16 values (in float32,
+    the lm_head untied from the embeddings, which stay as they were): what a native step
+    with bfloat16 matrices computes, in the lean forward's float32 arithmetic."""
+    import copy
+
+    rounded = copy.deepcopy(model)
+    with torch.no_grad():
+        rounded.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
+        for module in rounded.modules():
+            if type(module) is torch.nn.Linear:
+                module.weight.copy_(module.weight.to(torch.bfloat16).float())
+    return rounded
+
+
+@pytest.mark.parametrize("make", TINY_MODELS, ids=["tiny-gqa-llama", "tiny-qwen2-biases",
+                                                   "odd-shapes"])
+@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "no AVX-512"])
+def test_bfloat16_matrices_give_the_lean_step_over_bfloat16_weights(library, make, flags):
+    """A step that stores its matrices in bfloat16 (a draft model's) computes what the
+    lean forward computes over those rounded matrices, in float32: the same logits to
+    float32 rounding, tokens and cache. The float32 model's logits are farther off than
+    that tolerance, so the check sees whether the bfloat16 values were read right. (The
+    odd shapes' large weights put one cached value 1.3e-5 off in a run, a float32
+    rounding of its sums' order: the caches are checked to 3e-5.)"""
+    build = kernel.build(kernel.FLAGS + flags + kernel.WEIGHTS["bfloat16"])
+    if build.library is None:
+        pytest.skip(f"no bfloat16 build here: {build.reason}")
+    model = make()
+    lean, reference = LeanLlama.from_model(model), LeanLlama.from_model(bf16_matrices(model))
+    for threads in (1, 2):
+        step = kernel.NativeStep(lean, threads, build.library, weights="bfloat16")
+        assert_native_follows_lean(reference, step, [1, 5, 9, 200], kv_atol=3e-5)
+    cache, exact = lean.new_cache(8), lean.new_cache(8)
+    lean.prefill(torch.tensor([[1, 5]]), cache)
+    lean.prefill(torch.tensor([[1, 5]]), exact)
+    off = (step(9, cache) - lean.step(torch.tensor([[9]]), exact)).abs().max()
+    assert off > 1e-3, "the float32 model gives these logits: the matrices were not rounded"
+
+
+def test_a_build_that_reads_other_matrices_is_refused(library):
+    lean = LeanLlama.from_model(tiny("llama"))
+    with pytest.raises(ValueError, match="does not read bfloat16 matrices"):
+        kernel.NativeStep(lean, 1, library, weights="bfloat16")
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from genlib.backends import kernel
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.lean import LeanBackend
 from genlib.backends.native import NativeBackend
@@ -34,6 +35,7 @@ from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
     Summary,
+    make_drafter,
     predicted_speedup,
     process,
     process_block,
@@ -190,6 +192,50 @@ def test_lookup_first_greedy_same_tokens_with_both_drafters_proposing(stories, x
     assert sum(e.accepted for e in by_lookup) > 0 and sum(e.accepted for e in by_model) > 0
 
 
+needs_bf16_kernel = pytest.mark.skipif(
+    kernel.build_for("bfloat16").library is None,
+    reason="the native kernel cannot be built here")
+
+
+def draft_kernel(target: LoadedModel, draft: LoadedModel, **kw) -> str | None:
+    """How the draft model's matrices are stored on the native kernel its drafter runs
+    (None: another backend)."""
+    drafter = make_drafter(target, resolve_settings({}), draft_lm=draft, prompt_lookup=None,
+                           **kw)
+    assert isinstance(drafter, ModelDrafter)
+    backend = drafter.backend
+    return backend.kernel.weights if isinstance(backend, NativeBackend) else None
+
+
+@needs_models
+@needs_bf16_kernel
+def test_a_draft_model_reads_bfloat16_matrices_where_it_runs_native(stories, xs,
+                                                                   monkeypatch) -> None:
+    """auto: the draft's matrices in bfloat16 on the native kernel, the model's own
+    weights on another backend; float32 and bfloat16 ask the kernel for them, and are
+    refused where the draft runs on another backend. The tokens stay the target's."""
+    assert draft_kernel(stories, xs) == "bfloat16"
+    assert draft_kernel(stories, xs, draft_weights="float32") == "float32"
+    assert draft_kernel(stories, xs, backend="lean") is None
+    with pytest.raises(ConfigError, match=r"--draft-weights bfloat16 is how the native "
+                       r"backend stores the draft's matrices, and the draft runs on lean "
+                       r"\(asked for with --backend\); use --draft-weights auto"):
+        draft_kernel(stories, xs, backend="lean", draft_weights="bfloat16")
+    with pytest.raises(ConfigError, match="--draft-weights must be one of auto, float32, "
+                                          "bfloat16, got 'half'"):
+        draft_kernel(stories, xs, draft_weights="half")
+    monkeypatch.setenv("GENLAB_NATIVE", "0")
+    assert draft_kernel(stories, xs) is None
+    monkeypatch.delenv("GENLAB_NATIVE")
+    settings = resolve_settings({"max_new_tokens": 80})
+    ids = stories.encode("Once upon a time")
+    plain = generate(stories, [ids], settings)[0]
+    for weights in ("float32", "bfloat16"):
+        finish, events = run(stories, ids, settings, draft_lm=xs, draft_weights=weights)
+        assert finish.token_ids == plain.token_ids
+        assert 0 < summarize(events).acceptance_rate < 1
+
+
 def test_lookup_takes_latest_match_longest_ngram_first() -> None:
     ids = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
     assert lookup(ids, 2, 3) == [7, 8, 5]  # (2, 3) occurs twice: the later one wins
@@ -280,6 +326,8 @@ RUNS = 600
     ({"top_p": 0.8, "temperature": 1.3}, 1, "model"),
     ({"temperature": 1.5}, 2, "lookup"),
     ({"temperature": 1.5}, 1, "lookup first"),  # the model, then lookup after a rejection
+    # auto gives the model's matrices in bfloat16 where the kernel builds: float32 too
+    pytest.param({"temperature": 0.7}, 2, "float32 model", marks=needs_bf16_kernel),
 ])
 def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter) -> None:
     """Chi-square goodness of fit of the first two tokens' joint distribution over
@@ -299,7 +347,9 @@ def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter)
     settings = settings.replace(max_new_tokens=max_new_tokens)
     counts: Counter = Counter()
     rejected = 0
-    kw = {"model": {"draft_lm": draft}, "lookup": {"prompt_lookup": 2},
+    kw = {"model": {"draft_lm": draft},
+          "float32 model": {"draft_lm": draft, "draft_weights": "float32"},
+          "lookup": {"prompt_lookup": 2},
           "lookup first": {"draft_lm": draft, "prompt_lookup": 2}}[drafter]
     looked_up = 0
     for seed in range(RUNS):
@@ -521,6 +571,35 @@ def test_cli_draft_model_with_prompt_lookup_drafts_lookup_first() -> None:
     assert data["outputs"][0]["token_ids"] == data["baseline"]["token_ids"]
     assert data["adaptive"] is True and data["num_draft_tokens"] == 5
     assert data["speculation"]["accepted"] > 0
+
+
+@needs_models
+@needs_bf16_kernel
+def test_cli_says_how_the_draft_models_matrices_were_stored() -> None:
+    """The JSON's `draft_weights` and the report's drafter line; --draft-weights without
+    a draft model is an input error that says so."""
+    from typer.testing import CliRunner
+
+    from cli.main import app
+
+    base = ["speculate", "Once upon a time", "-m", str(MODELS / "stories260K"), "-n", "20"]
+    draft = ["--draft-model", str(MODELS / "llama2xs")]
+    for flags, weights in (([], "bfloat16"), (["--draft-weights", "float32"], "float32")):
+        result = CliRunner().invoke(app, base + draft + flags + ["--json"])
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        assert data["draft_weights"] == weights
+        assert data["outputs"][0]["token_ids"] == data["baseline"]["token_ids"]
+    result = CliRunner().invoke(app, base + draft)
+    assert f"drafter {MODELS / 'llama2xs'} (bfloat16 weights)" in result.stderr
+    lookup = CliRunner().invoke(app, base + ["--prompt-lookup", "2", "--json"])
+    assert json.loads(lookup.stdout)["draft_weights"] is None
+    refused = CliRunner().invoke(app, base + ["--prompt-lookup", "2", "--draft-weights",
+                                              "bfloat16"])
+    assert refused.exit_code == 2
+    assert refused.stderr.strip() == (
+        "error: --draft-weights bfloat16 sets how the draft model's matrices are stored; "
+        "give --draft-model too, or drop it")
 
 
 @needs_models

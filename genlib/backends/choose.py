@@ -24,12 +24,16 @@ would work, never replaced by another.
 
 Environment: GENLAB_LEAN=0 keeps auto (and the quick start-up) off the lean forward,
 GENLAB_NATIVE=0 keeps auto off the native kernel.
+
+A draft model (speculative decoding) asks for its matrices in bfloat16 where it runs on
+the native kernel (`draft_request`): the target checks every proposal, so the draft's
+precision moves its speed and acceptance, never the output.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from genlib.errors import ConfigError
@@ -45,16 +49,20 @@ BACKENDS = ("auto", "transformers", "lean", "compiled", "native")
 @dataclass(frozen=True)
 class Request:
     """What a generation needs of its backend. `rows`: rows held at once (prompts times
-    outputs, or beams); `reorder`: beam search; `crop`: speculative rollback."""
+    outputs, or beams); `reorder`: beam search; `crop`: speculative rollback; `weights`:
+    how the native kernel stores the matrices (float32 or bfloat16, `kernel.WEIGHTS`;
+    None: the model's own, on any backend)."""
 
     rows: int = 1
     reorder: bool = False
     crop: bool = False
     backend: str = "auto"
+    weights: str | None = None
 
 
 # The backends that run one row per forward (no batches, no beam search).
 ONE_ROW = ("lean", "compiled")
+DRAFT_WEIGHTS = ("auto", "float32", "bfloat16")
 
 
 def lean_allowed() -> bool:
@@ -77,7 +85,7 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     """A fresh backend for one generation on `lm` (see the module doc); its `reason`
     says why it was picked."""
     name, reason = _pick(lm, request)
-    backend = _build(name, lm)
+    backend = _build(name, lm, request.weights or "float32")
     backend.reason = reason
     return backend
 
@@ -88,16 +96,45 @@ def backend_name(lm: LoadedModel, request: Request) -> str:
     return _pick(lm, request)[0]
 
 
+def check_draft_weights(weights: str) -> str:
+    if weights not in DRAFT_WEIGHTS:
+        raise ConfigError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
+                          f"got {weights!r}")
+    return weights
+
+
+def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Request:
+    """What a draft model needs: one row that rolls back, on `backend`, its matrices as
+    `weights` (`DRAFT_WEIGHTS`) says. auto: bfloat16 where the draft runs on the native
+    kernel (half its reads), the model's own elsewhere; float32 or bfloat16 ask the
+    native kernel for them, and are refused where the draft runs on another backend."""
+    request = Request(rows=1, crop=True, backend=backend)
+    if check_draft_weights(weights) != "auto":
+        return replace(request, weights=weights)
+    if backend_name(lm, request) != "native":
+        return request
+    lean = _lean(lm)
+    assert lean is not None  # the native backend runs it
+    bfloat16 = _kernel_missing(lean, "bfloat16") is None
+    return replace(request, weights="bfloat16") if bfloat16 else request
+
+
 def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
     """The backend's name and why: auto's choice, or the one asked for, which is refused
     with a ConfigError naming what would work when it cannot serve `request` on `lm`."""
     name = check_name(request.backend)
     if name == "auto":
-        return _auto(lm, request)
-    refusal = _refusal(name, lm, request)
-    if refusal is not None:
-        raise ConfigError(refusal)
-    return name, "asked for with --backend"
+        name, reason = _auto(lm, request)
+    else:
+        refusal = _refusal(name, lm, request)
+        if refusal is not None:
+            raise ConfigError(refusal)
+        reason = "asked for with --backend"
+    if request.weights is not None and name != "native":
+        raise ConfigError(f"--draft-weights {request.weights} is how the native backend "
+                          f"stores the draft's matrices, and the draft runs on {name} "
+                          f"({reason}); use --draft-weights auto")
+    return name, reason
 
 
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
@@ -121,7 +158,8 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     lean = _lean(lm)
     if lean is None:
         return "transformers", "not a plain Llama-style model, so no lean forward"
-    why_not = "GENLAB_NATIVE=0" if not native_allowed() else _kernel_missing(lean)
+    why_not = "GENLAB_NATIVE=0" if not native_allowed() \
+        else _kernel_missing(lean, request.weights)
     if why_not is None:
         return "native", "a float32 Llama-style model on the CPU"
     if one_row:
@@ -150,10 +188,10 @@ def _dtype(lm: LoadedModel) -> str:
     return str(lm.dtype).removeprefix("torch.")
 
 
-def _kernel_missing(lean: LeanLlama) -> str | None:
+def _kernel_missing(lean: LeanLlama, weights: str | None = None) -> str | None:
     from genlib.backends import kernel
 
-    return kernel.applies(lean)
+    return kernel.applies(lean, weights or "float32")
 
 
 def torch_float32() -> object:
@@ -204,7 +242,7 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     if lean is None:
         return (f"the {name} backend runs plain Llama-style models (llama, mistral, qwen2), "
                 f"and {lm.ref} is not one; use --backend transformers (or auto)")
-    why_not = _kernel_missing(lean) if name == "native" else None
+    why_not = _kernel_missing(lean, request.weights) if name == "native" else None
     if why_not is not None:
         instead = "lean" if request.rows == 1 and not request.reorder else "transformers"
         return f"the native backend cannot run here: {why_not}; use --backend {instead} " \
@@ -212,8 +250,9 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     return None
 
 
-def _build(name: str, lm: LoadedModel) -> Backend:
-    """The named backend over `lm`, which `_pick` found can serve the request."""
+def _build(name: str, lm: LoadedModel, weights: str) -> Backend:
+    """The named backend over `lm`, which `_pick` found can serve the request (the
+    native kernel's matrices stored as `weights`)."""
     if name == "transformers":
         from genlib.backends.transformers import TransformersBackend
 
@@ -226,13 +265,13 @@ def _build(name: str, lm: LoadedModel) -> Backend:
         from genlib.backends.lean import LeanBackend
 
         return LeanBackend(lm, lean)
-    return _native(lm, lean)
+    return _native(lm, lean, weights)
 
 
-def _native(lm: LoadedModel, lean: LeanLlama) -> Backend:
+def _native(lm: LoadedModel, lean: LeanLlama, weights: str) -> Backend:
     from genlib.backends.native import NativeBackend
 
-    step = lean.native_step()
+    step = lean.native_step(weights)
     assert step is not None  # _refusal refused it otherwise (the kernel applies)
     return NativeBackend(lm, lean, step)
 

@@ -12,14 +12,18 @@ compiler and CPU, and called through ctypes, which releases the GIL.
     logits = step(token_id, cache)         # (1, vocab) float32; writes the cache's next slot
     logits = step.extend(tokens, cache)    # (k, vocab): k tokens of one row, one call
     logits = step.step_rows(tokens, caches)  # (B, vocab): one token each of B rows
+    draft = NativeStep(lean, threads, weights="bfloat16")  # a draft model's step
 
 Every weight is read once per call however many tokens it feeds, so verifying k drafted
 tokens, or stepping B rows, costs one pass over the weights plus the tokens' arithmetic
 (each token's sums run as a one-token call runs them: the same bits). The kernel reads
 its own copy of the weight matrices, packed in panels of rows (`pack`), so a NativeStep
 takes as much memory again as the model's float32 weights (the lean forward, which runs
-the prompts, keeps reading the originals). `ensure_built(notify)`
-tells its caller before the first build compiles (one to a few seconds).
+the prompts, keeps reading the originals). With `weights="bfloat16"` the packed matrices
+are bfloat16 and a second build of the kernel widens them as it reads them, the
+arithmetic float32: half the reads, for a draft model, whose proposals the target checks
+(it costs half as much memory again). `ensure_built(notify)` tells its caller before the
+first build compiles (a second or two a build).
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
 """
@@ -43,6 +47,9 @@ import torch
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 BUILDING = "building genlab's native kernel, once"
+# How the products store the weight matrices (torch's dtype names), and the build flags
+# that make them read so.
+WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",)}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 
 _float_p = ctypes.POINTER(ctypes.c_float)
@@ -126,11 +133,18 @@ def _will_compile(flags: tuple[str, ...], source: Path = SOURCE) -> bool:
 
 def ensure_built(notify: Callable[[str], None] | None = None,
                  flags: tuple[str, ...] = FLAGS) -> Build:
-    """`build()`, first calling `notify` with `BUILDING` when it is going to compile
-    (the CLI prints it on stderr: the first build takes a second or two)."""
-    if notify is not None and _will_compile(flags):
+    """`build()` of every `WEIGHTS` kind, first calling `notify` with `BUILDING` when one
+    is going to compile (the CLI prints it on stderr: a build takes a second or two);
+    the float32 build."""
+    kinds = [flags + extra for extra in WEIGHTS.values()]
+    if notify is not None and any(_will_compile(kind) for kind in kinds):
         notify(BUILDING)
-    return build(flags)
+    return [build(kind) for kind in kinds][0]
+
+
+def build_for(weights: str, flags: tuple[str, ...] = FLAGS) -> Build:
+    """`build()` of the kernel that reads its matrices as `weights` (a `WEIGHTS` key)."""
+    return build(flags + WEIGHTS[weights])
 
 
 @functools.cache
@@ -183,13 +197,13 @@ def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return weight.reshape(padded // panel, panel, columns).transpose(1, 2).contiguous()
 
 
-def applies(lean: Any) -> str | None:
+def applies(lean: Any, weights: str = "float32") -> str | None:
     """Why the kernel does not apply to `lean`, or None when it does."""
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
         return "the native step runs float32 on the CPU"
     if lean.heads % lean.kv_heads or lean.head_dim % 2:
         return "unusual head layout"
-    return build().reason or None
+    return build_for(weights).reason or None
 
 
 class NativeStep:
@@ -198,17 +212,23 @@ class NativeStep:
     Calls on different caches may run at once from several Python threads; calls on one
     cache must not."""
 
-    def __init__(self, lean: Any, threads: int, library: ctypes.CDLL | None = None) -> None:
-        """Over `lean`'s weights, on `threads` threads, with `library` (default: `build()`'s)."""
+    def __init__(self, lean: Any, threads: int, library: ctypes.CDLL | None = None,
+                 weights: str = "float32") -> None:
+        """Over `lean`'s weights, on `threads` threads, its matrices stored as `weights`
+        (a `WEIGHTS` key), with `library` (default: `build_for(weights)`'s)."""
         layers = lean.layers
         self._kept: list[torch.Tensor] = []
         self.vocab = lean.lm_head.w.shape[1]
         self.threads = threads
-        library = library or build().library
+        self.weights = weights
+        library = library or build_for(weights).library
+        dtype = getattr(torch, weights)
+        if library.genlab_weight_bytes() != dtype.itemsize:  # type: ignore[union-attr]
+            raise ValueError(f"this build of the kernel does not read {weights} matrices")
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
 
         def matrix(w: torch.Tensor) -> torch.Tensor:  # w: (in, out), as the lean forward's
-            return self._keep(pack(w.t(), panel))
+            return self._keep(pack(w.t(), panel).to(dtype))
 
         def halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [gate | up]
             gate, up = w.chunk(2, dim=1)
@@ -242,8 +262,8 @@ class NativeStep:
             down=self._array([matrix(la.down.w) for la in layers]))
 
     @classmethod
-    def of(cls, lean: Any, threads: int) -> NativeStep | None:
-        return cls(lean, threads) if applies(lean) is None else None
+    def of(cls, lean: Any, threads: int, weights: str = "float32") -> NativeStep | None:
+        return cls(lean, threads, weights=weights) if applies(lean, weights) is None else None
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         self._kept.append(tensor)

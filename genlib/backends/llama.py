@@ -241,7 +241,7 @@ class LeanLlama:
                        for i, (qkv, gate_up) in enumerate(fused)]
         self.cos, self.sin = self._rotary_tables(inv_freq)
         self._compiled: DirectCompiled | None = None
-        self._native: NativeStep | None | bool = None  # False: it does not apply
+        self._native: dict[str, NativeStep | None] = {}  # by how it stores the matrices
 
     @classmethod
     def from_model(cls, model: Any) -> LeanLlama | None:
@@ -461,16 +461,17 @@ class LeanLlama:
             options["cpp.threads"] = 1
         return options
 
-    def native_step(self) -> NativeStep | None:
-        """The step as one native kernel (genlib.backends.kernel), None where it does not
-        apply (`kernel.applies` says why); made once, on torch's thread count whatever
+    def native_step(self, weights: str = "float32") -> NativeStep | None:
+        """The step as one native kernel (genlib.backends.kernel) reading its matrices as
+        `weights` (bfloat16: a draft model's), None where it does not apply
+        (`kernel.applies` says why); made once for each, on torch's thread count whatever
         the model's size: unlike the compiled step's ~100 parallel regions, the kernel
         has one a step, and a second thread made stories260K's decoding 1.34x-1.37x
         faster and draft speculation with code-draft 1.11x-1.13x
         (benchmarks/bench_threads.py, docs/performance.md)."""
-        if self._native is None:
-            self._native = NativeStep.of(self, torch.get_num_threads()) or False
-        return self._native or None
+        if weights not in self._native:
+            self._native[weights] = NativeStep.of(self, torch.get_num_threads(), weights)
+        return self._native[weights]
 
     @torch.inference_mode()
     def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:

@@ -40,7 +40,10 @@
  * the bits of B one-row steps (and the same bits at any thread count).
  *
  * Weights are packed in panels of PANEL rows, each panel column by column (see
- * `matmul`); the q/k/v matrices are stacked ([q; k; v]). KV buffers are (kv_heads,
+ * `matmul`); the q/k/v matrices are stacked ([q; k; v]). Built with
+ * -DGENLAB_BF16_WEIGHTS, the matrices are bfloat16 (the top half of each float32),
+ * widened to float32 as a panel is read, and the arithmetic stays float32: a draft
+ * model's step, whose reads halve and whose proposals the target checks anyway. KV buffers are (kv_heads,
  * capacity, head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run
  * in another order than PyTorch's, so logits differ from the lean forward's in the last
  * bits (the tests bound the difference and check the tokens).
@@ -61,13 +64,32 @@
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned */
 
+/* A matrix weight as the products read it, and LANES of them as a vector of floats. */
+#ifdef GENLAB_BF16_WEIGHTS
+typedef unsigned short weight_t;
+typedef unsigned short weights_16 __attribute__((vector_size(LANES * 2)));
+typedef unsigned int weights_32 __attribute__((vector_size(LANES * 4)));
+static inline vec widen(const weight_t *w) {  /* bfloat16 -> float32: the bits, shifted */
+    return (vec)(__builtin_convertvector(*(const weights_16 *)w, weights_32) << 16);
+}
+#else
+typedef float weight_t;
+static inline vec widen(const weight_t *w) { return *(const vec *)w; }
+#endif
+
 typedef struct {
     int hidden, heads, kv_heads, head_dim, intermediate, vocab, layers, threads;
     float eps, scale;
-    const float *embed, *norm, *lm_head, *cos, *sin;  /* tables: (positions, head_dim) */
+    const float *embed, *norm;
+    const weight_t *lm_head;
+    const float *cos, *sin;  /* tables: (positions, head_dim) */
     /* per layer */
-    const float *const *input_norm, *const *qkv, *const *qkv_bias, *const *o;
-    const float *const *post_norm, *const *gate, *const *up, *const *down;
+    const float *const *input_norm;
+    const weight_t *const *qkv;
+    const float *const *qkv_bias;
+    const weight_t *const *o;
+    const float *const *post_norm;
+    const weight_t *const *gate, *const *up, *const *down;
 } Model;
 
 #ifdef __AVX512F__
@@ -267,19 +289,20 @@ static void rows_times(const float *rows, int n, const float *x, long count, flo
 #endif
 
 int genlab_panel_rows(void) { return PANEL; }
+int genlab_weight_bytes(void) { return (int)sizeof(weight_t); }
 
 /* One panel (`valid` of its rows real) times m <= TILE slots' inputs x (row stride ldx):
  * out[i * ldo + j] set or accumulated. While it reads the panel, it prefetches the next
  * one, so the memory reads overlap the products. */
-ALWAYS_INLINE void panel_tile(const float *p, int n, const float *x, long ldx, float *out,
+ALWAYS_INLINE void panel_tile(const weight_t *p, int n, const float *x, long ldx, float *out,
                               long ldo, int m, int valid, int accumulate) {
     vec a[TILE][2];
     for (int i = 0; i < m; i++) a[i][0] = a[i][1] = (vec){0};
     for (int k = 0; k < n; k++) {
-        const float *column = p + (long)k * PANEL;
-        for (int line = 0; line < PANEL * 4; line += 64)
+        const weight_t *column = p + (long)k * PANEL;
+        for (int line = 0; line < PANEL * (int)sizeof(weight_t); line += 64)
             __builtin_prefetch((const char *)(column + (long)n * PANEL) + line, 0, 3);
-        vec v0 = *(const vec *)column, v1 = *(const vec *)(column + LANES);
+        vec v0 = widen(column), v1 = widen(column + LANES);
         for (int i = 0; i < m; i++) {
             float xi = x[i * ldx + k];
             a[i][0] += v0 * xi;
@@ -302,7 +325,7 @@ ALWAYS_INLINE void panel_tile(const float *p, int n, const float *x, long ldx, f
 }
 
 /* A panel times m slots, TILE slots at a time. */
-ALWAYS_INLINE void panel_pass(const float *p, int n, const float *x, long ldx, float *out,
+ALWAYS_INLINE void panel_pass(const weight_t *p, int n, const float *x, long ldx, float *out,
                               long ldo, int m, int valid, int accumulate) {
     int i = 0;
     for (; i + TILE <= m; i += TILE)
@@ -330,11 +353,11 @@ ALWAYS_INLINE void panel_pass(const float *p, int n, const float *x, long ldx, f
  * the packed matrix w (n columns; r0 a multiple of PANEL, r1 one too or the last row)
  * and the m slots' inputs x[i] = x + i * ldx: each panel read from memory once and
  * multiplied by every slot while it stays in L1. */
-static void matmul(const float *w, int n, const float *x, long ldx, float *out, long ldo,
+static void matmul(const weight_t *w, int n, const float *x, long ldx, float *out, long ldo,
                    int r0, int r1, int m, int accumulate) {
     for (int r = r0; r < r1; r += PANEL) {
         int valid = r1 - r < PANEL ? r1 - r : PANEL;
-        const float *p = w + (long)r * n;
+        const weight_t *p = w + (long)r * n;
         if (m == 1)
             panel_tile(p, n, x, ldx, out + r, ldo, 1, valid, accumulate);
         else
