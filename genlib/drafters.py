@@ -18,6 +18,7 @@ which tokens stay.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -100,14 +101,15 @@ class ModelDrafter:
             forwards += 1
             self.cached.extend(feed)
             q_logits = process(context, logits, i)
-            if not torch.isfinite(q_logits).any():
-                break  # nothing may follow (a grammar has ended): the draft ends here
+            top, best = q_logits.max(dim=-1)  # one pass: the greedy token and the test
+            if not float(top) > -math.inf:
+                break  # nothing may follow (a grammar has ended), or NaN: the draft ends
             if self.sample:
                 q = q_logits.softmax(dim=-1)
                 token = sampling.draw(q, generator)
                 qs.append(q)
             else:
-                token = int(q_logits.argmax())
+                token = int(best)
             tokens.append(token)
             context.append(token)
             feed = [token]
