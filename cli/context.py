@@ -55,9 +55,11 @@ def presets_model(refs: Sequence[str], alternative: str = "") -> str | None:
     return named[0] if named else None
 
 
-def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -> LoadedModel:
+def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
+         weights: tuple[str, ...] = ("float32",)) -> LoadedModel:
     """The model the flags and preset name; `quick` starts without transformers where
-    the checkpoint allows (genlib.quickload), for commands that mostly decode one row."""
+    the checkpoint allows (genlib.quickload), for commands that mostly decode one row;
+    `weights`: the native kernels it may run (`kernel.WEIGHTS`: a draft's bfloat16)."""
     from genlib.backends.choose import check_name
     from genlib.models import ModelSpec, load_model, resolve_model_ref
 
@@ -66,14 +68,15 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False) -
                      trust_remote_code=flags.trust_remote_code, backend=check_name(flags.backend))
     with loading(ref):
         lm = load_model(spec, quick=quick)
-    build_native_kernel(lm)
+    build_native_kernel(lm, weights)
     return lm
 
 
-def build_native_kernel(lm: LoadedModel) -> None:
+def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)) -> None:
     """Build the native kernel now, where a generation on `lm` may run it, so its one-off
     build (a few seconds, once per machine) is announced and timed apart: one line on
-    stderr, with a spinner while it compiles on a terminal."""
+    stderr, with a spinner while it compiles on a terminal. `weights`: which builds
+    (`kernel.WEIGHTS`)."""
     import torch
 
     from genlib.backends import kernel
@@ -87,7 +90,7 @@ def build_native_kernel(lm: LoadedModel) -> None:
     from cli.render import building
 
     with building() as notify:
-        kernel.ensure_built(notify)
+        kernel.ensure_built(notify, weights=weights)
 
 
 MAX_STDIN_BYTES = 64 << 20  # far beyond any model's context; more is a mistaken pipe

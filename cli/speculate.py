@@ -315,8 +315,9 @@ def speculate(
     text = read_prompt(prompt)
     model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code, backend)
     target = load(model_flags)
-    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend)) \
-        if draft_ref is not None else None
+    kernels = ("float32",) if draft_weights == "float32" else ("bfloat16",)
+    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend),
+                 weights=kernels) if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
     if truncate_prompt and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two

@@ -200,8 +200,10 @@ needs_bf16_kernel = pytest.mark.skipif(
 def draft_kernel(target: LoadedModel, draft: LoadedModel, **kw) -> str | None:
     """How the draft model's matrices are stored on the native kernel its drafter runs
     (None: another backend)."""
-    drafter = make_drafter(target, resolve_settings({}), draft_lm=draft, prompt_lookup=None,
-                           **kw)
+    drafter = make_drafter(target, resolve_settings({}), draft_lm=draft,
+                           **{"prompt_lookup": None, **kw})
+    if isinstance(drafter, LookupFirstDrafter):
+        drafter = drafter.model
     assert isinstance(drafter, ModelDrafter)
     backend = drafter.backend
     return backend.kernel.weights if isinstance(backend, NativeBackend) else None
@@ -215,11 +217,13 @@ def test_a_draft_model_reads_bfloat16_matrices_where_it_runs_native(stories, xs,
     weights on another backend; float32 and bfloat16 ask the kernel for them, and are
     refused where the draft runs on another backend. The tokens stay the target's."""
     assert draft_kernel(stories, xs) == "bfloat16"
+    assert draft_kernel(stories, xs, prompt_lookup=2) == "bfloat16"  # lookup first
     assert draft_kernel(stories, xs, draft_weights="float32") == "float32"
     assert draft_kernel(stories, xs, backend="lean") is None
     with pytest.raises(ConfigError, match=r"--draft-weights bfloat16 is how the native "
                        r"backend stores the draft's matrices, and the draft runs on lean "
-                       r"\(asked for with --backend\); use --draft-weights auto"):
+                       r"\(asked for with --backend\); use --draft-weights auto or "
+                       r"--backend native$"):
         draft_kernel(stories, xs, backend="lean", draft_weights="bfloat16")
     with pytest.raises(ConfigError, match="--draft-weights must be one of auto, float32, "
                                           "bfloat16, got 'half'"):

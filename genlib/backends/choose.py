@@ -97,6 +97,7 @@ def backend_name(lm: LoadedModel, request: Request) -> str:
 
 
 def check_draft_weights(weights: str) -> str:
+    """`weights` when it is one of `DRAFT_WEIGHTS`, else the ConfigError naming them."""
     if weights not in DRAFT_WEIGHTS:
         raise ConfigError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
                           f"got {weights!r}")
@@ -131,9 +132,10 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
             raise ConfigError(refusal)
         reason = "asked for with --backend"
     if request.weights is not None and name != "native":
+        other = " or --backend native" if request.backend != "auto" else ""
         raise ConfigError(f"--draft-weights {request.weights} is how the native backend "
                           f"stores the draft's matrices, and the draft runs on {name} "
-                          f"({reason}); use --draft-weights auto")
+                          f"({reason}); use --draft-weights auto{other}")
     return name, reason
 
 

@@ -132,11 +132,12 @@ def _will_compile(flags: tuple[str, ...], source: Path = SOURCE) -> bool:
 
 
 def ensure_built(notify: Callable[[str], None] | None = None,
-                 flags: tuple[str, ...] = FLAGS) -> Build:
-    """`build()` of every `WEIGHTS` kind, first calling `notify` with `BUILDING` when one
-    is going to compile (the CLI prints it on stderr: a build takes a second or two);
-    the float32 build."""
-    kinds = [flags + extra for extra in WEIGHTS.values()]
+                 flags: tuple[str, ...] = FLAGS, weights: tuple[str, ...] = ("float32",)
+                 ) -> Build:
+    """`build()` of the kernels that read each of `weights` (`WEIGHTS` keys), first
+    calling `notify` with `BUILDING` when one is going to compile (the CLI prints it on
+    stderr: a build takes a second or two); the first one's build."""
+    kinds = [flags + WEIGHTS[kind] for kind in weights]
     if notify is not None and any(_will_compile(kind) for kind in kinds):
         notify(BUILDING)
     return [build(kind) for kind in kinds][0]
@@ -220,6 +221,9 @@ class NativeStep:
         self._kept: list[torch.Tensor] = []
         self.vocab = lean.lm_head.w.shape[1]
         self.threads = threads
+        if weights not in WEIGHTS:
+            raise ValueError(f"the kernel stores matrices as {', '.join(WEIGHTS)}, not "
+                             f"{weights}")
         self.weights = weights
         library = library or build_for(weights).library
         dtype = getattr(torch, weights)
