@@ -38,7 +38,9 @@ def uniform(generator: torch.Generator | None, shape: tuple[int, ...] = (),
 def pick_by_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: the first token (vocabulary order) whose cumulative probability
     exceeds u * total; tokens of probability 0 have empty spans and are never picked."""
-    return _first_past(finite(logits.float().softmax(dim=-1)).cumsum(dim=-1), u)
+    cdf = logits.float().softmax(dim=-1).cumsum(dim=-1)
+    finite(cdf[..., -1])  # a NaN or infinite weight makes its row's total one
+    return _first_past(cdf, u)
 
 
 def finite(probs: torch.Tensor) -> torch.Tensor:
@@ -65,9 +67,11 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     numbers, in float64 to ~1e-16. NaN or infinite weights raise `finite`'s
     ConfigError; negative or all-zero ones ValueError, as torch.multinomial raises."""
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
-    cdf = finite(probs).to(wide).cumsum(dim=-1)
+    cdf = probs.to(wide).cumsum(dim=-1)
     total = float(cdf[-1])
-    if not 0.0 < total < math.inf or float(probs.min()) < 0.0:
+    if not math.isfinite(total):  # `finite`'s test: a NaN or inf weight makes it so
+        raise ConfigError(OVERFLOW)
+    if not 0.0 < total or float(probs.min()) < 0.0:
         raise ValueError(f"cannot draw from these weights (sum {total}): they must be "
                          "finite, not negative, and not all zero")
     return int(_first_past(cdf, uniform(generator, (), probs.device, wide)))
