@@ -122,7 +122,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
     bandwidth = group.median_bandwidth()
     row: dict[str, Any] = {
         "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
-        "dtype": dtype, "torch_dtype": str(lm.dtype).removeprefix("torch."),
+        "dtype": dtype, "torch_dtype": lm.dtype_name,
         "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
         case.new_tokens, "batch_size": case.batch_size,
         "backend": engine_result.backend, "backend_requested":

@@ -611,11 +611,11 @@ def compare(
     if model is None and models is None:
         model = presets_model(presets, ", or compare them with --models")
     model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend)
-    model_refs, quantizations = opt.comma_list(models), opt.comma_list(quantize) or ["none"]
+    model_refs, quantizations = opt.comma_list(models), opt.comma_list(quantize)
     if models is not None and not model_refs:
         raise fail("--models names no model; give comma-separated hub ids or folders, e.g. "
                    "--models MODEL_A,MODEL_B")
-    if quantize is not None and not opt.comma_list(quantize):
+    if not quantizations:
         raise fail("--quantize names no quantization; give a comma list of none, 8bit, 4bit")
     if len(model_refs) > 1 or len(quantizations) > 1:
         if not presets and not variant:

@@ -297,11 +297,11 @@ def speculate(
       genlab speculate "import os" -t 0.8 --seed 1 --fixed -g 3 --json
     """
     from genlib.backends.choose import check_draft_weights
+    from genlib.backends.kernel import WEIGHTS
     from genlib.models import resolve_model_ref
     from genlib.speculative import Drafting, check_request, draft_length
 
     flags = opt.decoding_flags(locals() | sampler_flags)
-    check_draft_weights(draft_weights)
     target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
@@ -309,13 +309,12 @@ def speculate(
     settings = with_seed(settings)
     target_ref = resolve_model_ref(model, loaded_preset.model if loaded_preset else None)
     draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
-    if draft_weights != "auto" and draft_ref is None:
-        raise fail(f"--draft-weights {draft_weights} sets how the draft model's matrices "
-                   f"are stored; give --draft-model too, or drop it")
+    check_draft_weights(draft_weights, draft_ref is not None)  # before the models load
     text = read_prompt(prompt)
     model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code, backend)
     target = load(model_flags)
-    kernels = ("float32",) if draft_weights == "float32" else ("bfloat16",)
+    # the kernels the draft may run (auto: choose.draft_request picks), built announced
+    kernels = tuple(WEIGHTS) if draft_weights == "auto" else (draft_weights,)
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend),
                  weights=kernels) if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
@@ -363,7 +362,7 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
     if draft is not None:
         request = draft_request(draft, draft.backend, drafting.draft_weights)
         warm_up(draft, ids, request)
-        weights = request.weights or str(draft.dtype).removeprefix("torch.")
+        weights = request.weights or draft.dtype_name
     drafter = drafter_name(draft, drafting.prompt_lookup)
     events, interrupted = stream_speculation(target, ids, settings, drafting,
                                              live=not sink.machine, logprobs=logprobs)

@@ -84,6 +84,11 @@ class LoadedModel:
         return "model" in self.__dict__
 
     @property
+    def dtype_name(self) -> str:
+        """The dtype as a flag names it: float32, bfloat16, float16."""
+        return str(self.dtype).removeprefix("torch.")
+
+    @property
     def vocab_size(self) -> int:
         if self.lean is not None:
             return int(self.lean.lm_head.w.shape[1])

@@ -32,7 +32,12 @@ import torch
 
 from genlib import grammar, processors, sampling, stepdetail
 from genlib.backends.base import Backend
-from genlib.backends.choose import Request, choose_backend, draft_request
+from genlib.backends.choose import (
+    Request,
+    check_draft_weights,
+    choose_backend,
+    draft_request,
+)
 from genlib.config import GenerationSettings
 from genlib.drafters import (
     Draft,
@@ -297,6 +302,7 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
     if prompt_lookup is not None and prompt_lookup < 1:
         raise ConfigError(f"--prompt-lookup is the n-gram size to match, >= 1; "
                           f"got {prompt_lookup}")
+    check_draft_weights(draft_weights, draft_lm is not None)
     lookup = PromptLookupDrafter(prompt_lookup) if prompt_lookup is not None else None
     if draft_lm is None:
         assert lookup is not None

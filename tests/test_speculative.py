@@ -192,8 +192,8 @@ def test_lookup_first_greedy_same_tokens_with_both_drafters_proposing(stories, x
     assert sum(e.accepted for e in by_lookup) > 0 and sum(e.accepted for e in by_model) > 0
 
 
-needs_bf16_kernel = pytest.mark.skipif(
-    kernel.build_for("bfloat16").library is None,
+needs_kernels = pytest.mark.skipif(  # float32 and bfloat16 draft weights both need one
+    any(kernel.build_for(weights).library is None for weights in kernel.WEIGHTS),
     reason="the native kernel cannot be built here")
 
 
@@ -210,7 +210,7 @@ def draft_kernel(target: LoadedModel, draft: LoadedModel, **kw) -> str | None:
 
 
 @needs_models
-@needs_bf16_kernel
+@needs_kernels
 def test_a_draft_model_reads_bfloat16_matrices_where_it_runs_native(stories, xs,
                                                                    monkeypatch) -> None:
     """auto: the draft's matrices in bfloat16 on the native kernel, the model's own
@@ -228,6 +228,10 @@ def test_a_draft_model_reads_bfloat16_matrices_where_it_runs_native(stories, xs,
     with pytest.raises(ConfigError, match="--draft-weights must be one of auto, float32, "
                                           "bfloat16, got 'half'"):
         draft_kernel(stories, xs, draft_weights="half")
+    with pytest.raises(ConfigError, match="--draft-weights bfloat16 sets how the draft "
+                                          "model's matrices are stored; give --draft-model"):
+        make_drafter(stories, resolve_settings({}), draft_lm=None, prompt_lookup=2,
+                     draft_weights="bfloat16")
     monkeypatch.setenv("GENLAB_NATIVE", "0")
     assert draft_kernel(stories, xs) is None
     monkeypatch.delenv("GENLAB_NATIVE")
@@ -331,7 +335,7 @@ RUNS = 600
     ({"temperature": 1.5}, 2, "lookup"),
     ({"temperature": 1.5}, 1, "lookup first"),  # the model, then lookup after a rejection
     # auto gives the model's matrices in bfloat16 where the kernel builds: float32 too
-    pytest.param({"temperature": 0.7}, 2, "float32 model", marks=needs_bf16_kernel),
+    pytest.param({"temperature": 0.7}, 2, "float32 model", marks=needs_kernels),
 ])
 def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter) -> None:
     """Chi-square goodness of fit of the first two tokens' joint distribution over
@@ -574,11 +578,14 @@ def test_cli_draft_model_with_prompt_lookup_drafts_lookup_first() -> None:
     assert data["drafter"] == f"prompt-lookup (n=2), then {MODELS / 'llama2xs'}"
     assert data["outputs"][0]["token_ids"] == data["baseline"]["token_ids"]
     assert data["adaptive"] is True and data["num_draft_tokens"] == 5
-    assert data["speculation"]["accepted"] > 0
+    stats = data["speculation"]
+    assert stats["accepted"] > 0
+    # the model drafted, and lookup drafted some tokens with no draft forward
+    assert 0 < stats["draft_forwards"] < stats["proposed"]
 
 
 @needs_models
-@needs_bf16_kernel
+@needs_kernels
 def test_cli_says_how_the_draft_models_matrices_were_stored() -> None:
     """The JSON's `draft_weights` and the report's drafter line; --draft-weights without
     a draft model is an input error that says so."""

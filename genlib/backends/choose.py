@@ -96,11 +96,15 @@ def backend_name(lm: LoadedModel, request: Request) -> str:
     return _pick(lm, request)[0]
 
 
-def check_draft_weights(weights: str) -> str:
-    """`weights` when it is one of `DRAFT_WEIGHTS`, else the ConfigError naming them."""
+def check_draft_weights(weights: str, draft_model: bool = True) -> str:
+    """`weights` when it is one of `DRAFT_WEIGHTS`, and `auto` unless there is a
+    `draft_model` whose matrices it sets; else the ConfigError that says so."""
     if weights not in DRAFT_WEIGHTS:
         raise ConfigError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
                           f"got {weights!r}")
+    if weights != "auto" and not draft_model:
+        raise ConfigError(f"--draft-weights {weights} sets how the draft model's matrices "
+                          f"are stored; give --draft-model too, or drop it")
     return weights
 
 
@@ -146,15 +150,15 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
         return "transformers", "a quantized model runs on transformers' forward"
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
-            return "transformers", f"{many} in {_dtype(lm)} on {lm.device.type}"
+            return "transformers", f"{many} in {lm.dtype_name} on {lm.device.type}"
         if lm.device.type == "cpu":
             return _cpu_low_precision(lm)
         if _static_cache_must_crop(lm, request):
             why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
-            return "transformers", (f"speculative decoding in {_dtype(lm)} on "
+            return "transformers", (f"speculative decoding in {lm.dtype_name} on "
                                     f"{lm.device.type} and no lean forward ({why}): a "
                                     f"compiled static cache cannot roll back")
-        return "compiled", f"one row in {_dtype(lm)} on {lm.device.type}: a compiled step"
+        return "compiled", f"one row in {lm.dtype_name} on {lm.device.type}: a compiled step"
     if not lean_allowed():
         return "transformers", "GENLAB_LEAN=0"
     lean = _lean(lm)
@@ -177,17 +181,13 @@ def _cpu_low_precision(lm: LoadedModel) -> tuple[str, str]:
     order, which in these dtypes moves a logit by a rounding step often enough to flip
     greedy tokens at near-ties (4 of 12 prompt-model pairs within 64 tokens:
     docs/performance.md)."""
-    dtype = _dtype(lm)
+    dtype = lm.dtype_name
     if not lean_allowed():
         return "transformers", f"one row in {dtype} on cpu, GENLAB_LEAN=0"
     if _lean(lm) is None:
         return "transformers", f"one row in {dtype} on cpu, not a plain Llama-style model"
     return "lean", (f"one row in {dtype} on cpu: the lean forward, exact; a compiled step "
                     f"sums in another order")
-
-
-def _dtype(lm: LoadedModel) -> str:
-    return str(lm.dtype).removeprefix("torch.")
 
 
 def _kernel_missing(lean: LeanLlama, weights: str | None = None) -> str | None:
