@@ -47,6 +47,9 @@ def main(
         help="Print genlab's version and exit.")] = False,
 ) -> None:
     """Generate text with language models and see how decoding strategies behave."""
+    from cli.render import show_genlib_warnings
+
+    show_genlib_warnings()
 
 app.command("generate")(generate_cmd.generate)
 app.command("beam")(beam_cmd.beam)

@@ -57,6 +57,12 @@ class CompileError(GenlabError):
     version): exit code 1, with the backend that runs without compiling."""
 
 
+class GenlabWarning(UserWarning):
+    """Something in the user's input that genlib goes on with, but that they should know
+    (a part of a regex the grammar library ignores): one line, said once. The CLI prints
+    it as `warning: ...`; a library caller sees a Python warning."""
+
+
 def unexpected(exc: BaseException) -> str:
     """The one-line wording of a fault that is a bug, not bad input: kept apart from
     every message a user's input can cause, so a report of one is a bug report."""

@@ -19,17 +19,22 @@ works.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import re
+import sys
+import tempfile
+import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
-from genlib.errors import ConfigError
+from genlib.errors import ConfigError, GenlabWarning
 
 INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar would not end
 # The finish reason of output that ended where the grammar allowed it, yet fails its JSON
@@ -81,14 +86,57 @@ def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], setting
                                    max_threads=1)
     text = getattr(settings, kind)
     try:
-        if kind == "json_schema":
-            return CompiledGrammar(compiler.compile_json_schema(text, any_whitespace=False),
-                                   _schema_check(tokenizer, text))
-        if kind == "regex":
-            return CompiledGrammar(compiler.compile_regex(text))
-        return CompiledGrammar(compiler.compile_grammar(text))
+        with _xgrammar_warnings(kind):
+            if kind == "json_schema":
+                return CompiledGrammar(compiler.compile_json_schema(text, any_whitespace=False),
+                                       _schema_check(tokenizer, text))
+            if kind == "regex":
+                return CompiledGrammar(compiler.compile_regex(text))
+            return CompiledGrammar(compiler.compile_grammar(text))
     except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
+
+
+# A line of xgrammar's C++ log: "[08:14:16] /path/fsm_builder.cc:1237: Warning: ...".
+_LOG_LINE = re.compile(rb"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*Warning:\s*(.*)$")
+
+
+@contextlib.contextmanager
+def _xgrammar_warnings(kind: str) -> Iterator[None]:
+    """Turn what xgrammar's C++ code logs on file descriptor 2 meanwhile (a part of the
+    constraint it ignores or does not enforce, stamped with the time and its own source
+    path) into one GenlabWarning per distinct message, naming the setting. Anything else
+    written there meanwhile is passed on as it was."""
+    sys.stderr.flush()
+    try:
+        saved = os.dup(2)
+    except OSError:  # no stderr (started with 2>&-): nothing to capture
+        yield
+        return
+    log = tempfile.TemporaryFile()
+    os.dup2(log.fileno(), 2)
+    try:
+        yield
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+        with log:
+            log.seek(0)
+            _pass_on(log.read(), kind)
+
+
+def _pass_on(captured: bytes, kind: str) -> None:
+    said: set[str] = set()
+    for line in captured.splitlines(keepends=True):
+        match = _LOG_LINE.match(line.rstrip(b"\r\n"))
+        if match is None:
+            os.write(2, line)
+            continue
+        message = match.group(1).decode("utf-8", "replace").strip()
+        if message not in said:
+            said.add(message)
+            warnings.warn(GenlabWarning(f"{kind}: xgrammar warns: {message}"), stacklevel=5)
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ ends with its own finish reason; the CLI flags and their errors."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 
@@ -19,7 +20,7 @@ from cli.main import app
 from genlib import generate, grammar, processors
 from genlib.beam import beam_search
 from genlib.config import resolve_settings
-from genlib.errors import ConfigError
+from genlib.errors import ConfigError, GenlabWarning
 from genlib.events import Verify
 from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_model
 from genlib.speculative import speculative_stream
@@ -237,6 +238,37 @@ def test_cli_json_schema_from_stdin_file_and_errors(tmp_path):
     bad = runner.invoke(app, ["generate", "x", "--regex", "[a-"])
     assert bad.exit_code == 2 and bad.stderr.startswith("error: regex cannot be compiled")
     assert "Traceback" not in bad.output
+
+
+def test_xgrammars_log_lines_become_one_genlab_warning_each(builtin, capfd):
+    settings = resolve_settings({"json_schema": {"type": "string", "pattern": "a$b"}})
+    with pytest.warns(GenlabWarning) as caught:
+        grammar.compile_for(builtin.tokenizer, builtin.vocab_size, builtin.eos_ids, settings)
+    # xgrammar logs this one three times, with the time and its C++ source path
+    assert [str(w.message) for w in caught] == [
+        "json_schema: xgrammar warns: Anchor '$' in the middle of regex is ignored: a$b"]
+    assert ".cc:" not in capfd.readouterr().err
+
+
+def test_what_else_reaches_stderr_while_compiling_is_passed_on(capfd):
+    with pytest.warns(GenlabWarning) as caught:
+        with grammar._xgrammar_warnings("regex"):
+            os.write(2, b"[09:00:00] /src/cpp/x.cc:12: Warning: first\r\n")
+            os.write(2, b"someone else's line\n")
+            os.write(2, b"[09:00:01] /src/cpp/x.cc:12: Warning: first\n")
+            os.write(2, b"[09:00:01] /src/cpp/y.h:3: Warning: second\n")
+    assert [str(w.message) for w in caught] == ["regex: xgrammar warns: first",
+                                                "regex: xgrammar warns: second"]
+    assert capfd.readouterr().err == "someone else's line\n"
+
+
+def test_cli_shows_xgrammars_warnings_as_its_own_warning_lines():
+    result = runner.invoke(app, ["generate", "x", "--regex", "a$b", "-n", "3"])
+    assert result.exit_code == 0, result.output
+    assert ("warning: regex: xgrammar warns: Regex parsing warning at position 2: '$' "
+            "should be at the end of the regex, but found in the middle. It is ignored."
+            ) in result.stderr
+    assert "GenlabWarning" not in result.stderr and ".cc:" not in result.stderr
 
 
 def test_cli_schema_or_grammar_text_where_a_file_goes_says_how_to_give_it():
