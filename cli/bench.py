@@ -343,14 +343,16 @@ def emit(records: list[dict[str, Any]], machine: dict[str, Any], target: Sink,
     for record in doc["results"]:
         target.json_line(output.line(doc, record))
     target.json_document(doc)
-    if not target.machine or not target.to_stdout:  # the table stays off a JSON stdout
-        out = render.err if csv_path == "-" or target.machine else render.out
-        print_table(records, machine, out, wide)
-    if csv_path is not None:
-        write_csv(records, csv_path)
-    if plot is not None:
-        draw_plot(records, plot)
-        render.info(f"plot written to {plot}")
+    try:
+        if not target.machine or not target.to_stdout:  # the table stays off a JSON stdout
+            out = render.err if csv_path == "-" or target.machine else render.out
+            print_table(records, machine, out, wide)
+    finally:  # a reader of the table that went away (| head) costs no export
+        if csv_path is not None:
+            write_csv(records, csv_path)
+        if plot is not None:
+            draw_plot(records, plot)
+            render.info(f"plot written to {plot}")
 
 
 def bench_json(records: list[dict[str, Any]], machine: dict[str, Any]) -> dict[str, Any]:

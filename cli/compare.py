@@ -220,10 +220,10 @@ def console_for(target: Sink, markdown_path: str | None) -> Console:
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
-             crn: bool, console: Console, logprobs: int = 0
-             ) -> tuple[list[StrategyResult], bool]:
-    """Run every strategy, redrawing the view as tokens arrive (on a terminal) or
-    printing it once at the end (piped). Return the results and whether Ctrl-C hit."""
+             crn: bool, console: Console, logprobs: int = 0) -> tuple[View, bool]:
+    """Run every strategy, redrawing the view as tokens arrive on a terminal (piped, the
+    caller prints it once, after the exports). Return the view, whose `results` are
+    the strategies that ran, and whether Ctrl-C hit."""
     from rich.live import Live
 
     from genlib.compare import StrategyDone, stream_comparison
@@ -249,10 +249,8 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
         if live is not None:
             live.update(view.render(console.width), refresh=True)
             live.stop()
-    if live is None:
-        console.print(view.render(console.width))
     results = [r for r in view.results if r is not None]
-    return results, interrupted or any(r.interrupted for r in results)
+    return view, interrupted or any(r.interrupted for r in results)
 
 
 # --- exports ------------------------------------------------------------------------
@@ -518,12 +516,14 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
         render.info(BEAM_NOTE)
     comparison = compare_models(specs, prompt, strategies[0], logprobs)
     console = console_for(target, markdown_path)
-    console.print(models_table(comparison))
-    if not target.machine:
-        logprobs_tables([(run.label, run.logprobs_object) for run in comparison.runs
-                         if run.logprobs_object is not None], console)
-    emit(models_json(comparison), "runs", target, models_markdown(comparison),
-         markdown_path)
+    try:
+        console.print(models_table(comparison))
+        if not target.machine:
+            logprobs_tables([(run.label, run.logprobs_object) for run in comparison.runs
+                             if run.logprobs_object is not None], console)
+    finally:  # a reader of the table that went away (| head) costs no export
+        emit(models_json(comparison), "runs", target, models_markdown(comparison),
+             markdown_path)
     if comparison.interrupted:
         raise fail("interrupted: the table shows the runs so far", INTERRUPTED)
     if all(r.error for r in comparison.runs):
@@ -669,16 +669,21 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
         render.info(CRN_NOTE if crn else NO_CRN_NOTE)
     if logprobs and any(s.settings.strategy == "beam" for s in strategies):
         render.info(BEAM_NOTE)
-    results, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs)
-    if not target.machine:
-        logprobs_tables(strategy_tables(results), console)
+    view, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs)
+    results = [r for r in view.results if r is not None]
     comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
                             results=results, crn=crn)
-    for result in results:
-        if result.error is not None:
-            render.warn(f"{result.strategy.label}: {result.error}")
-    emit(comparison_json(comparison), "strategies", target, comparison_markdown(comparison),
-         markdown_path)
+    try:
+        if not console.is_terminal:  # piped: the view once, as it ended
+            console.print(view.render(console.width))
+        if not target.machine:
+            logprobs_tables(strategy_tables(results), console)
+    finally:  # a reader of the view that went away (| head) costs no export
+        for result in results:
+            if result.error is not None:
+                render.warn(f"{result.strategy.label}: {result.error}")
+        emit(comparison_json(comparison), "strategies", target,
+             comparison_markdown(comparison), markdown_path)
     if interrupted:
         raise typer.Exit(INTERRUPTED)
     failed = [r for r in results if r.error is not None]

@@ -352,6 +352,30 @@ def test_a_reader_gone_before_the_output_ends_any_command_quietly_with_141(args)
     assert proc.returncode == 141
 
 
+EXPORTS = {
+    "compare --markdown": (["compare", PROMPT, *MODEL, "-n", "8", "-p", "greedy",
+                            "--markdown"], "## greedy"),
+    "compare --models --markdown": (["compare", PROMPT, "--models", f"{STORIES},{STORIES}",
+                                     "-n", "8", "--markdown"], "| model | tokens/s |"),
+    "bench --csv": (["bench", *MODEL, "--runs", "1", "--warmup", "0", "--prompt-len", "4",
+                     "--new-tokens", "3", "--no-bandwidth", "--csv"], "new_tokens"),
+}
+
+
+@pytest.mark.parametrize("args, header", EXPORTS.values(), ids=EXPORTS.keys())
+def test_a_reader_gone_during_the_view_costs_no_export_file(args, header, tmp_path):
+    """`genlab compare ... --markdown out.md | head -3`: the table on stdout meets a closed
+    pipe, and the file is written all the same before the quiet 141."""
+    export = tmp_path / "export"
+    proc = subprocess.Popen([sys.executable, "-m", "cli", *args, str(export)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, "NO_COLOR": "1", "HF_HUB_OFFLINE": "1"})
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 141, err.decode()
+    assert header in export.read_text()
+
+
 def terminated_json(wait_s: float) -> dict:
     """`genlab generate --json` on code-target (1000 tokens take a minute), sent SIGTERM
     `wait_s` after the model is loaded (--show-settings' table on stderr): its document."""
