@@ -524,10 +524,15 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     finally:  # a reader of the table that went away (| head) costs no export
         emit(models_json(comparison), "runs", target, models_markdown(comparison),
              markdown_path)
+    budget = strategies[0].settings.max_new_tokens
+    invalid = warn_invalid([(budget, run.finish_reason) for run in comparison.runs
+                            if run.finish_reason is not None])
     if comparison.interrupted:
         raise fail("interrupted: the table shows the runs so far", INTERRUPTED)
     if all(r.error for r in comparison.runs):
         raise fail(f"every model run failed: {comparison.runs[0].error}")
+    if invalid:
+        raise typer.Exit(1)
 
 
 # --- the command --------------------------------------------------------------------
@@ -684,8 +689,24 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
                 render.warn(f"{result.strategy.label}: {result.error}")
         emit(comparison_json(comparison), "strategies", target,
              comparison_markdown(comparison), markdown_path)
+    invalid = warn_invalid([(r.strategy.settings.max_new_tokens, s.reason)
+                            for r in results for s in r.samples])
     if interrupted:
         raise typer.Exit(INTERRUPTED)
     failed = [r for r in results if r.error is not None]
     if results and len(failed) == len(results):
         raise fail(f"every strategy failed: {failed[0].error}")
+    if invalid:  # as generate: an output is not valid under its grammar
+        raise typer.Exit(1)
+
+
+def warn_invalid(finishes: list[tuple[int, str]]) -> bool:
+    """`render.warn_incomplete` over (max_new_tokens, finish reason) pairs, one warning
+    per budget; whether any output is not valid under its grammar."""
+    from cli import render
+
+    by_budget: dict[int, list[str]] = {}
+    for budget, reason in finishes:
+        by_budget.setdefault(budget, []).append(reason)
+    return any([render.warn_incomplete(reasons, budget)
+                for budget, reasons in by_budget.items()])

@@ -168,7 +168,8 @@ def explain(
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
-    render.warn_incomplete([record["original"]["finish_reason"]], settings.max_new_tokens)
+    invalid = render.warn_incomplete([record["original"]["finish_reason"]],
+                                     settings.max_new_tokens)
     if steps:  # the page shows both runs' steps, the terminal view the original's
         from genlib.explain import runs_of
 
@@ -186,3 +187,5 @@ def explain(
         render_explain.show_steps(record["original"]["steps"], first, last)
         if "branch" in record:
             render_explain.show_branch(record["original"], record["branch"])
+    if invalid:  # as generate: the output is not valid under its grammar
+        raise typer.Exit(1)

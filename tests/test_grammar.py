@@ -226,8 +226,10 @@ def test_cli_json_schema_from_stdin_file_and_errors(tmp_path):
     short = runner.invoke(app, ["generate", PROMPT, "--json-schema", str(path), "-n", "3"])
     assert short.exit_code == 1
     assert "NOT valid" in short.stderr and "raise --max-new-tokens" in short.stderr
-    # beam and speculate print the same warning and exit 1 too, with or without --json
-    for command in (["beam", "-k", "2"], ["speculate", "--prompt-lookup", "2"]):
+    # the other commands print the same warning and exit 1 too, with or without --json
+    for command in (["beam", "-k", "2"], ["speculate", "--prompt-lookup", "2"], ["explain"],
+                    ["compare", "-p", "greedy"], ["compare", "--models",
+                                                  f"{DEFAULT_MODEL},{DEFAULT_MODEL}"]):
         for machine in ([], ["--json"]):
             cut = runner.invoke(app, [*command, PROMPT, "--json-schema", str(path), "-n", "3",
                                       *machine])
