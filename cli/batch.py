@@ -19,6 +19,7 @@ import typer
 
 from cli.context import ModelFlags, load
 from cli.errors import INTERRUPTED, fail
+from genlib.errors import not_one_of
 
 if TYPE_CHECKING:
     from rich.progress import Progress
@@ -52,9 +53,9 @@ class EngineFlags:
         from genlib.openai_batch import FORMATS
 
         if self.engine not in ENGINES:
-            raise fail(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+            raise fail(not_one_of("--engine", self.engine, ENGINES))
         if self.format not in FORMATS:
-            raise fail(f"--format must be one of {', '.join(FORMATS)}, got {self.format!r}")
+            raise fail(not_one_of("--format", self.format, FORMATS))
         ray_only = [name for name in self.given() if name in ("--ray-address", "--workers")]
         if ray_only and self.engine != "ray":
             raise fail(f"{' and '.join(ray_only)} only {_apply(ray_only)} with --engine ray")

@@ -19,6 +19,7 @@ from cli.errors import fail, user_errors
 from cli.output import Sink, check_writable, opened, sink
 from genlib.backends.choose import BACKENDS
 from genlib.config import with_seed
+from genlib.errors import not_one_of
 
 if TYPE_CHECKING:
     from genlib.bench import Case, Group, Result
@@ -56,7 +57,7 @@ def str_list(flag: str, text: str, allowed: tuple[str, ...] | None = None) -> li
         raise fail(f"{flag}: give at least one value")
     for value in values:
         if allowed is not None and value not in allowed:
-            raise fail(f"{flag}: unknown value {value!r}; use {', '.join(allowed)}")
+            raise fail(not_one_of(flag, value, allowed))
     return values
 
 
@@ -233,7 +234,7 @@ def bench(
     quants = str_list("--quantize", quantize, ("none", "8bit", "4bit"))
     backends = str_list("--backend", backend, BACKENDS)
     if baseline not in BASELINES:
-        raise fail(f"--baseline: unknown value {baseline!r}; use {', '.join(BASELINES)}")
+        raise fail(not_one_of("--baseline", baseline, BASELINES))
     check_plot_available(plot)
     if target.machine and target.to_stdout and csv_path == "-":
         raise fail(f"--{target.mode} and --csv - both write to stdout; send the CSV to a file")

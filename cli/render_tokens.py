@@ -13,6 +13,7 @@ from rich.text import Text
 
 from cli.errors import fail
 from cli.render import err, out, stream_text
+from genlib.errors import not_one_of
 
 if TYPE_CHECKING:
     from genlib.events import Token
@@ -33,7 +34,7 @@ BINS: dict[str, tuple[tuple[float, str], ...]] = {
 
 def check_color_by(value: str | None) -> None:
     if value is not None and value not in COLOR_BY:
-        raise fail(f"--color-by {value!r}: choose prob, entropy or rank")
+        raise fail(not_one_of("--color-by", value, COLOR_BY))
 
 
 def style_for(mode: str, detail: Any) -> str:

@@ -3,6 +3,10 @@
 genlib raises these; only cli/ turns them into a one-line message and an exit code.
 """
 
+from __future__ import annotations
+
+from collections.abc import Iterable
+
 
 class GenlabError(Exception):
     """Base class for every error a user can cause or act on."""
@@ -61,6 +65,12 @@ class GenlabWarning(UserWarning):
     """Something in the user's input that genlib goes on with, but that they should know
     (a part of a regex the grammar library ignores): one line, said once. The CLI prints
     it as `warning: ...`; a library caller sees a Python warning."""
+
+
+def not_one_of(name: str, value: object, choices: Iterable[str]) -> str:
+    """The one wording of a value outside its choices, for every flag and setting:
+    "--backend must be one of auto, transformers, ..., got 'fast'"."""
+    return f"{name} must be one of {', '.join(choices)}, got {value!r}"
 
 
 def unexpected(exc: BaseException) -> str:

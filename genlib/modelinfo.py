@@ -18,6 +18,7 @@ from genlib.errors import (
     ChatTemplateError,
     ContextLengthError,
     ModelLoadError,
+    not_one_of,
 )
 
 if TYPE_CHECKING:
@@ -200,7 +201,7 @@ def pick_device(name: str) -> torch.device:
     import torch
 
     if name not in DEVICES:
-        raise ModelLoadError(f"unknown device {name!r}; use one of {', '.join(DEVICES)}")
+        raise ModelLoadError(not_one_of("--device", name, DEVICES))
     if name == "auto":
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -220,7 +221,7 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     import torch
 
     if name not in DTYPES:
-        raise ModelLoadError(f"unknown dtype {name!r}; use one of {', '.join(DTYPES)}")
+        raise ModelLoadError(not_one_of("--dtype", name, DTYPES))
     if name == "auto":
         if device.type == "cuda":
             return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genlib import checkpoint
-from genlib.errors import ModelLoadError
+from genlib.errors import ModelLoadError, not_one_of
 from genlib.modelinfo import (  # noqa: F401  (LoadedModel, ModelSpec: the loading API's types)
     DEVICES,
     DTYPES,
@@ -89,8 +89,7 @@ def _is_local_ref(ref: str) -> bool:
 
 def _quantization_config(quantize: str, device: torch.device) -> Any:
     if quantize not in QUANTIZATIONS:
-        raise ModelLoadError(f"unknown quantization {quantize!r}; use one of "
-                             f"{', '.join(QUANTIZATIONS)}")
+        raise ModelLoadError(not_one_of("--quantize", quantize, QUANTIZATIONS))
     if quantize == "none":
         return None
     if device.type == "mps":

@@ -291,7 +291,8 @@ def test_color_by_is_plain_text_when_piped(stories):
     assert result.exit_code == 0 and result.stdout == plain.stdout
     assert "\x1b[" not in result.stdout
     bad = runner.invoke(app, ["generate", "x", *MODEL, "--color-by", "heat"])
-    assert bad.exit_code == 2 and "prob, entropy or rank" in bad.output
+    assert bad.exit_code == 2 and (
+        "--color-by must be one of prob, entropy, rank, got 'heat'") in bad.output
 
 
 def test_color_by_styles_follow_the_bins():

@@ -36,7 +36,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from genlib.errors import ConfigError
+from genlib.errors import ConfigError, not_one_of
 
 if TYPE_CHECKING:
     from genlib.backends.base import Backend
@@ -77,7 +77,7 @@ def native_allowed() -> bool:
 
 def check_name(name: str) -> str:
     if name not in BACKENDS:
-        raise ConfigError(f"--backend must be one of {', '.join(BACKENDS)}, got {name!r}")
+        raise ConfigError(not_one_of("--backend", name, BACKENDS))
     return name
 
 
@@ -100,8 +100,7 @@ def check_draft_weights(weights: str, draft_model: bool = True) -> str:
     """`weights` when it is one of `DRAFT_WEIGHTS`, and `auto` unless there is a
     `draft_model` whose matrices it sets; else the ConfigError that says so."""
     if weights not in DRAFT_WEIGHTS:
-        raise ConfigError(f"--draft-weights must be one of {', '.join(DRAFT_WEIGHTS)}, "
-                          f"got {weights!r}")
+        raise ConfigError(not_one_of("--draft-weights", weights, DRAFT_WEIGHTS))
     if weights != "auto" and not draft_model:
         raise ConfigError(f"--draft-weights {weights} sets how the draft model's matrices "
                           f"are stored; give --draft-model too, or drop it")
