@@ -25,6 +25,7 @@ import os
 import re
 import sys
 import tempfile
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -99,6 +100,9 @@ def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], setting
 
 # A line of xgrammar's C++ log: "[08:14:16] /path/fsm_builder.cc:1237: Warning: ...".
 _LOG_LINE = re.compile(rb"^\[[^\]]*\]\s*\S+\.(?:cc|h):\d+:\s*Warning:\s*(.*)$")
+# File descriptor 2 is the process's: one capture at a time, or a second thread's would
+# save the first one's log as "stderr" and put it back for good.
+_CAPTURE = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -107,26 +111,29 @@ def _xgrammar_warnings(kind: str) -> Iterator[None]:
     constraint it ignores or does not enforce, stamped with the time and its own source
     path) into one GenlabWarning per distinct message, naming the setting. Anything else
     written there meanwhile is passed on as it was."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr (started with 2>&-): nothing to capture
-        yield
-        return
-    log = tempfile.TemporaryFile()
-    os.dup2(log.fileno(), 2)
-    try:
-        yield
-    finally:
+    with _CAPTURE:
         sys.stderr.flush()
-        os.dup2(saved, 2)
-        os.close(saved)
-        with log:
-            log.seek(0)
-            _pass_on(log.read(), kind)
+        try:
+            saved = os.dup(2)
+        except OSError:  # no stderr (started with 2>&-): nothing to capture
+            yield
+            return
+        log = tempfile.TemporaryFile()
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            with log:
+                log.seek(0)
+                _pass_on(log.read(), kind)
 
 
 def _pass_on(captured: bytes, kind: str) -> None:
+    """xgrammar's warnings in `captured` as GenlabWarnings, once each; the rest back on
+    file descriptor 2."""
     said: set[str] = set()
     for line in captured.splitlines(keepends=True):
         match = _LOG_LINE.match(line.rstrip(b"\r\n"))
