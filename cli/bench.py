@@ -341,14 +341,14 @@ def emit(records: list[dict[str, Any]], machine: dict[str, Any], target: Sink,
     from cli import output, render
 
     doc = bench_json(records, machine)
-    for record in doc["results"]:
-        target.json_line(output.line(doc, record))
-    target.json_document(doc)
     try:
+        for record in doc["results"]:
+            target.json_line(output.line(doc, record))
+        target.json_document(doc)
         if not target.machine or not target.to_stdout:  # the table stays off a JSON stdout
             out = render.err if csv_path == "-" or target.machine else render.out
             print_table(records, machine, out, wide)
-    finally:  # a reader of the table that went away (| head) costs no export
+    finally:  # a reader of stdout that went away (| head) costs no export
         if csv_path is not None:
             write_csv(records, csv_path)
         if plot is not None:

@@ -401,15 +401,17 @@ def emit(doc: dict[str, Any], groups: str, target: Sink, markdown: str,
     and label of its strategy, or the model of its run) and the Markdown export."""
     from cli import output
 
-    for group in doc[groups]:
-        label = {"strategy": group["label"]} if "label" in group else {
-            "model": group["model"], "quantize": group["quantize"]}
-        settings = {"settings": group["settings"]} if "settings" in group else {}
-        for out in group["outputs"]:
-            target.json_line(output.line(doc, out, **label, **settings))
-    target.json_document(doc)
-    if markdown_path:
-        write_export(markdown_path, markdown)
+    try:
+        for group in doc[groups]:
+            label = {"strategy": group["label"]} if "label" in group else {
+                "model": group["model"], "quantize": group["quantize"]}
+            settings = {"settings": group["settings"]} if "settings" in group else {}
+            for out in group["outputs"]:
+                target.json_line(output.line(doc, out, **label, **settings))
+        target.json_document(doc)
+    finally:  # a reader of stdout that went away (| head -1) costs no export
+        if markdown_path:
+            write_export(markdown_path, markdown)
 
 
 # --- --logprobs in the terminal view -----------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import os
 import sys
@@ -39,11 +40,38 @@ def exit_code(reasons: list[str], max_new_tokens: int, interrupted: bool) -> int
 
 
 def _stdout_open() -> bool:
+    return fd_open(1)
+
+
+def fd_open(fd: int) -> bool:
+    """Whether file descriptor `fd` is open."""
     try:
-        os.fstat(1)
+        os.fstat(fd)
     except OSError:
         return False
     return True
+
+
+def _writable(fd: int) -> bool:
+    try:
+        return fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE != os.O_RDONLY
+    except OSError:
+        return False
+
+
+def stderr_to_devnull() -> None:
+    """Started with stderr closed (`2>&-`): put /dev/null on descriptor 2 and make it
+    sys.stderr, so that messages go nowhere. Else the next file opened would take
+    descriptor 2, and C libraries' logs (xgrammar's) would be written into it. A
+    descriptor 2 open only for reading is a file that took the closed stderr's place
+    before Python started (a launcher script's own), and is replaced too."""
+    if sys.stderr is not None and _writable(2):
+        return
+    null = os.open(os.devnull, os.O_WRONLY)
+    if null != 2:
+        os.dup2(null, 2)
+        os.close(null)
+    sys.stderr = open(2, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
 
 
 def fail(message: str, code: int = 2) -> typer.Exit:

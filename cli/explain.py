@@ -168,8 +168,8 @@ def explain(
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
-    invalid = render.warn_incomplete([record["original"]["finish_reason"]],
-                                     settings.max_new_tokens)
+    invalid = render.warn_incomplete([run["finish_reason"] for run in (
+        record["original"], record.get("branch")) if run is not None], settings.max_new_tokens)
     if steps:  # the page shows both runs' steps, the terminal view the original's
         from genlib.explain import runs_of
 

@@ -51,6 +51,7 @@ def main(
 
     show_genlib_warnings()
 
+
 app.command("generate")(generate_cmd.generate)
 app.command("beam")(beam_cmd.beam)
 app.command("compare")(compare_cmd.compare)
@@ -73,6 +74,7 @@ def run() -> None:
         fail,
         is_usage_error,
         on_broken_pipe,
+        stderr_to_devnull,
         usage_error,
     )
 
@@ -90,6 +92,7 @@ def run() -> None:
     signal.signal(signal.SIGTERM, on_sigterm)
     if sys.stdin is None:  # started with stdin closed (`<&-`): read it as empty
         sys.stdin = open(os.devnull, encoding="utf-8")  # noqa: SIM115 (the process's)
+    stderr_to_devnull()
     try:
         # Not standalone, so that usage errors come here to be one line; a command's
         # typer.Exit comes back as its code.

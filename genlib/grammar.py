@@ -110,40 +110,78 @@ def _xgrammar_warnings(kind: str) -> Iterator[None]:
     """Turn what xgrammar's C++ code logs on file descriptor 2 meanwhile (a part of the
     constraint it ignores or does not enforce, stamped with the time and its own source
     path) into one GenlabWarning per distinct message, naming the setting. Anything else
-    written there meanwhile is passed on as it was."""
+    written there meanwhile (another thread's) is written back after it, in its order.
+    When the compile fails, everything captured is written back as it was. Without a
+    stderr, or a temporary file to capture into, nothing is captured."""
     with _CAPTURE:
-        sys.stderr.flush()
-        try:
-            saved = os.dup(2)
-        except OSError:  # no stderr (started with 2>&-): nothing to capture
+        log, saved = _redirect_stderr()
+        if log is None:
             yield
             return
+        with log:
+            try:
+                yield
+            except BaseException:
+                _restore_stderr(saved)
+                _write_back(_read(log))
+                raise
+            _restore_stderr(saved)
+            _pass_on(_read(log), kind)
+
+
+def _flush_stderr() -> None:
+    if sys.stderr is not None:  # None when started with 2>&-
+        with contextlib.suppress(OSError, ValueError):
+            sys.stderr.flush()
+
+
+def _redirect_stderr() -> tuple[Any, int]:
+    """(a temporary file now on file descriptor 2, a copy of what was there), or
+    (None, -1) where either cannot be had."""
+    _flush_stderr()
+    try:
+        saved = os.dup(2)
+    except OSError:
+        return None, -1
+    try:
         log = tempfile.TemporaryFile()
         os.dup2(log.fileno(), 2)
-        try:
-            yield
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-            with log:
-                log.seek(0)
-                _pass_on(log.read(), kind)
+    except OSError:
+        os.close(saved)
+        return None, -1
+    return log, saved
+
+
+def _restore_stderr(saved: int) -> None:
+    try:
+        _flush_stderr()
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _read(log: Any) -> bytes:
+    log.seek(0)
+    return log.read()
+
+
+def _write_back(data: bytes) -> None:
+    with contextlib.suppress(OSError):  # a stderr whose reader went away
+        while data:
+            data = data[os.write(2, data):]
 
 
 def _pass_on(captured: bytes, kind: str) -> None:
-    """xgrammar's warnings in `captured` as GenlabWarnings, once each; the rest back on
-    file descriptor 2."""
-    said: set[str] = set()
-    for line in captured.splitlines(keepends=True):
-        match = _LOG_LINE.match(line.rstrip(b"\r\n"))
-        if match is None:
-            os.write(2, line)
-            continue
-        message = match.group(1).decode("utf-8", "replace").strip()
-        if message not in said:
-            said.add(message)
-            warnings.warn(GenlabWarning(f"{kind}: xgrammar warns: {message}"), stacklevel=5)
+    """The lines of `captured` that are not xgrammar's warnings back on file descriptor
+    2, then each distinct warning as a GenlabWarning. Python shows a warning once per
+    text and place: this one place, so once per process (a REPL, a batch, compare's
+    columns)."""
+    lines = captured.splitlines(keepends=True)
+    found = [_LOG_LINE.match(line.rstrip(b"\r\n")) for line in lines]
+    _write_back(b"".join(line for line, match in zip(lines, found) if match is None))
+    messages = [match.group(1).decode("utf-8", "replace").strip() for match in found if match]
+    for message in dict.fromkeys(messages):
+        warnings.warn(GenlabWarning(f"{kind}: xgrammar warns: {message}"), stacklevel=1)
 
 
 @dataclass(frozen=True)

@@ -41,7 +41,7 @@ from genlib.batch import (
     generate_jobs,
     parse_line,
 )
-from genlib.errors import GenlabError, UserInputError, unexpected
+from genlib.errors import GenlabError, GenlabWarning, UserInputError, unexpected
 from genlib.ray_cluster import RayEngineError, connect, pool_size, require_ray
 
 if TYPE_CHECKING:
@@ -117,6 +117,18 @@ def load_failed(numbered: Sequence[Row], message: str
     return [(number, {"load_error": message}) for number, *_ in numbered]
 
 
+_PYTHONS_SHOWWARNING = warnings.showwarning
+
+
+def warning_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+    """A worker's GenlabWarnings (genlib.errors) as the CLI words them, `warning: ...`
+    on stderr (which Ray forwards to the driver's), without Python's file and line."""
+    if issubclass(category, GenlabWarning):
+        print(f"warning: {message}", file=sys.stderr)
+    else:
+        _PYTHONS_SHOWWARNING(message, category, *args, **kwargs)
+
+
 class GenerateWorker:
     """A Ray Data actor: loads the model once, then generates every batch it is given
     (columns `line`, `text` and `fingerprint` in, `line` and `outcome` as JSON out)."""
@@ -130,6 +142,7 @@ class GenerateWorker:
         # Ray forwards a worker's stdout to the driver's, which may be the results
         # (--output -): anything a library prints goes to stderr instead.
         sys.stdout = sys.stderr
+        warnings.showwarning = warning_line
         self.plan = plan
         self.lm: LoadedModel | None = None
         self.load_error: str | None = None

@@ -360,6 +360,11 @@ EXPORTS = {
                                      "-n", "8", "--markdown"], "| model | tokens/s |"),
     "bench --csv": (["bench", *MODEL, "--runs", "1", "--warmup", "0", "--prompt-len", "4",
                      "--new-tokens", "3", "--no-bandwidth", "--csv"], "new_tokens"),
+    "bench --jsonl --csv": (["bench", *MODEL, "--runs", "1", "--warmup", "0", "--prompt-len",
+                             "4", "--new-tokens", "3", "--no-bandwidth", "--jsonl", "--csv"],
+                            "new_tokens"),
+    "compare --jsonl --markdown": (["compare", PROMPT, *MODEL, "-n", "8", "-p", "greedy",
+                                    "--jsonl", "--markdown"], "## greedy"),
 }
 
 

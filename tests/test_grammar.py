@@ -271,6 +271,11 @@ def test_cli_shows_xgrammars_warnings_as_its_own_warning_lines():
             "should be at the end of the regex, but found in the middle. It is ignored."
             ) in result.stderr
     assert "GenlabWarning" not in result.stderr and ".cc:" not in result.stderr
+    assert result.stderr.count("xgrammar warns") == 1
+    # compiled twice (greedy's chain, beam's): said once
+    both = runner.invoke(app, ["compare", "x", "--regex", "a$b", "-n", "3", "-p", "greedy",
+                               "--variant", "strategy=beam"])
+    assert both.stderr.count("xgrammar warns") == 1, both.stderr
 
 
 def test_cli_schema_or_grammar_text_where_a_file_goes_says_how_to_give_it():

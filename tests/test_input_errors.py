@@ -202,6 +202,21 @@ def test_a_closed_stdin_reads_as_empty():
         assert closed.stderr.strip() == "error: the prompt read from stdin is empty"
 
 
+@pytest.mark.parametrize("how", [
+    "exec {python} -m cli {args} 2>&-",  # closed: Python starts without a stderr
+    "exec {python} -m cli {args} 2</dev/null",  # a file open for reading only, where a
+])  # launcher script (pyenv's shims) leaves its own in the closed stderr's place
+def test_a_closed_stderr_costs_no_output_when_something_warns(how):
+    """xgrammar logs on descriptor 2 while it compiles `a$b`, and genlab warns: with
+    stderr closed, the warning goes nowhere, and the document is written, exit 0."""
+    pytest.importorskip("xgrammar")
+    args = f"generate x -m {STORIES} --regex 'a$b' -n 3 --json"
+    run = subprocess.run(["sh", "-c", how.format(python=sys.executable, args=args)],
+                         cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0
+    assert json.loads(run.stdout)["outputs"][0]["text"] == "ab"
+
+
 def test_closed_stdout_and_an_encoding_that_lacks_characters():
     for how in ("exec {python} -m cli presets show creative >&-",  # closed from the start
                 "exec {python} -c 'import os; os.close(1); from cli.main import run; run()' "

@@ -83,9 +83,11 @@ def test_unavailable_device_and_bad_names():
     if not torch.cuda.is_available():
         with pytest.raises(ModelLoadError, match="no CUDA GPU"):
             load_model(ModelSpec(str(STORIES), device="cuda"))
-    with pytest.raises(ModelLoadError, match="--dtype must be one of auto, float32, bfloat16, float16, got 'float8'"):
+    with pytest.raises(ModelLoadError, match="--dtype must be one of auto, float32, "
+                                             "bfloat16, float16, got 'float8'"):
         load_model(ModelSpec(str(STORIES), dtype="float8"))
-    with pytest.raises(ModelLoadError, match="--quantize must be one of none, 8bit, 4bit, got '3bit'"):
+    with pytest.raises(ModelLoadError,
+                       match="--quantize must be one of none, 8bit, 4bit, got '3bit'"):
         load_model(ModelSpec(str(STORIES), quantize="3bit"))
 
 

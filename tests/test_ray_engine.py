@@ -493,3 +493,14 @@ def test_reasons_are_the_first_line_of_rays_message():
 
     assert _reason(RuntimeError("ray::MapWorker.__init__() (pid=1)\n  File ...")) == \
         "ray::MapWorker.__init__() (pid=1)"
+
+
+def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys):
+    """A Ray worker's stderr reaches the driver's as it is: xgrammar's warnings there read
+    as the CLI's own `warning:` lines, without Python's file and line."""
+    from genlib.errors import GenlabWarning
+    from genlib.ray_engine import warning_line
+
+    warning_line(GenlabWarning("regex: xgrammar warns: '$' is ignored"), GenlabWarning,
+                 "/somewhere/grammar.py", 160)
+    assert capsys.readouterr().err == "warning: regex: xgrammar warns: '$' is ignored\n"
