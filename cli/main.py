@@ -47,9 +47,10 @@ def main(
         help="Print genlab's version and exit.")] = False,
 ) -> None:
     """Generate text with language models and see how decoding strategies behave."""
-    from cli.render import show_genlib_warnings
+    from cli.render import warn
+    from genlib.errors import show_genlab_warnings
 
-    show_genlib_warnings()
+    show_genlab_warnings(warn)
 
 
 app.command("generate")(generate_cmd.generate)

@@ -27,27 +27,6 @@ def warn(message: str) -> None:
     err.print(f"[yellow]warning:[/] {_escape(message)}")
 
 
-def show_genlib_warnings() -> None:
-    """Print genlib's GenlabWarnings (`genlib.errors`) as `warning: ...` lines like
-    genlab's own, in place of Python's file-and-line form; other warnings as before."""
-    import warnings
-
-    from genlib.errors import GenlabWarning
-
-    shown = warnings.showwarning
-    if getattr(shown, "genlab", False):
-        return
-
-    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-        if issubclass(category, GenlabWarning):
-            warn(str(message))
-        else:
-            shown(message, category, *args, **kwargs)
-
-    show.genlab = True  # type: ignore[attr-defined]
-    warnings.showwarning = show
-
-
 def warn_unused(settings: Any) -> None:
     """Warn about sampling settings the strategy ignores (`settings.unused`), if any."""
     if settings.unused:

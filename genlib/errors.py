@@ -5,7 +5,9 @@ genlib raises these; only cli/ turns them into a one-line message and an exit co
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
 
 
 class GenlabError(Exception):
@@ -65,6 +67,22 @@ class GenlabWarning(UserWarning):
     """Something in the user's input that genlib goes on with, but that they should know
     (a part of a regex the grammar library ignores): one line, said once. The CLI prints
     it as `warning: ...`; a library caller sees a Python warning."""
+
+
+def show_genlab_warnings(say: Callable[[str], None]) -> None:
+    """From now on, show each GenlabWarning by `say(message)` (the CLI's `warning:`
+    line) in place of Python's file-and-line form; other warnings as Python shows
+    them. A second call replaces the first's `say`."""
+    python_s = getattr(warnings.showwarning, "python_s", warnings.showwarning)
+
+    def show(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, GenlabWarning):
+            say(str(message))
+        else:
+            python_s(message, category, *args, **kwargs)
+
+    show.python_s = python_s  # type: ignore[attr-defined]
+    warnings.showwarning = show
 
 
 def not_one_of(name: str, value: object, choices: Iterable[str]) -> str:

@@ -41,7 +41,7 @@ from genlib.batch import (
     generate_jobs,
     parse_line,
 )
-from genlib.errors import GenlabError, GenlabWarning, UserInputError, unexpected
+from genlib.errors import GenlabError, UserInputError, show_genlab_warnings, unexpected
 from genlib.ray_cluster import RayEngineError, connect, pool_size, require_ray
 
 if TYPE_CHECKING:
@@ -117,16 +117,10 @@ def load_failed(numbered: Sequence[Row], message: str
     return [(number, {"load_error": message}) for number, *_ in numbered]
 
 
-_PYTHONS_SHOWWARNING = warnings.showwarning
-
-
-def warning_line(message: Any, category: type[Warning], *args: Any, **kwargs: Any) -> None:
-    """A worker's GenlabWarnings (genlib.errors) as the CLI words them, `warning: ...`
-    on stderr (which Ray forwards to the driver's), without Python's file and line."""
-    if issubclass(category, GenlabWarning):
-        print(f"warning: {message}", file=sys.stderr)
-    else:
-        _PYTHONS_SHOWWARNING(message, category, *args, **kwargs)
+def say_warning(message: str) -> None:
+    """A worker's GenlabWarning (genlib.errors) as the CLI words it, `warning: ...` on
+    stderr, which Ray forwards to the driver's."""
+    print(f"warning: {message}", file=sys.stderr)
 
 
 class GenerateWorker:
@@ -142,7 +136,7 @@ class GenerateWorker:
         # Ray forwards a worker's stdout to the driver's, which may be the results
         # (--output -): anything a library prints goes to stderr instead.
         sys.stdout = sys.stderr
-        warnings.showwarning = warning_line
+        show_genlab_warnings(say_warning)
         self.plan = plan
         self.lm: LoadedModel | None = None
         self.load_error: str | None = None

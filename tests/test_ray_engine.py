@@ -498,9 +498,14 @@ def test_reasons_are_the_first_line_of_rays_message():
 def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys):
     """A Ray worker's stderr reaches the driver's as it is: xgrammar's warnings there read
     as the CLI's own `warning:` lines, without Python's file and line."""
-    from genlib.errors import GenlabWarning
-    from genlib.ray_engine import warning_line
+    import warnings
 
-    warning_line(GenlabWarning("regex: xgrammar warns: '$' is ignored"), GenlabWarning,
-                 "/somewhere/grammar.py", 160)
+    from genlib.errors import GenlabWarning, show_genlab_warnings
+    from genlib.ray_engine import say_warning
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        show_genlab_warnings(say_warning)  # as GenerateWorker does
+        warnings.warn(GenlabWarning("regex: xgrammar warns: '$' is ignored"), stacklevel=1)
+        warnings.warn("not genlab's", UserWarning, stacklevel=1)  # Python's to show
     assert capsys.readouterr().err == "warning: regex: xgrammar warns: '$' is ignored\n"
