@@ -29,12 +29,12 @@ STORY = "Once upon a time there was a little girl"
 
 def use_threads(lm: Any, threads: int) -> None:
     """Make `lm`'s native backend run its kernel on `threads` threads from now on."""
-    from genlib.backends.kernel import NativeStep
+    from genlib.backends.kernel import WEIGHTS, NativeStep
     from genlib.backends.lean import lean_model_of
 
     lean = lean_model_of(lm)
     lean._native = {weights: NativeStep(lean, threads, weights=weights)
-                    for weights in ("float32", "bfloat16")}
+                    for weights in WEIGHTS}
 
 
 def cases(max_new: int) -> dict[str, tuple[Callable[[int], None], Callable[[], Any]]]:

@@ -97,9 +97,9 @@ def read_integer(text: str) -> int:
 
 
 def excerpt(value: Any, width: int) -> str:
-    """A JSON value as a message quotes it, as JSON writes it (true, null, "text"), cut
-    to `width` characters."""
-    text = json.dumps(value)
+    """A JSON value as a message quotes it, as JSON writes it (true, null, "text"; other
+    scripts' letters as they are), cut to `width` characters."""
+    text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= width else text[:width - 3] + "..."
 
 

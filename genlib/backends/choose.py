@@ -59,6 +59,12 @@ class Request:
     backend: str = "auto"
     weights: str | None = None
 
+    @property
+    def kernel_weights(self) -> str:
+        """The matrices the native kernel reads for this request: the model's own
+        (float32, all it runs) unless `weights` asks for others."""
+        return self.weights or "float32"
+
 
 # The backends that run one row per forward (no batches, no beam search).
 ONE_ROW = ("lean", "compiled")
@@ -85,7 +91,7 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     """A fresh backend for one generation on `lm` (see the module doc); its `reason`
     says why it was picked."""
     name, reason = _pick(lm, request)
-    backend = _build(name, lm, request.weights or "float32")
+    backend = _build(name, lm, request.kernel_weights)
     backend.reason = reason
     return backend
 
@@ -114,7 +120,14 @@ def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Reque
     native kernel for them, and are refused where the draft runs on another backend."""
     request = Request(rows=1, crop=True, backend=backend)
     if check_draft_weights(weights) != "auto":
-        return replace(request, weights=weights)
+        asked = replace(request, weights=weights)
+        name, reason = _pick(lm, asked)
+        if name != "native":
+            other = " or --backend native" if backend != "auto" else ""
+            raise ConfigError(f"--draft-weights {weights} is how the native backend stores "
+                              f"the draft's matrices, and the draft runs on {name} "
+                              f"({reason}); use --draft-weights auto{other}")
+        return asked
     if backend_name(lm, request) != "native":
         return request
     lean = _lean(lm)
@@ -134,11 +147,6 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
         if refusal is not None:
             raise ConfigError(refusal)
         reason = "asked for with --backend"
-    if request.weights is not None and name != "native":
-        other = " or --backend native" if request.backend != "auto" else ""
-        raise ConfigError(f"--draft-weights {request.weights} is how the native backend "
-                          f"stores the draft's matrices, and the draft runs on {name} "
-                          f"({reason}); use --draft-weights auto{other}")
     return name, reason
 
 
@@ -164,7 +172,7 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lean is None:
         return "transformers", "not a plain Llama-style model, so no lean forward"
     why_not = "GENLAB_NATIVE=0" if not native_allowed() \
-        else _kernel_missing(lean, request.weights)
+        else _kernel_missing(lean, request.kernel_weights)
     if why_not is None:
         return "native", "a float32 Llama-style model on the CPU"
     if one_row:
@@ -189,10 +197,10 @@ def _cpu_low_precision(lm: LoadedModel) -> tuple[str, str]:
                     f"sums in another order")
 
 
-def _kernel_missing(lean: LeanLlama, weights: str | None = None) -> str | None:
+def _kernel_missing(lean: LeanLlama, weights: str) -> str | None:
     from genlib.backends import kernel
 
-    return kernel.applies(lean, weights or "float32")
+    return kernel.applies(lean, weights)
 
 
 def torch_float32() -> object:
@@ -243,7 +251,7 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     if lean is None:
         return (f"the {name} backend runs plain Llama-style models (llama, mistral, qwen2), "
                 f"and {lm.ref} is not one; use --backend transformers (or auto)")
-    why_not = _kernel_missing(lean, request.weights) if name == "native" else None
+    why_not = _kernel_missing(lean, request.kernel_weights) if name == "native" else None
     if why_not is not None:
         instead = "lean" if request.rows == 1 and not request.reorder else "transformers"
         return f"the native backend cannot run here: {why_not}; use --backend {instead} " \

@@ -137,10 +137,9 @@ def ensure_built(notify: Callable[[str], None] | None = None,
     """`build()` of the kernels that read each of `weights` (`WEIGHTS` keys), first
     calling `notify` with `BUILDING` when one is going to compile (the CLI prints it on
     stderr: a build takes a second or two); the first one's build."""
-    kinds = [flags + WEIGHTS[kind] for kind in weights]
-    if notify is not None and any(_will_compile(kind) for kind in kinds):
+    if notify is not None and any(_will_compile(flags + WEIGHTS[kind]) for kind in weights):
         notify(BUILDING)
-    return [build(kind) for kind in kinds][0]
+    return [build_for(kind, flags) for kind in weights][0]
 
 
 def build_for(weights: str, flags: tuple[str, ...] = FLAGS) -> Build:

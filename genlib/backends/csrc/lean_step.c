@@ -41,9 +41,10 @@
  *
  * Weights are packed in panels of PANEL rows, each panel column by column (see
  * `matmul`); the q/k/v matrices are stacked ([q; k; v]). Built with
- * -DGENLAB_BF16_WEIGHTS, the matrices are bfloat16 (each float32 rounded to its top
- * half, to nearest even), widened to float32 as a panel is read, and the arithmetic stays float32: a draft
- * model's step, whose reads halve and whose proposals the target checks anyway. KV buffers are (kv_heads,
+ * -DGENLAB_BF16_WEIGHTS, the matrices are bfloat16 (kernel.py packs them, each float32
+ * rounded to its top half by torch, to nearest even) and widened to float32 as a panel
+ * is read; the arithmetic stays float32. That is a draft model's step: its reads halve,
+ * and the target checks its proposals anyway. KV buffers are (kv_heads,
  * capacity, head_dim) per layer, as genlib.backends.llama.LeanCache holds them. Sums run
  * in another order than PyTorch's, so logits differ from the lean forward's in the last
  * bits (the tests bound the difference and check the tokens).
