@@ -121,8 +121,8 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
                      tree=tree, live=live, tree_steps=tree_steps, tree_width=tree_width)
         render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
                     f"backend {backend.name}")
-    return exit_code([h.finish_reason for h in result.hypotheses],
-                            settings.max_new_tokens, interrupted)
+    return exit_code([h.finish_reason for h in result.hypotheses], settings.max_new_tokens,
+                     interrupted)
 
 
 def show_results(result: BeamResult, greedy: Finish | None, prompt: str,

@@ -91,6 +91,11 @@ class View:
         self.results: list[StrategyResult | None] = [None for _ in strategies]
         self.running: int | None = None
 
+    @property
+    def done(self) -> list[StrategyResult]:
+        """The results of the strategies that ran, in order."""
+        return [r for r in self.results if r is not None]
+
     def on_event(self, index: int, event: Any) -> None:
         from genlib.compare import StrategyDone
         from genlib.events import Finish, Token
@@ -222,8 +227,8 @@ def console_for(target: Sink, markdown_path: str | None) -> Console:
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
              crn: bool, console: Console, logprobs: int = 0) -> tuple[View, bool]:
     """Run every strategy, redrawing the view as tokens arrive on a terminal (piped, the
-    caller prints it once, after the exports). Return the view, whose `results` are
-    the strategies that ran, and whether Ctrl-C hit."""
+    caller prints it once, as it ended). Return the view, whose `done` are the
+    strategies that ran, and whether Ctrl-C hit."""
     from rich.live import Live
 
     from genlib.compare import StrategyDone, stream_comparison
@@ -249,8 +254,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
         if live is not None:
             live.update(view.render(console.width), refresh=True)
             live.stop()
-    results = [r for r in view.results if r is not None]
-    return view, interrupted or any(r.interrupted for r in results)
+    return view, interrupted or any(r.interrupted for r in view.done)
 
 
 # --- exports ------------------------------------------------------------------------
@@ -526,15 +530,14 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     finally:  # a reader of the table that went away (| head) costs no export
         emit(models_json(comparison), "runs", target, models_markdown(comparison),
              markdown_path)
-    budget = strategies[0].settings.max_new_tokens
-    invalid = warn_invalid([(budget, run.finish_reason) for run in comparison.runs
-                            if run.finish_reason is not None])
     if comparison.interrupted:
         raise fail("interrupted: the table shows the runs so far", INTERRUPTED)
     if all(r.error for r in comparison.runs):
         raise fail(f"every model run failed: {comparison.runs[0].error}")
-    if invalid:
-        raise typer.Exit(1)
+    budget = strategies[0].settings.max_new_tokens
+    if warn_invalid([(budget, run.finish_reason) for run in comparison.runs
+                     if run.finish_reason is not None]):
+        raise typer.Exit(1)  # as generate: an output is not valid under its grammar
 
 
 # --- the command --------------------------------------------------------------------
@@ -677,7 +680,7 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     if logprobs and any(s.settings.strategy == "beam" for s in strategies):
         render.info(BEAM_NOTE)
     view, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs)
-    results = [r for r in view.results if r is not None]
+    results = view.done
     comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
                             results=results, crn=crn)
     try:
@@ -691,15 +694,14 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
                 render.warn(f"{result.strategy.label}: {result.error}")
         emit(comparison_json(comparison), "strategies", target,
              comparison_markdown(comparison), markdown_path)
-    invalid = warn_invalid([(r.strategy.settings.max_new_tokens, s.reason)
-                            for r in results for s in r.samples])
     if interrupted:
         raise typer.Exit(INTERRUPTED)
     failed = [r for r in results if r.error is not None]
     if results and len(failed) == len(results):
         raise fail(f"every strategy failed: {failed[0].error}")
-    if invalid:  # as generate: an output is not valid under its grammar
-        raise typer.Exit(1)
+    if warn_invalid([(r.strategy.settings.max_new_tokens, s.reason)
+                     for r in results for s in r.samples]):
+        raise typer.Exit(1)  # as generate: an output is not valid under its grammar
 
 
 def warn_invalid(finishes: list[tuple[int, str]]) -> bool:

@@ -40,13 +40,8 @@ def exit_code(reasons: list[str], max_new_tokens: int, interrupted: bool) -> int
 
 
 def _stdout_open() -> bool:
-    return fd_open(1)
-
-
-def fd_open(fd: int) -> bool:
-    """Whether file descriptor `fd` is open."""
     try:
-        os.fstat(fd)
+        os.fstat(1)
     except OSError:
         return False
     return True

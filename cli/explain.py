@@ -145,6 +145,7 @@ def explain(
       genlab explain "def add(a, b):" --html explain.html
     """
     from cli import render, render_explain
+    from genlib.explain import runs_of
 
     flags = opt.decoding_flags(locals() | sampler_flags)
     target = output.sink(as_json, False, output_file)
@@ -168,13 +169,12 @@ def explain(
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
-    invalid = render.warn_incomplete([run["finish_reason"] for run in (
-        record["original"], record.get("branch")) if run is not None], settings.max_new_tokens)
+    runs = runs_of(record)
+    invalid = render.warn_incomplete([run["finish_reason"] for run in runs.values()],
+                                     settings.max_new_tokens)
     if steps:  # the page shows both runs' steps, the terminal view the original's
-        from genlib.explain import runs_of
-
-        runs = list(runs_of(record).values()) if html_file else [record["original"]]
-        warn_if_no_step(steps, first, runs)
+        shown = list(runs.values()) if html_file else [record["original"]]
+        warn_if_no_step(steps, first, shown)
     if html_file is not None:
         from cli.explain_html import page
 
