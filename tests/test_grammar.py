@@ -148,16 +148,20 @@ def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     ids = builtin.encode(prompt)
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 40})
     [plain] = generate.generate(builtin, [ids], settings)
-    kwargs: dict = {"prompt_lookup": 2} if "lookup" in drafter else {}
-    if drafter == "lookup":
-        kwargs["num_draft_tokens"] = 6
-    else:
-        kwargs["draft_lm"] = load_model(ModelSpec(str(DEFAULT_DRAFT)))
+    draft = load_model(ModelSpec(str(DEFAULT_DRAFT)))
+    kwargs = {"lookup": {"prompt_lookup": 2, "num_draft_tokens": 6},
+              "model": {"draft_lm": draft},
+              "lookup first": {"prompt_lookup": 2, "draft_lm": draft}}[drafter]
     events = list(speculative_stream(builtin, ids, settings, **kwargs))
     finish = events[-1]
     assert finish.token_ids == plain.token_ids and finish.reason == plain.reason == "eos"
     assert is_valid(finish.text)
-    assert any(isinstance(e, Verify) for e in events)
+    verifies = [e for e in events if isinstance(e, Verify)]
+    looked_up = [v for v in verifies if v.proposed and not v.draft_forwards]
+    modelled = [v for v in verifies if v.draft_forwards]
+    # each drafter asked for proposed something that reached the verify
+    assert bool(looked_up) == ("lookup" in drafter), (drafter, verifies)
+    assert bool(modelled) == (drafter != "lookup"), (drafter, verifies)
 
 
 def test_sampled_speculation_with_drafts_reaching_the_grammars_end_ends_valid(builtin):
@@ -276,6 +280,23 @@ def test_cli_shows_xgrammars_warnings_as_its_own_warning_lines():
     both = runner.invoke(app, ["compare", "x", "--regex", "a$b", "-n", "3", "-p", "greedy",
                                "--variant", "strategy=beam"])
     assert both.stderr.count("xgrammar warns") == 1, both.stderr
+
+
+def test_cli_an_invalid_branch_or_a_second_budget_is_warned_and_exits_1():
+    # explain: the original ends "1" (valid), the branch forced to "2" is cut at "234"
+    args = ["explain", "x = ", "--regex", "(1|2345678)", "-n", "3", "--json"]
+    plain = runner.invoke(app, args)
+    assert plain.exit_code == 0 and "NOT valid" not in plain.stderr
+    branch = runner.invoke(app, [*args, "--branch", "0:#18"])
+    assert json.loads(branch.stdout)["branch"]["finish_reason"] == "grammar_incomplete"
+    assert branch.exit_code == 1 and "an output ended before" in branch.stderr
+    # compare: a warning per max_new_tokens budget, each naming its own
+    both = runner.invoke(app, ["compare", "x = ", "--regex", "[0-9]{20}", "-n", "3", "-p",
+                               "greedy", "--variant", "max_new_tokens=4"])
+    assert both.exit_code == 1
+    warned = [line for line in both.stderr.splitlines() if "NOT valid" in line]
+    assert len(warned) == 2 and "max_new_tokens 3" in warned[0], warned
+    assert "max_new_tokens 4" in warned[1]
 
 
 def test_cli_schema_or_grammar_text_where_a_file_goes_says_how_to_give_it():
