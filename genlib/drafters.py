@@ -27,7 +27,7 @@ from typing import Protocol
 import torch
 
 from genlib import sampling
-from genlib.backends.base import Backend
+from genlib.backends.base import Backend, Bans
 from genlib.errors import ModelLoadError
 from genlib.models import LoadedModel
 
@@ -51,7 +51,9 @@ class Drafter(Protocol):
         """Begin a generation of at most `capacity` tokens (prompt included)."""
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
-                generator: torch.Generator | None) -> Draft: ...
+                generator: torch.Generator | None, bans: Bans | None = None) -> Draft:
+        """Up to `gamma` tokens after `ids`, position i's logits processed by `process`;
+        `bans`, where given, says that `process` only bans ids (and which)."""
 
     def commit(self, ids: Sequence[int]) -> None: ...
 
@@ -87,12 +89,17 @@ class ModelDrafter:
         self.started = True
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
-                generator: torch.Generator | None) -> Draft:
-        """x_i ~ q_i (or argmax q_i when greedy) for i = 1..gamma, one forward each."""
+                generator: torch.Generator | None, bans: Bans | None = None) -> Draft:
+        """x_i ~ q_i (or argmax q_i when greedy) for i = 1..gamma, one forward each:
+        greedy under `bans` alone, in one backend call where the backend runs whole
+        drafts (`draft_greedy`: no Python between the steps)."""
         assert self.started, "start() first"
         begin = time.perf_counter()
         context = list(ids)
         feed = context[len(self.cached):]
+        if (bans is not None and not self.sample and gamma > 0
+                and self.backend.capabilities.greedy_draft):
+            return self._whole(feed, gamma, bans, begin)
         tokens: list[int] = []
         qs: list[torch.Tensor] = []
         forwards = 0
@@ -116,6 +123,13 @@ class ModelDrafter:
         q_all = torch.stack(qs) if qs else None
         return Draft(tokens, q_all, time.perf_counter() - begin, forwards)
 
+    def _whole(self, feed: list[int], gamma: int, bans: Bans, begin: float) -> Draft:
+        """The greedy draft in one backend call, no Python between its steps (against
+        the loop below: benchmarks/results/2026-11-25-whole-draft.md)."""
+        tokens, forwards = self.backend.draft_greedy(feed, gamma, bans)
+        self.cached.extend([*feed, *tokens][:len(feed) + forwards - 1])  # the last not fed
+        return Draft(tokens, None, time.perf_counter() - begin, forwards)
+
     def commit(self, ids: Sequence[int]) -> None:
         """Roll the cache back past the first token that was not kept."""
         assert self.started, "start() first"
@@ -137,7 +151,7 @@ class PromptLookupDrafter:
         return None  # nothing cached
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
-                generator: torch.Generator | None) -> Draft:
+                generator: torch.Generator | None, bans: Bans | None = None) -> Draft:
         begin = time.perf_counter()
         tokens = lookup(ids, self.max_ngram, gamma) if gamma > 0 else []
         return Draft(tokens, None, time.perf_counter() - begin, 0)
@@ -160,9 +174,10 @@ class LookupFirstDrafter:
         self.model.start(prompt_ids, capacity)
 
     def propose(self, ids: Sequence[int], gamma: int, process: Process,
-                generator: torch.Generator | None) -> Draft:
+                generator: torch.Generator | None, bans: Bans | None = None) -> Draft:
         draft = self.lookup.propose(ids, gamma, process, generator)
-        return draft if draft.tokens else self.model.propose(ids, gamma, process, generator)
+        return draft if draft.tokens else self.model.propose(ids, gamma, process, generator,
+                                                             bans)
 
     def commit(self, ids: Sequence[int]) -> None:
         self.model.commit(ids)

@@ -5,6 +5,8 @@ its build, and which backend auto picks where it cannot run."""
 
 from __future__ import annotations
 
+import math
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -546,6 +548,95 @@ def test_step_rows_refuses_a_full_cache_before_any_row_is_written(library):
         step.step_rows([4, 5], [roomy, roomy])
     with pytest.raises(ValueError, match="one token per cache"):
         step.step_rows([4], [roomy, full])
+
+
+# --- A greedy draft in one call ---------------------------------------------------------
+
+def drafts_by_extend(step: kernel.NativeStep, feed: list[int], cache, gamma: int,
+                     banned: tuple[int, ...] = (), banned_draws: int = 0
+                     ) -> tuple[list[int], int]:
+    """The reference for `draft_greedy`: what the drafter's Python loop does, one extend
+    a token, torch's max, the banned ids set to -inf at the first `banned_draws` draws."""
+    logits, forwards, drawn = step.extend(feed, cache)[-1], 1, []
+    for i in range(gamma):
+        row = logits.clone()
+        if i < banned_draws:
+            row[list(banned)] = -math.inf
+        top, best = row.max(-1)
+        if not float(top) > -math.inf:
+            break
+        drawn.append(int(best))
+        if len(drawn) == gamma:
+            break
+        logits, forwards = step.extend([int(best)], cache)[-1], forwards + 1
+    return drawn, forwards
+
+
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_greedy_draft_in_one_call_draws_what_extend_and_argmax_draw(any_library, make,
+                                                                      threads):
+    """Fed 1 or 4 tokens after a cached prefix, gamma 1 to 7: the same draws and forwards
+    as extend and torch's argmax one token at a time, the cache as long and its KV slots
+    the same bits (every fed token, the last draw not fed)."""
+    lean = LeanLlama.from_model(make())
+    step = kernel.NativeStep(lean, threads, any_library)
+    for feed, gamma in (([IDS[3]], 1), ([IDS[3]], 6), (IDS[3:7], 7), (IDS[3:7], 2)):
+        reference, drafted = lean.new_cache(32), lean.new_cache(32)
+        step.extend(IDS[:3], reference)
+        step.extend(IDS[:3], drafted)
+        expected = drafts_by_extend(step, feed, reference, gamma)
+        assert step.draft_greedy(feed, drafted, gamma) == expected
+        assert len(expected[0]) == gamma and expected[1] == gamma
+        assert drafted.length == reference.length == 3 + len(feed) + gamma - 1
+        assert_same_kv(drafted, reference, drafted.length)
+
+
+def test_a_greedy_draft_bans_ids_at_its_first_draws_only(library, code_target):
+    """On code-target's real weights: banning the ids the unbanned draft draws first and
+    second, at the first two draws, changes those draws (and so what follows) exactly as
+    the reference loop does, and leaves the third draw free to take a banned id; every
+    id banned: nothing drawn, the feed alone run."""
+    lean = lean_model_of(code_target)
+    step = kernel.NativeStep(lean, 2, library)
+    ids = code_target.encode("def add(a, b):\n    return")
+
+    def draft(gamma, banned=(), banned_draws=0, how=step.draft_greedy):
+        cache = lean.new_cache(64)
+        step.extend(ids[:-1], cache)
+        return how(ids[-1:], cache, gamma, banned, banned_draws), cache.length
+
+    free, _ = draft(6)
+    banned = tuple(free[0][:2])
+    (drawn, forwards), length = draft(6, banned, 2)
+    assert (drawn, forwards) == draft(6, banned, 2, partial(drafts_by_extend, step))[0]
+    assert drawn[0] not in banned and drawn[1] not in banned
+    assert drawn != free[0]
+    assert free[0][0] != free[0][1]
+    (once, _), _ = draft(2, (free[0][1],), 1)  # banned at draw 1 alone: draw 2 takes it
+    assert once == free[0][:2]
+    everything = tuple(range(lean.embed.shape[0]))
+    assert draft(6, everything, 1) == (([], 1), len(ids))
+
+
+def test_a_greedy_draft_is_refused_before_the_kernel_writes(library):
+    """Room for the feed and gamma - 1 draws, and every id (fed or banned) an
+    embedding, checked before the call: the cache is left as it was."""
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 1, library)
+    cache = lean.new_cache(8)
+    step.extend([1, 2, 3], cache)
+    before = [t.clone() for t in cache.keys + cache.values]
+    with pytest.raises(ValueError, match="9 tokens exceed the KV buffers' 8"):
+        step.draft_greedy([4, 5], cache, 5)
+    with pytest.raises(ValueError, match="token 512 is outside the model's 512 embeddings"):
+        step.draft_greedy([4], cache, 2, banned=(512,), banned_draws=1)
+    with pytest.raises(ValueError, match="at least one token and draws at least one"):
+        step.draft_greedy([], cache, 2)
+    assert cache.length == 3
+    assert all(same_bits(a, b) for a, b in zip(before, cache.keys + cache.values))
+    assert step.draft_greedy([4, 5], cache, 4)[1] == 4  # 3 + 2 + 3 fed: exactly full
+    assert cache.length == 8
 
 
 # --- The build: its notice, a missing compiler, a broken cache ------------------------

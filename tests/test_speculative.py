@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from genlib.backends import kernel
+from genlib.backends.base import Bans
 from genlib.backends.choose import Request, choose_backend
-from genlib.backends.lean import LeanBackend
+from genlib.backends.lean import LeanBackend, lean_model_of
 from genlib.backends.native import NativeBackend
 from genlib.config import resolve_settings
 from genlib.drafters import (
@@ -35,6 +36,7 @@ from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
     Summary,
+    draft_bans,
     make_drafter,
     predicted_speedup,
     process,
@@ -500,6 +502,74 @@ def test_a_verify_block_is_processed_as_its_positions_one_by_one(stories, flags,
     suppressed = (got[:, eos] == float("-inf")).all(dim=-1).tolist()
     assert suppressed == [settings.ignore_eos or step + i < settings.min_new_tokens
                           for i in range(len(logits))]
+
+
+@needs_models
+@pytest.mark.parametrize("flags, step", [
+    ({"ignore_eos": True}, 0), ({"min_new_tokens": 5}, 3), ({"min_new_tokens": 5}, 5),
+    ({}, 0), ({"repetition_penalty": 1.3, "min_new_tokens": 2}, 0),
+])
+def test_draft_bans_say_what_process_does_to_a_draft(stories, flags, step):
+    """Where no processor chain runs, `draft_bans` is `process` at each of a draft's
+    positions: the end tokens at -inf at the first `positions` of them, nothing else
+    changed; None where a chain runs."""
+    settings = resolve_settings({"max_new_tokens": 20, **flags})
+    plan = make_plan(stories, settings, 1)
+    bans = draft_bans(plan, stories, step, 4)
+    assert (bans is None) == bool(plan.chain)
+    if bans is None:
+        return
+    ids = stories.encode("Once upon a time")
+    for i in range(4):
+        logits = torch.randn(stories.vocab_size)
+        banned = logits.clone()
+        if i < bans.positions:
+            banned[list(bans.ids)] = -math.inf
+        assert torch.equal(process(plan, ids, logits, step + i), banned)
+    assert bans.positions == sum(settings.ignore_eos or step + i < settings.min_new_tokens
+                                 for i in range(4))
+
+
+@needs_models
+@needs_kernels
+@pytest.mark.parametrize("flags", [{"min_new_tokens": 40}, {"ignore_eos": True}, {}])
+def test_a_native_draft_model_drafts_in_one_call(stories, xs, monkeypatch, flags):
+    """Greedy with no processor chain: each draft of the model is one `draft_greedy` call
+    on its native backend, proposing what the drafter's loop of one forward a token
+    proposes (the same verifies), and the tokens stay plain greedy's."""
+    settings = resolve_settings({"max_new_tokens": 80, **flags})
+    ids = stories.encode("Once upon a time")
+    calls = []
+    whole = NativeBackend._draft_greedy
+    monkeypatch.setattr(NativeBackend, "_draft_greedy",
+                        lambda self, *a: calls.append(a) or whole(self, *a))
+    finish, events = run(stories, ids, settings, draft_lm=xs)
+    verifies = [(e.proposed, e.accepted) for e in events if isinstance(e, Verify)]
+    assert len(calls) == len(verifies) > 0
+    assert finish.token_ids == generate(stories, [ids], settings)[0].token_ids
+    monkeypatch.setattr(NativeBackend, "capabilities",
+                        replace(NativeBackend.capabilities, greedy_draft=False))
+    by_step, step_events = run(stories, ids, settings, draft_lm=xs)
+    assert len(calls) == len(verifies)  # the loop ran instead
+    assert [(e.proposed, e.accepted) for e in step_events if isinstance(e, Verify)] == verifies
+    assert by_step.token_ids == finish.token_ids
+
+
+@needs_models
+def test_a_draft_with_a_chain_or_sampled_runs_one_forward_a_token(stories, xs, monkeypatch):
+    """A processor chain, or sampling, takes the drafter's own loop (the C draft knows
+    bans only, and draws no samples); a backend without whole drafts refuses one."""
+    monkeypatch.setattr(NativeBackend, "_draft_greedy",
+                        lambda *a: pytest.fail("a whole draft under a chain or sampling"))
+    ids = stories.encode("Once upon a time")
+    for flags in ({"repetition_penalty": 1.3}, {"do_sample": True, "seed": 3}):
+        settings = resolve_settings({"max_new_tokens": 30, **flags})
+        finish, _ = run(stories, ids, settings, draft_lm=xs)
+        assert finish.new_tokens == 30
+    lean = LeanBackend(xs, lean_model_of(xs))
+    with pytest.raises(ConfigError, match="the lean backend draws a greedy draft one "
+                                          "forward at a time; use --backend native"):
+        lean.draft_greedy([1], 3, Bans())
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:

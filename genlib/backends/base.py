@@ -11,6 +11,7 @@ falls back silently: which backend runs is decided once, by `genlib.backends.cho
     logits = backend.prefill([prompt_ids], capacity)    # (rows, vocab) float32
     logits = backend.step(tokens)                       # tokens (rows,) -> (rows, vocab)
     logits = backend.extend(tokens)                     # (rows, k) -> (rows, k, vocab)
+    drawn, forwards = backend.draft_greedy(feed, gamma, Bans())  # one call (native only)
     backend.crop(length); backend.reorder(indices)
 
 Logits are float32 whatever the model's dtype. Rows are left-padded where a backend
@@ -43,6 +44,17 @@ class Capabilities:
     crop: bool
     dtypes: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
+    greedy_draft: bool = False  # `draft_greedy`: a whole greedy draft in one call
+
+
+@dataclass(frozen=True)
+class Bans:
+    """Processing that only bans ids: `ids` take -inf at a draft's first `positions`
+    positions, and nothing else changes the logits (EOS suppressed before
+    `min_new_tokens` or throughout with `ignore_eos`, and no processor chain)."""
+
+    ids: tuple[int, ...] = ()
+    positions: int = 0
 
 
 class Backend(ABC):
@@ -97,6 +109,17 @@ class Backend(ABC):
                               "several rows need that)", "transformers")
         self._reorder(indices)
 
+    def draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
+                     ) -> tuple[list[int], int]:
+        """A greedy draft of one row in one call: feed `feed` after the cached tokens,
+        then up to `gamma` times take the argmax of the last logits under `bans` and feed
+        it (all but the last); a position where nothing is left ends the draft. The
+        draws and the forwards run. A draft model's loop without Python between its
+        steps (`capabilities.greedy_draft`); each draw is the argmax of `extend`'s."""
+        if not self.capabilities.greedy_draft:
+            raise self.refuse("draws a greedy draft one forward at a time", "native")
+        return self._draft_greedy(feed, gamma, bans)
+
     def refuse(self, what: str, instead: str) -> ConfigError:
         """The error for an operation this backend cannot do, naming what would work."""
         return ConfigError(f"the {self.name} backend {what}; use --backend {instead} "
@@ -119,4 +142,8 @@ class Backend(ABC):
         raise NotImplementedError
 
     def _reorder(self, indices: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def _draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
+                      ) -> tuple[list[int], int]:
         raise NotImplementedError

@@ -12,6 +12,7 @@ compiler and CPU, and called through ctypes, which releases the GIL.
     logits = step(token_id, cache)         # (1, vocab) float32; writes the cache's next slot
     logits = step.extend(tokens, cache)    # (k, vocab): k tokens of one row, one call
     logits = step.step_rows(tokens, caches)  # (B, vocab): one token each of B rows
+    drawn, forwards = step.draft_greedy(tokens, cache, gamma, banned, banned_draws)
     draft = NativeStep(lean, threads, weights="bfloat16")  # a draft model's step
 
 Every weight is read once per call however many tokens it feeds, so verifying k drafted
@@ -246,6 +247,8 @@ class NativeStep:
         self._forward.restype = None
         self._forward_floats = library.genlab_forward_scratch_floats  # type: ignore[union-attr]
         self._forward_floats.restype = ctypes.c_long
+        self._draft = library.genlab_draft_greedy  # type: ignore[union-attr]
+        self._draft.restype = ctypes.c_int
         self.tokens = lean.embed.shape[0]
         self.model = _Model(
             hidden=lean.embed.shape[1], heads=lean.heads, kv_heads=lean.kv_heads,
@@ -382,6 +385,35 @@ class NativeStep:
         for cache in caches:
             cache.length += 1
         return logits
+
+    def draft_greedy(self, tokens: Sequence[int], cache: Any, gamma: int,
+                     banned: Sequence[int] = (), banned_draws: int = 0
+                     ) -> tuple[list[int], int]:
+        """A greedy draft of one row in one call: feed `tokens` after the cache's `length`
+        tokens, then up to `gamma` times take the argmax of the last logits and feed it
+        (all but the last), `banned` ids excluded at the first `banned_draws` draws; a
+        position where nothing is left (every logit -inf or NaN) ends the draft. The
+        draws, and the forwards run (the cache's length grows by the tokens they fed).
+        Each draw is the argmax of what `extend` would give at its position."""
+        tokens = list(tokens)
+        if not tokens or gamma < 1:
+            raise ValueError("a draft feeds at least one token and draws at least one")
+        self._check_tokens([*tokens, *banned])
+        self._check_room(cache, len(tokens) + gamma - 1)
+        view = self._kv(cache)
+        longs = ctypes.c_long
+        scratch = torch.empty(self._forward_floats(ctypes.byref(self.model), len(tokens),
+                                                   cache.capacity))
+        logits = torch.empty(self.vocab, dtype=torch.float32)
+        drawn, forwards = (longs * gamma)(), ctypes.c_int()
+        count = self._draft(ctypes.byref(self.model), ctypes.c_int(len(tokens)),
+                            (longs * len(tokens))(*tokens), longs(cache.length), view.keys,
+                            view.values, longs(cache.capacity), ctypes.c_int(gamma),
+                            ctypes.c_int(len(banned)), (longs * max(len(banned), 1))(*banned),
+                            ctypes.c_int(banned_draws), _pointer(scratch), _pointer(logits),
+                            drawn, ctypes.byref(forwards))
+        cache.length += len(tokens) + forwards.value - 1
+        return list(drawn[:count]), forwards.value
 
     def _run(self, tokens: list[int], caches: list[Any], positions: Sequence[int],
              picks: Sequence[int]) -> torch.Tensor:

@@ -5,7 +5,8 @@ Each row has a KV cache of its own (`LeanCache`, no padding): a step feeds one t
 every row in one kernel call that reads each weight once for all of them
 (`NativeStep.step_rows`), and a row's k new tokens go through in one call too
 (`NativeStep.extend`: speculative verification), and the prompts of every row together
-(`NativeStep.prefill_rows`). Every row's logits are the bits of a one-token call on its
+(`NativeStep.prefill_rows`). A draft model's greedy draft runs whole in one call
+(`NativeStep.draft_greedy`). Every row's logits are the bits of a one-token call on its
 cache, so a row's tokens do not depend on its batch-mates. Reordering rows (beam search)
 moves caches and copies the duplicated ones.
 """
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from genlib.backends.base import Backend, Capabilities
+from genlib.backends.base import Backend, Bans, Capabilities
 from genlib.backends.kernel import NativeStep
 from genlib.backends.lean import cache_capacity
 from genlib.backends.llama import LeanCache, LeanLlama
@@ -31,7 +32,7 @@ class NativeBackend(Backend):
 
     name = "native"
     capabilities = Capabilities(rows=None, reorder=True, extend=True, crop=True,
-                                dtypes=("float32",), devices=("cpu",))
+                                dtypes=("float32",), devices=("cpu",), greedy_draft=True)
 
     def __init__(self, lm: LoadedModel, lean: LeanLlama, kernel: NativeStep) -> None:
         super().__init__(lm)
@@ -79,6 +80,15 @@ class NativeBackend(Backend):
                               for row, cache in zip(tokens.tolist(), self.caches)])
         self._update_length()
         return logits
+
+    def _draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
+                      ) -> tuple[list[int], int]:
+        if len(self.caches) != 1:
+            raise ValueError(f"a greedy draft runs one row, not {len(self.caches)}")
+        drawn = self.kernel.draft_greedy(feed, self.caches[0], gamma, bans.ids,
+                                         bans.positions)
+        self._update_length()
+        return drawn
 
     def _crop(self, length: int) -> None:
         for cache in self.caches:

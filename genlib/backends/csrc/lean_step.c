@@ -586,3 +586,56 @@ void genlab_step(const Model *m, long token, long position, float *const *keys,
     int pick = 0;
     genlab_forward(m, 1, &token, &position, k, v, &capacity, 1, &pick, scratch, logits);
 }
+
+/* The argmax of logits[0..vocab) once the `n_banned` ids of `banned` are set to -inf;
+ * the first of equal maxima, as torch's max takes it; -1 when none exceeds -inf (all
+ * banned, -inf or NaN). NaN logits are passed over: a draft's proposals only set its
+ * speed, the target checks each one. */
+static long argmax_allowed(float *logits, int vocab, int n_banned, const long *banned) {
+    for (int j = 0; j < n_banned; j++) logits[banned[j]] = -INFINITY;
+    long best = -1;
+    float top = -INFINITY;
+    for (int t = 0; t < vocab; t++)
+        if (logits[t] > top) {
+            top = logits[t];
+            best = t;
+        }
+    return best;
+}
+
+/* A greedy draft of one row in one call: feed its n tokens at positions position.. of
+ * the cache (keys[i], values[i] of `capacity` positions), then up to `gamma` times take
+ * the argmax of the last logits (`argmax_allowed`, the `n_banned` ids of `banned` banned
+ * at the first `banned_draws` draws) and feed it, all but the last draw. A draw with no
+ * candidate ends the draft. Each forward is `genlab_forward`'s, so a draw is the argmax
+ * of the logits a one-token call gives. Writes the draws into `drawn` and the number of
+ * forwards run into *forwards; returns the number of draws. The caller checks the
+ * tokens, and that n + gamma - 1 slots fit the cache. Scratch:
+ * genlab_forward_scratch_floats(m, n, capacity); logits: vocab floats (overwritten). */
+int genlab_draft_greedy(const Model *m, int n, const long *tokens, long position,
+                        float *const *keys, float *const *values, long capacity, int gamma,
+                        int n_banned, const long *banned, int banned_draws, float *scratch,
+                        float *logits, long *drawn, int *forwards) {
+    long positions[n], capacities[n];
+    float *const *k[n], *const *v[n];
+    for (int s = 0; s < n; s++) {
+        positions[s] = position + s;
+        capacities[s] = capacity;
+        k[s] = keys;
+        v[s] = values;
+    }
+    int pick = n - 1, draws = 0;
+    genlab_forward(m, n, tokens, positions, k, v, capacities, 1, &pick, scratch, logits);
+    *forwards = 1;
+    for (long next = position + n; draws < gamma; next++) {
+        long token = argmax_allowed(logits, m->vocab, draws < banned_draws ? n_banned : 0,
+                                    banned);
+        if (token < 0) break;
+        drawn[draws++] = token;
+        if (draws == gamma) break;
+        pick = 0;
+        genlab_forward(m, 1, &token, &next, k, v, capacities, 1, &pick, scratch, logits);
+        (*forwards)++;
+    }
+    return draws;
+}
