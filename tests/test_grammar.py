@@ -8,6 +8,7 @@ import json
 import os
 import re
 import sys
+import warnings
 
 import jsonschema
 import pytest
@@ -254,6 +255,25 @@ def test_xgrammars_log_lines_become_one_genlab_warning_each(builtin, capfd):
     assert [str(w.message) for w in caught] == [
         "json_schema: xgrammar warns: Anchor '$' in the middle of regex is ignored: a$b"]
     assert ".cc:" not in capfd.readouterr().err
+
+
+def test_without_a_temporary_file_nothing_is_captured_and_stderr_stays(monkeypatch,
+                                                                        capfd):
+    """An unwritable TMPDIR: the compile's log goes to stderr as it comes, no warning is
+    made of it, and descriptor 2 is what it was, no descriptor left open."""
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(grammar.tempfile, "TemporaryFile", refuse)
+    before, open_fds = os.fstat(2), len(os.listdir("/proc/self/fd"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", GenlabWarning)
+        with grammar._xgrammar_warnings("regex"):
+            os.write(2, b"[09:00:00] /src/cpp/x.cc:12: Warning: first\n")
+    assert capfd.readouterr().err == "[09:00:00] /src/cpp/x.cc:12: Warning: first\n"
+    after = os.fstat(2)
+    assert (after.st_dev, after.st_ino) == (before.st_dev, before.st_ino)
+    assert len(os.listdir("/proc/self/fd")) == open_fds
 
 
 def test_what_else_reaches_stderr_while_compiling_is_passed_on(capfd):
