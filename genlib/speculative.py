@@ -429,9 +429,9 @@ def _emit(target: LoadedModel, row: Row, result: StepResult, max_new_tokens: int
     for token, drafted, logprob, detail in zip(result.tokens, result.from_draft,
                                                result.logprobs, details):
         step = len(row.ids)
-        event, reason = advance(target, row, 0, token, logprob, step, now, detail)
+        event, reason = advance(target, row, 0, token, logprob, step, now, detail, drafted)
         if event is not None:
-            yield replace(event, draft=drafted)
+            yield event
         if reason is None and deadline is not None and now >= deadline:
             reason = "time"
         if reason is None and len(row.ids) >= max_new_tokens:

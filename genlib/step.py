@@ -164,16 +164,17 @@ def choose_with_detail(plan: Plan, context: torch.Tensor | None, logits: torch.T
 
 
 def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: float,
-             step: int, now: float, detail: stepdetail.StepDetail | None = None
-             ) -> tuple[Token | None, str | None]:
-    """Record one token for a row; return its event and a finish reason (or None)."""
+             step: int, now: float, detail: stepdetail.StepDetail | None = None,
+             draft: bool | None = None) -> tuple[Token | None, str | None]:
+    """Record one token for a row; return its event and a finish reason (or None).
+    `draft`: the event's, in speculative decoding (whether the draft proposed it)."""
     row.ids.append(token)
     row.logprobs.append(logprob)
     if row.first_token is None:
         row.first_token = now
     is_eos = token in lm.eos_ids and not row.stops.stopped
     text = row.stops.feed(row.decoder.push(token))
-    event = Token(row_number, token, text, logprob, step, now, detail=detail)
+    event = Token(row_number, token, text, logprob, step, now, draft, detail)
     if row.stops.stopped:
         return event, "stop"
     if is_eos:
