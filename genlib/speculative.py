@@ -31,7 +31,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from genlib import grammar, processors, sampling, stepdetail
-from genlib.backends.base import Backend, Bans
+from genlib.backends.base import Backend
 from genlib.backends.choose import (
     Request,
     check_draft_weights,
@@ -56,6 +56,7 @@ from genlib.step import (
     Row,
     advance,
     check_prompts,
+    draft_bans,
     finish_row,
     make_plan,
     new_row,
@@ -217,18 +218,6 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
     spec.drafter.commit(spec.ids)
     return StepResult(tokens, [True] * accepted + [False], logprobs, len(draft.tokens),
                       accepted, draft.seconds, target_seconds, draft.forwards, details)
-
-
-def draft_bans(plan: Plan, target: LoadedModel, step: int, gamma: int) -> Bans | None:
-    """What `process` does to a draft of `gamma` positions from `step` (new tokens so
-    far), where it only bans ids: the end tokens, at the positions before
-    `min_new_tokens` (all of them with `ignore_eos`). None where a processor chain runs."""
-    if plan.chain:
-        return None
-    if plan.suppress_eos is None:
-        return Bans()
-    suppressed = sum(suppresses_eos(plan.settings, step + i) for i in range(gamma))
-    return Bans(tuple(target.eos_ids), suppressed)
 
 
 def _details(plan: Plan, raw: torch.Tensor, p_logits: torch.Tensor, tokens: list[int]

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from genlib import config, grammar, processors, sampling, stepdetail
+from genlib.backends.base import Bans
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
@@ -127,6 +128,20 @@ def process_logits(settings: GenerationSettings, chain: Sequence[processors.Proc
     return processors.apply(chain, context, logits)
 
 
+def draft_bans(plan: Plan, lm: LoadedModel, step: int, count: int) -> Bans | None:
+    """What `process_logits` does to `count` positions from `step` (new tokens so far)
+    where all it does is ban ids: the end ids at the positions before `min_new_tokens`
+    (all of them with `ignore_eos`). None where a processor chain runs. It restates
+    `process_logits` for a whole greedy draft (`Backend.draft_greedy`): a stage added
+    there needs its place here."""
+    if plan.chain:
+        return None
+    if plan.suppress_eos is None:
+        return Bans()
+    return Bans(tuple(lm.eos_ids),
+                sum(suppresses_eos(plan.settings, step + i) for i in range(count)))
+
+
 def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Process the logits, pick one token per row; return (tokens, model logprobs)."""
@@ -174,7 +189,7 @@ def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: flo
         row.first_token = now
     is_eos = token in lm.eos_ids and not row.stops.stopped
     text = row.stops.feed(row.decoder.push(token))
-    event = Token(row_number, token, text, logprob, step, now, draft, detail)
+    event = Token(row_number, token, text, logprob, step, now, draft=draft, detail=detail)
     if row.stops.stopped:
         return event, "stop"
     if is_eos:

@@ -629,14 +629,32 @@ def test_a_greedy_draft_is_refused_before_the_kernel_writes(library):
     before = [t.clone() for t in cache.keys + cache.values]
     with pytest.raises(ValueError, match="9 tokens exceed the KV buffers' 8"):
         step.draft_greedy([4, 5], cache, 5)
-    with pytest.raises(ValueError, match="token 512 is outside the model's 512 embeddings"):
+    with pytest.raises(ValueError, match="banned id 512 is outside the model's 512 "
+                                         "output ids"):
         step.draft_greedy([4], cache, 2, banned=(512,), banned_draws=1)
+    with pytest.raises(ValueError, match="token 512 is outside the model's 512 embeddings"):
+        step.draft_greedy([512], cache, 2)
     with pytest.raises(ValueError, match="at least one token and draws at least one"):
         step.draft_greedy([], cache, 2)
     assert cache.length == 3
     assert all(same_bits(a, b) for a, b in zip(before, cache.keys + cache.values))
     assert step.draft_greedy([4, 5], cache, 4)[1] == 4  # 3 + 2 + 3 fed: exactly full
     assert cache.length == 8
+    step.vocab = step.tokens + 1  # an output id without an embedding: it cannot be fed
+    with pytest.raises(ValueError, match="513 output ids exceed the model's 512 embeddings"):
+        step.draft_greedy([4], lean.new_cache(8), 2)
+
+
+def test_a_nan_logit_ends_a_greedy_draft_as_the_loops_max_does(library):
+    """torch's max is NaN where any logit is: the drafter's loop ends its draft there, and
+    so does the kernel's argmax, after the forward that gave it."""
+    lean = LeanLlama.from_model(tiny("llama"))
+    lean.lm_head.w[:, 300] = float("nan")
+    step = kernel.NativeStep(lean, 1, library)
+    drafted, reference = lean.new_cache(16), lean.new_cache(16)
+    assert step.draft_greedy([1, 2], drafted, 4) == ([], 1)
+    assert drafts_by_extend(step, [1, 2], reference, 4) == ([], 1)
+    assert drafted.length == reference.length == 2
 
 
 # --- The build: its notice, a missing compiler, a broken cache ------------------------

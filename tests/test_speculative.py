@@ -36,7 +36,6 @@ from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
     GammaSchedule,
     Summary,
-    draft_bans,
     make_drafter,
     predicted_speedup,
     process,
@@ -46,7 +45,7 @@ from genlib.speculative import (
     start,
     summarize,
 )
-from genlib.step import make_plan
+from genlib.step import draft_bans, make_plan
 from tests.conftest import torch_threads, transformers_backend
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
@@ -505,53 +504,82 @@ def test_a_verify_block_is_processed_as_its_positions_one_by_one(stories, flags,
 
 
 @needs_models
-@pytest.mark.parametrize("flags, step", [
-    ({"ignore_eos": True}, 0), ({"min_new_tokens": 5}, 3), ({"min_new_tokens": 5}, 5),
-    ({}, 0), ({"repetition_penalty": 1.3, "min_new_tokens": 2}, 0),
+@pytest.mark.parametrize("flags, step, draws", [
+    ({"ignore_eos": True}, 0, 4),
+    ({"min_new_tokens": 5}, 3, 2),  # steps 3 and 4 of 3-6
+    ({"min_new_tokens": 5}, 5, 0),
+    ({"ignore_eos": True, "min_new_tokens": 5}, 3, 4),
+    ({}, 0, None),  # nothing banned: Bans()
+    ({"temperature": 0.5, "top_k": 3, "do_sample": False}, 0, None),  # greedy: no sampling stage
+    ({"repetition_penalty": 1.3}, 0, "chain"),
+    ({"no_repeat_ngram_size": 2}, 0, "chain"),
+    ({"logit_bias": {5: 2.0}}, 0, "chain"),
+    ({"dry_multiplier": 0.8}, 0, "chain"),
 ])
-def test_draft_bans_say_what_process_does_to_a_draft(stories, flags, step):
-    """Where no processor chain runs, `draft_bans` is `process` at each of a draft's
-    positions: the end tokens at -inf at the first `positions` of them, nothing else
-    changed; None where a chain runs."""
+def test_draft_bans_say_what_process_does_to_a_draft(stories, flags, step, draws):
+    """Where no processor chain runs, `draft_bans` is `process` at each of a draft's four
+    positions: the end ids at -inf at the first `draws` of them, nothing else changed;
+    None where a chain runs."""
     settings = resolve_settings({"max_new_tokens": 20, **flags})
     plan = make_plan(stories, settings, 1)
     bans = draft_bans(plan, stories, step, 4)
-    assert (bans is None) == bool(plan.chain)
-    if bans is None:
+    if draws == "chain":
+        assert bans is None
         return
+    assert bans == (Bans() if draws is None else Bans(tuple(stories.eos_ids), draws))
     ids = stories.encode("Once upon a time")
     for i in range(4):
         logits = torch.randn(stories.vocab_size)
         banned = logits.clone()
-        if i < bans.positions:
+        if i < bans.draws:
             banned[list(bans.ids)] = -math.inf
         assert torch.equal(process(plan, ids, logits, step + i), banned)
-    assert bans.positions == sum(settings.ignore_eos or step + i < settings.min_new_tokens
-                                 for i in range(4))
+
+
+def test_a_model_without_end_ids_bans_nothing():
+    lm = tiny_lm(1)
+    assert lm.eos_ids == ()
+    plan = make_plan(lm, resolve_settings({"max_new_tokens": 8, "ignore_eos": True}), 1)
+    assert draft_bans(plan, lm, 0, 3) == Bans()
 
 
 @needs_models
 @needs_kernels
+@pytest.mark.parametrize("lookup", [None, 2])
 @pytest.mark.parametrize("flags", [{"min_new_tokens": 40}, {"ignore_eos": True}, {}])
-def test_a_native_draft_model_drafts_in_one_call(stories, xs, monkeypatch, flags):
-    """Greedy with no processor chain: each draft of the model is one `draft_greedy` call
-    on its native backend, proposing what the drafter's loop of one forward a token
-    proposes (the same verifies), and the tokens stay plain greedy's."""
+def test_a_native_draft_model_drafts_in_one_call(stories, xs, monkeypatch, flags, lookup):
+    """Greedy with no processor chain: each draft of the model (where lookup, asked
+    first, finds nothing) is one `draft_greedy` call on its native backend, its bans
+    those of the positions it drafts; it proposes what the drafter's loop of one forward
+    a token proposes, in as many forwards, and the tokens stay plain greedy's."""
     settings = resolve_settings({"max_new_tokens": 80, **flags})
     ids = stories.encode("Once upon a time")
     calls = []
     whole = NativeBackend._draft_greedy
     monkeypatch.setattr(NativeBackend, "_draft_greedy",
                         lambda self, *a: calls.append(a) or whole(self, *a))
-    finish, events = run(stories, ids, settings, draft_lm=xs)
-    verifies = [(e.proposed, e.accepted) for e in events if isinstance(e, Verify)]
-    assert len(calls) == len(verifies) > 0
+    finish, events = run(stories, ids, settings, draft_lm=xs, prompt_lookup=lookup)
+    verifies = [(e.proposed, e.accepted, e.draft_forwards) for e in events
+                if isinstance(e, Verify)]
+    model_drafts = [v for v in verifies if v[2] > 0]
+    assert len(calls) == len(model_drafts) > 0
+    generated, expected = 0, []
+    for _, accepted, forwards in verifies:
+        if forwards:
+            gamma = calls[len(expected)][1]
+            ban = min(gamma, max(0, settings.min_new_tokens - generated))
+            expected.append(gamma if settings.ignore_eos else ban)
+        generated += accepted + 1
+    assert [bans.draws for _, _, bans in calls] == expected
+    eos = tuple(stories.eos_ids) if settings.ignore_eos or settings.min_new_tokens else ()
+    assert all(bans.ids == eos for _, _, bans in calls)
     assert finish.token_ids == generate(stories, [ids], settings)[0].token_ids
     monkeypatch.setattr(NativeBackend, "capabilities",
                         replace(NativeBackend.capabilities, greedy_draft=False))
-    by_step, step_events = run(stories, ids, settings, draft_lm=xs)
-    assert len(calls) == len(verifies)  # the loop ran instead
-    assert [(e.proposed, e.accepted) for e in step_events if isinstance(e, Verify)] == verifies
+    by_step, step_events = run(stories, ids, settings, draft_lm=xs, prompt_lookup=lookup)
+    assert len(calls) == len(model_drafts)  # the loop ran instead
+    assert [(e.proposed, e.accepted, e.draft_forwards) for e in step_events
+            if isinstance(e, Verify)] == verifies
     assert by_step.token_ids == finish.token_ids
 
 

@@ -49,12 +49,11 @@ class Capabilities:
 
 @dataclass(frozen=True)
 class Bans:
-    """Processing that only bans ids: `ids` take -inf at a draft's first `positions`
-    positions, and nothing else changes the logits (EOS suppressed before
-    `min_new_tokens` or throughout with `ignore_eos`, and no processor chain)."""
+    """For `draft_greedy`: `ids` banned (their logits -inf) at a draft's first `draws`
+    draws, the logits otherwise as the model gives them."""
 
     ids: tuple[int, ...] = ()
-    positions: int = 0
+    draws: int = 0
 
 
 class Backend(ABC):
@@ -113,9 +112,10 @@ class Backend(ABC):
                      ) -> tuple[list[int], int]:
         """A greedy draft of one row in one call: feed `feed` after the cached tokens,
         then up to `gamma` times take the argmax of the last logits under `bans` and feed
-        it (all but the last); a position where nothing is left ends the draft. The
-        draws and the forwards run. A draft model's loop without Python between its
-        steps (`capabilities.greedy_draft`); each draw is the argmax of `extend`'s."""
+        it (all but the last); a position where nothing is left (every logit -inf or
+        NaN) ends the draft. The draws and the forwards run. A draft model's loop
+        without Python between its steps, where `capabilities.greedy_draft` says so;
+        each draw is torch's argmax of what `extend` would give at its position."""
         if not self.capabilities.greedy_draft:
             raise self.refuse("draws a greedy draft one forward at a time", "native")
         return self._draft_greedy(feed, gamma, bans)

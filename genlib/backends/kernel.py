@@ -392,13 +392,21 @@ class NativeStep:
         """A greedy draft of one row in one call: feed `tokens` after the cache's `length`
         tokens, then up to `gamma` times take the argmax of the last logits and feed it
         (all but the last), `banned` ids excluded at the first `banned_draws` draws; a
-        position where nothing is left (every logit -inf or NaN) ends the draft. The
-        draws, and the forwards run (the cache's length grows by the tokens they fed).
-        Each draw is the argmax of what `extend` would give at its position."""
+        position where nothing is left (every logit -inf, or any NaN) ends the draft.
+        The draws, and the forwards run (the cache's length grows by the tokens they
+        fed: all of `tokens`, and the draws but the last). Each draw is torch's argmax
+        of what `extend` would give at its position."""
         tokens = list(tokens)
         if not tokens or gamma < 1:
             raise ValueError("a draft feeds at least one token and draws at least one")
-        self._check_tokens([*tokens, *banned])
+        if self.vocab > self.tokens:  # the kernel feeds each draw back unchecked
+            raise ValueError(f"a whole draft feeds its draws back, and {self.vocab} output "
+                             f"ids exceed the model's {self.tokens} embeddings")
+        self._check_tokens(tokens)
+        for token in banned:  # they index the logits
+            if not 0 <= token < self.vocab:
+                raise ValueError(f"banned id {token} is outside the model's {self.vocab} "
+                                 "output ids")
         self._check_room(cache, len(tokens) + gamma - 1)
         view = self._kv(cache)
         longs = ctypes.c_long

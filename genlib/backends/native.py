@@ -86,7 +86,7 @@ class NativeBackend(Backend):
         if len(self.caches) != 1:
             raise ValueError(f"a greedy draft runs one row, not {len(self.caches)}")
         drawn = self.kernel.draft_greedy(feed, self.caches[0], gamma, bans.ids,
-                                         bans.positions)
+                                         bans.draws)
         self._update_length()
         return drawn
 

@@ -55,9 +55,10 @@ def main() -> None:
         for name, events in runs.items():
             tokens = [e.token_id for e in events if isinstance(e, Token)]
             verifies = [(e.proposed, e.accepted) for e in events if isinstance(e, Verify)]
-            assert seen.setdefault("tokens", tokens) == tokens, f"{name}: other tokens"
-            if name != "plain":
-                assert seen.setdefault("verifies", verifies) == verifies, f"{name}: other drafts"
+            if seen.setdefault("tokens", tokens) != tokens:
+                raise SystemExit(f"{name}: other tokens than the first run's")
+            if name != "plain" and seen.setdefault("verifies", verifies) != verifies:
+                raise SystemExit(f"{name}: other drafts than the first run's")
             if round_:
                 rates[name].append(rate(events))
         if round_:

@@ -587,16 +587,16 @@ void genlab_step(const Model *m, long token, long position, float *const *keys,
     genlab_forward(m, 1, &token, &position, k, v, &capacity, 1, &pick, scratch, logits);
 }
 
-/* The argmax of logits[0..vocab) once the `n_banned` ids of `banned` are set to -inf;
- * the first of equal maxima, as torch's max takes it; -1 when none exceeds -inf (all
- * banned, -inf or NaN). NaN logits are passed over: a draft's proposals only set its
- * speed, the target checks each one. */
+/* The argmax of logits[0..vocab) once the `n_banned` ids of `banned` are set to -inf,
+ * as torch's max takes it: the first of equal maxima; -1 where none exceeds -inf or any
+ * is NaN (torch's max is NaN then), which ends a draft as the drafter's loop ends it. */
 static long argmax_allowed(float *logits, int vocab, int n_banned, const long *banned) {
     for (int j = 0; j < n_banned; j++) logits[banned[j]] = -INFINITY;
     long best = -1;
     float top = -INFINITY;
     for (int t = 0; t < vocab; t++)
-        if (logits[t] > top) {
+        if (!(logits[t] <= top)) {  /* greater, or NaN: one test for both in the loop */
+            if (logits[t] != logits[t]) return -1;
             top = logits[t];
             best = t;
         }
@@ -609,13 +609,18 @@ static long argmax_allowed(float *logits, int vocab, int n_banned, const long *b
  * at the first `banned_draws` draws) and feed it, all but the last draw. A draw with no
  * candidate ends the draft. Each forward is `genlab_forward`'s, so a draw is the argmax
  * of the logits a one-token call gives. Writes the draws into `drawn` and the number of
- * forwards run into *forwards; returns the number of draws. The caller checks the
- * tokens, and that n + gamma - 1 slots fit the cache. Scratch:
+ * forwards run into *forwards; returns the number of draws. The caller checks that the
+ * tokens and banned ids index the embeddings and logits, that every id a draw can give
+ * has an embedding, and that n + gamma - 1 slots fit the cache. Scratch:
  * genlab_forward_scratch_floats(m, n, capacity); logits: vocab floats (overwritten). */
 int genlab_draft_greedy(const Model *m, int n, const long *tokens, long position,
                         float *const *keys, float *const *values, long capacity, int gamma,
                         int n_banned, const long *banned, int banned_draws, float *scratch,
                         float *logits, long *drawn, int *forwards) {
+    if (n < 1 || gamma < 1) {  /* the caller refuses these; nothing to feed or draw */
+        *forwards = 0;
+        return 0;
+    }
     long positions[n], capacities[n];
     float *const *k[n], *const *v[n];
     for (int s = 0; s < n; s++) {
