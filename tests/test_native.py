@@ -620,8 +620,8 @@ def test_a_greedy_draft_bans_ids_at_its_first_draws_only(library, code_target):
 
 
 def test_a_greedy_draft_is_refused_before_the_kernel_writes(library):
-    """Room for the feed and gamma - 1 draws, and every id (fed or banned) an
-    embedding, checked before the call: the cache is left as it was."""
+    """Room for the feed and gamma - 1 draws, every fed id an embedding and every banned
+    one an output id, checked before the call: the cache is left as it was."""
     lean = LeanLlama.from_model(tiny("llama"))
     step = kernel.NativeStep(lean, 1, library)
     cache = lean.new_cache(8)
