@@ -144,7 +144,11 @@ def load_corpus(smoke: bool, holdout_every: int) -> dict[str, Any]:
         text = (root / rel).read_text(encoding="utf-8", errors="replace")
         sha.update(rel.as_posix().encode() + b"\0" + text.encode() + b"\0")
         (held if i % holdout_every == holdout_every // 2 else train).append((rel, text))
-    return {"root": str(root), "train": train, "held": held, "sha256": sha.hexdigest()}
+    # the stdlib as Python names it (`lib/python3.11` under the interpreter's prefix), not
+    # this machine's path to it
+    where = root.relative_to(sys.base_prefix).as_posix() \
+        if root.is_relative_to(sys.base_prefix) else root.name
+    return {"root": where, "train": train, "held": held, "sha256": sha.hexdigest()}
 
 
 # -------------------------------------------------------------------------- tokenizer
