@@ -102,13 +102,17 @@ def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
                 seeds=all_seeds, detail=detail)
 
 
+def suppressed_ids(lm: LoadedModel, settings: GenerationSettings) -> tuple[int, ...]:
+    """The ids `process_logits` suppresses while `suppresses_eos` says so: the end ids,
+    where `min_new_tokens` or `ignore_eos` asks; () where neither can apply."""
+    return tuple(lm.eos_ids) if settings.ignore_eos or settings.min_new_tokens else ()
+
+
 def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
                      ) -> processors.Processor | None:
-    """The EOS-suppressing processor `process_logits` applies while `min_new_tokens` or
-    `ignore_eos` say so; None when neither can apply."""
-    if (settings.ignore_eos or settings.min_new_tokens) and lm.eos_ids:
-        return processors.suppress_tokens(lm.eos_ids)
-    return None
+    """The processor that suppresses `suppressed_ids`; None when there are none."""
+    ids = suppressed_ids(lm, settings)
+    return processors.suppress_tokens(ids) if ids else None
 
 
 def suppresses_eos(settings: GenerationSettings, step: int) -> bool:
@@ -130,16 +134,15 @@ def process_logits(settings: GenerationSettings, chain: Sequence[processors.Proc
 
 def draft_bans(plan: Plan, lm: LoadedModel, step: int, count: int) -> Bans | None:
     """What `process_logits` does to `count` positions from `step` (new tokens so far)
-    where all it does is ban ids: the end ids at the positions before `min_new_tokens`
-    (all of them with `ignore_eos`). None where a processor chain runs. It restates
+    where all it does is ban ids: `suppressed_ids` at the positions before
+    `min_new_tokens` (all of them with `ignore_eos`). None where a processor chain runs. It restates
     `process_logits` for a whole greedy draft (`Backend.draft_greedy`): a stage added
     there needs its place here."""
     if plan.chain:
         return None
-    if plan.suppress_eos is None:
-        return Bans()
-    return Bans(tuple(lm.eos_ids),
-                sum(suppresses_eos(plan.settings, step + i) for i in range(count)))
+    ids = suppressed_ids(lm, plan.settings)
+    return Bans(ids, sum(suppresses_eos(plan.settings, step + i) for i in range(count))
+                if ids else 0)
 
 
 def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int
