@@ -189,7 +189,7 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
                 tokens: Sequence[Token] = ()) -> dict[str, Any]:
     """The run as JSON; with --logprobs, its output carries each token's in the
     OpenAI/vLLM shape (as generate's outputs do). `draft_weights`: how the draft model's
-    matrices were stored (None: no draft model)."""
+    matrices were stored (None: no draft model, or no prefill)."""
     from cli import output
 
     extra: dict[str, Any] = {}
@@ -358,11 +358,8 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
 
     draft = drafting.draft_lm
     warm_up(target, ids, Request(rows=1, crop=True, backend=target.backend))
-    weights = None
     if draft is not None:
-        request = draft_request(draft, draft.backend, drafting.draft_weights)
-        warm_up(draft, ids, request)
-        weights = request.weights or draft.dtype_name
+        warm_up(draft, ids, draft_request(draft, draft.backend, drafting.draft_weights))
     drafter = drafter_name(draft, drafting.prompt_lookup)
     events, interrupted = stream_speculation(target, ids, settings, drafting,
                                              live=not sink.machine, logprobs=logprobs)
@@ -375,6 +372,7 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
     tokens = [e for e in events if isinstance(e, Token)]
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
     backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
+    weights = prefill.draft_weights if prefill else None  # as the drafter that ran has them
     gamma = draft_length(drafting.num_draft_tokens, draft is not None)
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,
                       gamma, adapts(drafting.adaptive, draft is not None), backend, weights,

@@ -48,6 +48,8 @@ class Draft:
 
 
 class Drafter(Protocol):
+    draft_weights: str | None  # how a draft model's matrices are stored; None: no model
+
     def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
         """Begin a generation of at most `capacity` tokens (prompt included)."""
 
@@ -81,6 +83,7 @@ class ModelDrafter:
         self.lm = lm
         self.backend = backend
         self.sample = sample
+        self.draft_weights: str | None = backend.weights
         self.started = False
         self.cached: list[int] = []
 
@@ -148,6 +151,7 @@ class PromptLookupDrafter:
         if max_ngram < 1:
             raise ValueError(f"prompt lookup n-gram size must be >= 1, got {max_ngram}")
         self.max_ngram = max_ngram
+        self.draft_weights: str | None = None
 
     def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
         return None  # nothing cached
@@ -171,6 +175,7 @@ class LookupFirstDrafter:
     def __init__(self, lookup: PromptLookupDrafter, model: ModelDrafter):
         self.lookup = lookup
         self.model = model
+        self.draft_weights: str | None = model.draft_weights
 
     def start(self, prompt_ids: Sequence[int], capacity: int | None = None) -> None:
         self.model.start(prompt_ids, capacity)

@@ -11,13 +11,15 @@ from typing import Any
 class Prefill:
     """The prompt(s) went through the model once; `seconds` is the prefill's wall time.
     `backend` names the backend that runs the generation and `backend_reason` why it was
-    chosen (genlib.backends.choose)."""
+    chosen (genlib.backends.choose); `draft_weights`, in speculative decoding with a draft
+    model, how its backend stores the draft's matrices (a torch dtype name)."""
 
     prompt_tokens: tuple[int, ...]  # per row
     seconds: float
     time: float  # perf_counter() at the end of prefill
     backend: str = ""
     backend_reason: str = ""
+    draft_weights: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -390,7 +390,7 @@ def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter
     try:
         spec = start(target, backend, row.prompt_ids, plan, drafter)
         yield Prefill((len(row.prompt_ids),), time.perf_counter() - begin, time.perf_counter(),
-                      backend.name, backend.reason)
+                      backend.name, backend.reason, drafter.draft_weights)
         while True:
             # The verify yields up to gamma + 1 tokens: never draft past the budget.
             room = settings.max_new_tokens - spec.generated

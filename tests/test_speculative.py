@@ -30,7 +30,7 @@ from genlib.drafters import (
     prefill_all_but_last,
 )
 from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
-from genlib.events import Finish, Token, Verify
+from genlib.events import Finish, Prefill, Token, Verify
 from genlib.generate import generate
 from genlib.models import LoadedModel, ModelSpec, load_model
 from genlib.speculative import (
@@ -239,10 +239,16 @@ def test_a_draft_model_reads_bfloat16_matrices_where_it_runs_native(stories, xs,
     settings = resolve_settings({"max_new_tokens": 80})
     ids = stories.encode("Once upon a time")
     plain = generate(stories, [ids], settings)[0]
-    for weights in ("float32", "bfloat16"):
-        finish, events = run(stories, ids, settings, draft_lm=xs, draft_weights=weights)
+    for weights, asked in (("float32", {"draft_weights": "float32"}),
+                           ("bfloat16", {"draft_weights": "bfloat16"}),
+                           ("bfloat16", {}), ("float32", {"backend": "lean"})):
+        finish, events = run(stories, ids, settings, draft_lm=xs, **asked)
         assert finish.token_ids == plain.token_ids
         assert 0 < summarize(events).acceptance_rate < 1
+        prefill = next(e for e in events if isinstance(e, Prefill))
+        assert prefill.draft_weights == weights, asked  # as the drafter that ran has them
+    _, lookup_events = run(stories, ids, settings, prompt_lookup=2)
+    assert next(e for e in lookup_events if isinstance(e, Prefill)).draft_weights is None
 
 
 def test_lookup_takes_latest_match_longest_ngram_first() -> None:

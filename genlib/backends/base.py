@@ -108,6 +108,11 @@ class Backend(ABC):
                               "several rows need that)", "transformers")
         self._reorder(indices)
 
+    @property
+    def weights(self) -> str:
+        """How this backend stores the model's matrices (a torch dtype name)."""
+        return self.lm.dtype_name
+
     def draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                      ) -> tuple[list[int], int]:
         """A greedy draft of one row in one call: feed `feed` after the cached tokens,

@@ -81,6 +81,10 @@ class NativeBackend(Backend):
         self._update_length()
         return logits
 
+    @property
+    def weights(self) -> str:
+        return self.kernel.weights  # its packed copy's, not the model's
+
     def _draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                       ) -> tuple[list[int], int]:
         if len(self.caches) != 1:
