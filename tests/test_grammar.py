@@ -144,7 +144,7 @@ def test_beam_search_hypotheses_follow_the_schema(builtin):
 def test_speculative_output_equals_plain_constrained_output(builtin, drafter):
     """Greedy speculation under a schema gives the plain constrained tokens; prompt
     lookup copies the prompt's JSON, whose keys the schema forbids, so drafts get cut
-    (lookup first too: a step whose lookup draft is cut to nothing verifies no draft)."""
+    (lookup first too); each drafter asked for proposes something the target verifies."""
     prompt = 'x = {"title": "abc", "ok": true, "n": 5}\ny = '
     ids = builtin.encode(prompt)
     settings = resolve_settings({"json_schema": SCHEMA, "max_new_tokens": 40})

@@ -206,15 +206,21 @@ def test_a_closed_stdin_reads_as_empty():
     "exec {python} -m cli {args} 2>&-",  # closed: Python starts without a stderr
     "exec {python} -m cli {args} 2</dev/null",  # a file open for reading only, where a
 ])  # launcher script (pyenv's shims) leaves its own in the closed stderr's place
-def test_a_closed_stderr_costs_no_output_when_something_warns(how):
+@pytest.mark.parametrize("to_file", [False, True])
+def test_a_closed_stderr_costs_no_output_when_something_warns(how, to_file, tmp_path):
     """xgrammar logs on descriptor 2 while it compiles `a$b`, and genlab warns: with
-    stderr closed, the warning goes nowhere, and the document is written, exit 0."""
+    stderr closed, the warning goes nowhere, and the document is written, exit 0. With
+    `-o FILE` the file is opened after the start: unmended, it would take the closed
+    descriptor 2 and the log would land in it."""
     pytest.importorskip("xgrammar")
-    args = f"generate x -m {STORIES} --regex 'a$b' -n 3 --json"
+    out = tmp_path / "out.json"
+    args = f"generate x -m {STORIES} --regex 'a$b' -n 3 --json" + (f" -o {out}" * to_file)
     run = subprocess.run(["sh", "-c", how.format(python=sys.executable, args=args)],
                          cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert run.returncode == 0
-    assert json.loads(run.stdout)["outputs"][0]["text"] == "ab"
+    written = out.read_text() if to_file else run.stdout
+    assert "Warning" not in written
+    assert json.loads(written)["outputs"][0]["text"] == "ab"
 
 
 def test_closed_stdout_and_an_encoding_that_lacks_characters():

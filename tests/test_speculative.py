@@ -590,20 +590,42 @@ def test_a_native_draft_model_drafts_in_one_call(stories, xs, monkeypatch, flags
 
 
 @needs_models
+@needs_kernels
 def test_a_draft_with_a_chain_or_sampled_runs_one_forward_a_token(stories, xs, monkeypatch):
     """A processor chain, or sampling, takes the drafter's own loop (the C draft knows
-    bans only, and draws no samples); a backend without whole drafts refuses one."""
+    bans only, and draws no samples), though the draft runs native; a backend without
+    whole drafts refuses one."""
     monkeypatch.setattr(NativeBackend, "_draft_greedy",
                         lambda *a: pytest.fail("a whole draft under a chain or sampling"))
     ids = stories.encode("Once upon a time")
     for flags in ({"repetition_penalty": 1.3}, {"do_sample": True, "seed": 3}):
         settings = resolve_settings({"max_new_tokens": 30, **flags})
-        finish, _ = run(stories, ids, settings, draft_lm=xs)
+        finish, events = run(stories, ids, settings, draft_lm=xs)
         assert finish.new_tokens == 30
+        prefill = next(e for e in events if isinstance(e, Prefill))
+        assert prefill.draft_weights == "bfloat16"  # the native kernel's: it could
     lean = LeanBackend(xs, lean_model_of(xs))
     with pytest.raises(ConfigError, match="the lean backend draws a greedy draft one "
                                           "forward at a time; use --backend native"):
         lean.draft_greedy([1], 3, Bans())
+
+
+@needs_kernels
+def test_a_nan_logit_ends_a_draft_in_the_loop_and_in_one_call_alike():
+    """torch's max is NaN where any logit is: the drafter's loop ends its draft after the
+    forward that gave it, and the whole draft in one call ends there too."""
+    lm = tiny_lm(2)
+    with torch.no_grad():
+        lm.model.lm_head.weight[3] = float("nan")
+    for whole in (False, True):
+        backend = choose_backend(lm, Request(rows=1, crop=True))
+        assert backend.capabilities.greedy_draft  # native, where the one call could run
+        drafter = ModelDrafter(lm, backend, sample=False)
+        drafter.start([1, 2, 4])
+        draft = drafter.propose([1, 2, 4], 4, lambda context, logits, i: logits, None,
+                                Bans() if whole else None)
+        assert (draft.tokens, draft.forwards) == ([], 1), whole
+        assert drafter.cached == [1, 2, 4] and backend.length == 3
 
 
 def test_adaptive_gamma_and_predicted_speedup() -> None:
