@@ -29,7 +29,7 @@ def lap(name: str, start: float) -> float:
     return now
 
 
-def propose(self, ids, gamma, process, generator):  # greedy: genlib's loop, with laps
+def propose(self, ids, gamma, process, generator, bans=None):  # greedy: the loop, laps
     begin = t = time.perf_counter()
     context = list(ids)
     feed = context[len(self.cached):]
