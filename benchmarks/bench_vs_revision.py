@@ -2,7 +2,8 @@
 bench on --backend native and lean here, and in the other checkout on the same backends
 (a revision that has them) or on --compile and the default loop (the revision before the
 backend interface), round by round, so a busy machine slows both alike. Prints each
-figure's median over the rounds and the ratios.
+figure's median over the rounds and the ratios: of those medians, and each round's
+(their median and range), which pairs runs seconds apart.
 
     git worktree add /tmp/before c515d27
     python benchmarks/bench_vs_revision.py /tmp/before --model ../shared/models/code-target
@@ -80,7 +81,16 @@ def main() -> None:
                         ("now:lean", "before:lean"), ("now:lean", "before:default")):
         if now in medians and before in medians:
             ratio = medians[now]["decode_tps"] / medians[before]["decode_tps"]
-            print(f"  {now} / {before}: decode tok/s x{ratio:.3f}")
+            paired = paired_ratios(seen[now]["decode_tps"], seen[before]["decode_tps"])
+            print(f"  {now} / {before}: decode tok/s x{ratio:.3f}; per round "
+                  f"x{statistics.median(paired):.3f} (x{min(paired):.3f}-x{max(paired):.3f})")
+
+
+def paired_ratios(now: list[float], before: list[float]) -> list[float]:
+    """Each round's figure now over its figure before: the two sides of a round ran
+    seconds apart, so a spell of faster or slower memory reaches both, where the ratio
+    of the overall medians can set one side's fast spell against the other's slow one."""
+    return [a / b for a, b in zip(now, before, strict=True)]
 
 
 if __name__ == "__main__":
