@@ -520,7 +520,7 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     render.info(f"comparing {len(specs)} model runs, one at a time…")
     if logprobs and strategies[0].settings.strategy == "beam":
         render.info(BEAM_NOTE)
-    comparison = compare_models(specs, prompt, strategies[0], logprobs)
+    comparison = compare_models(specs, prompt, strategies[0], logprobs, freeze=True)
     console = console_for(target, markdown_path)
     try:
         console.print(models_table(comparison))

@@ -59,9 +59,10 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
          weights: tuple[str, ...] = ("float32",)) -> LoadedModel:
     """The model the flags and preset name; `quick` starts without transformers where
     the checkpoint allows (genlib.quickload), for commands that mostly decode one row;
-    `weights`: the native kernels it may run (`kernel.WEIGHTS`: a draft's bfloat16)."""
+    `weights`: the native kernels it may run (`kernel.WEIGHTS`: a draft's bfloat16).
+    The heap it leaves is frozen (`models.freeze_heap`)."""
     from genlib.backends.choose import check_name
-    from genlib.models import ModelSpec, load_model, resolve_model_ref
+    from genlib.models import ModelSpec, freeze_heap, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
     spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype, quantize=flags.quantize,
@@ -69,6 +70,7 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
     with loading(ref):
         lm = load_model(spec, quick=quick)
     build_native_kernel(lm, weights)
+    freeze_heap()  # no pause of the collector's over what loading made, mid-decode
     return lm
 
 

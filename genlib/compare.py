@@ -396,16 +396,19 @@ class ModelComparison:
                 "runs": [r.to_dict() for r in self.runs]}
 
 
-def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 0
-              ) -> tuple[ModelRun, Any]:
+def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 0,
+              freeze: bool = False) -> tuple[ModelRun, Any]:
     """Load one model, generate once; return the run and the tokenizer (for divergence).
     `logprobs` N > 0 keeps the tokens' logprobs object (while the model is loaded: the
-    object names tokens by their text)."""
-    from genlib.models import display_name, load_model
+    object names tokens by their text). `freeze`: freeze the heap after loading
+    (`models.freeze_heap`), in a process that is genlab's alone."""
+    from genlib.models import display_name, freeze_heap, load_model
 
     run = ModelRun(display_name(spec.ref), spec.quantize)
     try:
         lm = load_model(spec)
+        if freeze:
+            freeze_heap()
         prompt_ids = lm.encode(prompt)
         warm_up(lm, prompt_ids)  # else the first run's tokens/s carries the first forward
         _reset_peak_memory(lm)
@@ -489,15 +492,15 @@ def measure_divergence(runs: Sequence[ModelRun], tokenizers: Sequence[Any]) -> N
 
 
 def compare_models(specs: Sequence[ModelSpec], prompt: str, strategy: Strategy,
-                   logprobs: int = 0) -> ModelComparison:
+                   logprobs: int = 0, freeze: bool = False) -> ModelComparison:
     """Run `strategy` on `prompt` with each model/quantization in turn (one loaded at a
     time, so memory holds one model) and measure how far each output diverges from
-    the first."""
+    the first. `freeze`: as `run_model`'s, after each load (the CLI's)."""
     runs, tokenizers = [], []
     interrupted = False
     for spec in specs:
         try:
-            run, tokenizer = run_model(spec, prompt, strategy, logprobs)
+            run, tokenizer = run_model(spec, prompt, strategy, logprobs, freeze)
         except KeyboardInterrupt:  # Ctrl-C while loading: nothing of this run to keep
             interrupted = True
             break

@@ -130,7 +130,7 @@ class GenerateWorker:
     def __init__(self, plan: WorkerPlan):
         import torch
 
-        from genlib.models import load_model
+        from genlib.models import freeze_heap, load_model
 
         torch.set_num_threads(max(1, plan.cpus))
         # Ray forwards a worker's stdout to the driver's, which may be the results
@@ -142,6 +142,7 @@ class GenerateWorker:
         self.load_error: str | None = None
         try:
             self.lm = load_model(plan.spec, quick=plan.quick)
+            freeze_heap()  # the worker's process is genlab's alone
         except Exception as exc:  # noqa: BLE001  (sent back as data: see load_failed)
             self.load_error = str(exc) if isinstance(exc, GenlabError) else unexpected(exc)
 

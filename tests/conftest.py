@@ -3,6 +3,7 @@ several architectures (built in memory, with the stories260K tokenizer)."""
 
 from __future__ import annotations
 
+import gc
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -17,6 +18,14 @@ STORIES = SHARED_MODELS / "stories260K"
 LLAMA2XS = SHARED_MODELS / "llama2xs"
 CODE_TARGET = SHARED_MODELS / "code-target"
 CODE_DRAFT = SHARED_MODELS / "code-draft"
+
+
+@pytest.fixture(autouse=True)
+def _thaw_the_heap():
+    """The CLI freezes the heap once a model has loaded (`models.freeze_heap`), for a
+    process that is its alone; in this one each test leaves the collector all of it."""
+    yield
+    gc.unfreeze()
 
 
 @contextmanager
