@@ -36,7 +36,7 @@ from genlib import grammar, processors, sampling
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
-from genlib.detok import IncrementalDecoder
+from genlib.detok import IncrementalDecoder, token_text
 from genlib.events import BeamStep, Event, Prefill
 from genlib.models import LoadedModel
 from genlib.step import (
@@ -537,7 +537,7 @@ def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tens
             kept.append((rank, beam, b))
             status = "kept"
         if plan.record_tree:
-            records.append(TreeCandidate(search.group, b, token, _token_text(plan, token),
+            records.append(TreeCandidate(search.group, b, token, token_text(plan.tokenizer, token),
                                          math.exp(lp), float(acc[rank]), status,
                                          len(kept) - 1 if status == "kept" else None))
     return kept, leftovers, records
@@ -597,10 +597,6 @@ def _decode(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> st
     """The text of `ids` after the prompt, as the streaming decoder would print it."""
     decoder = IncrementalDecoder(tokenizer, tuple(prompt_ids))
     return "".join(decoder.push(t) for t in ids) + decoder.flush()
-
-
-def _token_text(plan: _Plan, token: int) -> str:
-    return str(plan.tokenizer.convert_ids_to_tokens(token))
 
 
 def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int,

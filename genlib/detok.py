@@ -20,6 +20,20 @@ PROMPT_CONTEXT = 4  # prompt tokens kept as left context for the first window
 MAX_CHAR_TOKENS = 4  # a UTF-8 character spans at most 4 byte tokens
 
 
+def token_text(tokenizer: Any, token_id: int) -> str:
+    """A token's text as it reads after other text, for every view that shows one token
+    (explain, logprobs, the beam tree): with its leading space, which decoding a token
+    alone drops for sentencepiece vocabularies, and bytes shown as text, not as the
+    vocabulary's pieces ("\\n   ", not "ĊĠĠĠ"). It decodes the token after an anchor token
+    and strips the anchor's text."""
+    anchor = tokenizer.encode("a", add_special_tokens=False)[-1:]
+    if not anchor:
+        return str(tokenizer.decode([token_id]))
+    before = tokenizer.decode(anchor)
+    both = tokenizer.decode(anchor + [token_id])
+    return both[len(before):] if both.startswith(before) else str(tokenizer.decode([token_id]))
+
+
 class IncrementalDecoder:
     """Turns one row's token ids into text pieces as they arrive."""
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from genlib.config import GenerationSettings
-from genlib.detok import token_bytes
+from genlib.detok import token_bytes, token_text
 from genlib.errors import ConfigError
 from genlib.events import Finish, Token
 from genlib.models import LoadedModel
@@ -61,7 +61,7 @@ def check_forced(lm: LoadedModel, t: Token) -> None:
     if t.detail is not None and t.detail.forced and \
             t.detail.chosen.removed_by == GRAMMAR_STAGE:
         raise ConfigError(
-            f"the branch's token {token_text(lm, t.token_id)!r} (id {t.token_id}) is not "
+            f"the branch's token {token_text(lm.tokenizer, t.token_id)!r} (id {t.token_id}) is not "
             f"allowed by the grammar at step {t.index}; force one it allows there (a "
             f"candidate whose grammar probability is above 0)")
 
@@ -134,22 +134,10 @@ def _prob(p: float) -> float:
     return float(f"{p:.6g}")
 
 
-def token_text(lm: LoadedModel, token_id: int) -> str:
-    """A token's text as it reads after other text (with its leading space, which
-    decoding a token alone drops for sentencepiece vocabularies): decode it after an
-    anchor token and strip the anchor's text."""
-    anchor = lm.tokenizer.encode("a", add_special_tokens=False)[-1:]
-    if not anchor:
-        return lm.tokenizer.decode([token_id])
-    before = lm.tokenizer.decode(anchor)
-    both = lm.tokenizer.decode(anchor + [token_id])
-    return both[len(before):] if both.startswith(before) else lm.tokenizer.decode([token_id])
-
-
 def candidate_dict(lm: LoadedModel, c: Candidate, stage_names: Sequence[str]
                    ) -> dict[str, Any]:
     """One candidate as JSON, in the OpenAI/vLLM logprobs shape plus genlab's keys."""
-    text = token_text(lm, c.token_id)
+    text = token_text(lm.tokenizer, c.token_id)
     out: dict[str, Any] = {"token": text, "id": c.token_id,
                            "bytes": token_bytes(lm.tokenizer, c.token_id, text),
                            "logprob": _num(c.logprob),

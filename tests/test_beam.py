@@ -237,6 +237,9 @@ class WordTokenizer:
     def __call__(self, text, add_special_tokens=False):
         return {"input_ids": [WORDS.index(w) for w in text.split()]}
 
+    def encode(self, text, add_special_tokens=False):
+        return [WORDS.index(w) for w in text.split() if w in WORDS]
+
     def decode(self, ids, skip_special_tokens=True, clean_up_tokenization_spaces=False):
         return "".join(" " + WORDS[i] for i in ids if not (skip_special_tokens and i == 0))
 
@@ -302,8 +305,8 @@ def test_toy_best_beam_is_known_by_hand(toy):
     assert second.score == pytest.approx(math.log(0.5 * 0.4), abs=1e-4)
     greedy = generate(toy, [[WORDS.index("The")]], GenerationSettings(max_new_tokens=3))[0]
     assert greedy.text == " nice woman"
-    step1 = {c.token: c.status for c in result.tree[1].candidates}
-    assert step1["has"] == "kept" and step1["woman"] == "kept" and step1["house"] == "pruned"
+    step1 = {c.token: c.status for c in result.tree[1].candidates}  # as the text reads
+    assert step1[" has"] == "kept" and step1[" woman"] == "kept" and step1[" house"] == "pruned"
 
 
 def test_toy_length_penalty_and_early_stopping(toy):
@@ -484,3 +487,19 @@ def test_cli_bad_early_stopping_is_one_line_exit_2():
     result = runner.invoke(app, ["beam", "hi", *MODEL, "--early-stopping", "maybe"])
     assert result.exit_code == 2
     assert "early_stopping" in result.output and "Traceback" not in result.output
+
+
+def test_the_tree_shows_tokens_as_the_text_reads_not_as_vocabulary_pieces():
+    """A byte-level BPE vocabulary names a newline and indent "ĊĠĠĠ"; the tree, as
+    explain and --logprobs, shows "\\n   ", and the best beam's tokens joined are its
+    text."""
+    result = runner.invoke(app, ["beam", "def add(a, b):", "-k", "2", "--tree", "-n",
+                                      "4", "--json"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.stdout)
+    shown = [c["token"] for step in out["tree"] for c in step["candidates"]]
+    assert not any(ch in token for token in shown for ch in "ĠĊ"), shown
+    assert "\n   " in shown  # the built-in model's first step: a newline and an indent
+    tree = {(c["token_id"]): c["token"] for step in out["tree"] for c in step["candidates"]}
+    best = out["outputs"][0]
+    assert "".join(tree[t] for t in best["token_ids"]) == best["text"]
