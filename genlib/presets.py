@@ -228,7 +228,9 @@ def load_preset(ref: str, _seen: tuple[Path, ...] = (), relative_to: Path | None
         parent = _load_parent(own["extends"], (*_seen, path))
         settings.update(parent.settings)
         set_by.update(parent.set_by)
-        model, description = parent.model, parent.description
+        # a child without its own description says whose it shows
+        model = parent.model
+        description = f"(extends {own['extends']}) {parent.description}".rstrip()
     settings.update({k: v for k, v in own.items() if k not in PRESET_META_KEYS})
     set_by.update({k: path for k in own if k not in PRESET_META_KEYS})
     return Preset(

@@ -214,3 +214,13 @@ def test_set_by_follows_extends_to_the_builtin_of_the_same_name(user_presets):
     assert load_preset("creative").set_by == {
         "strategy": builtin, "top_p": builtin, "max_new_tokens": builtin,
         "temperature": mine.resolve()}
+
+
+def test_a_preset_without_a_description_says_whose_it_shows(user_presets):
+    (user_presets / "story.yaml").write_text("extends: creative\ntemperature: 1.1\n")
+    (user_presets / "bare.yaml").write_text(f"extends: {user_presets / 'plain.yaml'}\n")
+    (user_presets / "plain.yaml").write_text("temperature: 0.5\ndo_sample: true\n")
+    assert load_preset("story").description == \
+        f"(extends creative) {load_preset('creative').description}"
+    assert load_preset("bare").description == f"(extends {user_presets / 'plain.yaml'})"
+    assert load_preset("plain").description == ""
