@@ -173,6 +173,11 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     out_format = _output_format(out_path, engine.format, in_format)
     adapt = openai_batch.to_genlab_line if in_format == "openai" else None
     items = gb.parse_lines(lines, run_defaults, adapt)
+    if not items:
+        from cli import render
+
+        render.warn(f"{'stdin' if str(input_path) == '-' else input_path} has no lines to run: "
+                    f"nothing to generate")
     tally = Tally(lines=len(items))
     results = gb.ResultsFile.open(out_path) if out_path else gb.ResultsFile.stdout()
     if out_format == "openai":

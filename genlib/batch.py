@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from genlib import jsonl
-from genlib.config import GenerationSettings, resolve_settings, shown, validate_settings
+from genlib.config import (
+    GenerationSettings,
+    closest_key,
+    resolve_settings,
+    shown,
+    validate_settings,
+)
 from genlib.errors import (
     ChatRenderError,
     ChatTemplateError,
@@ -299,7 +305,7 @@ def _prompt_of(data: Mapping[str, Any], where: str
                           f"reads OpenAI's")
     if ("prompt" in data) == ("messages" in data):
         raise ConfigError(f"{where}: give exactly one of \"prompt\" (text) or \"messages\" "
-                          f"(a chat conversation)")
+                          f"(a chat conversation){_misspelled_prompt(data)}")
     if "prompt" in data:
         prompt = data["prompt"]
         if not isinstance(prompt, str) or not prompt:
@@ -314,6 +320,18 @@ def _prompt_of(data: Mapping[str, Any], where: str
                           f"{{\"role\": ..., \"content\": ...}} objects")
     return None, [{"role": m["role"], "content": _content_text(m["content"], where)}
                   for m in messages]
+
+
+def _misspelled_prompt(data: Mapping[str, Any]) -> str:
+    """' (did you mean 'prompt' for 'promt'?)' where a line has neither and one of its
+    keys is near one; else ''."""
+    if "prompt" in data or "messages" in data:
+        return ""
+    for key in data:
+        hint = closest_key(key, ("prompt", "messages"))
+        if hint:
+            return f" (did you mean {hint!r} for {key!r}?)"
+    return ""
 
 
 def _content_text(content: str | list[Any], where: str) -> str:

@@ -77,6 +77,16 @@ def test_bad_lines_are_reported_with_their_line_number():
         [2, 4, "x", "y", "z", 8, "w", "v", "u", "t"]
 
 
+def test_a_misspelled_prompt_key_is_named_with_the_key_it_is_near():
+    items = gb.parse_lines(lines_of({"promt": "Once"}, {"mesages": []}, {"id": 3},
+                                    {"prompt": "a", "messages": []}), RUN)
+    errors = [i.message for i in items]
+    need = 'give exactly one of "prompt" (text) or "messages" (a chat conversation)'
+    assert errors == [f"line 1: {need} (did you mean 'prompt' for 'promt'?)",
+                      f"line 2: {need} (did you mean 'messages' for 'mesages'?)",
+                      f"line 3: {need}", f"line 4: {need}"]
+
+
 def test_openai_names_of_settings_point_to_genlab_s():
     """`stop` was refused with "did you mean 'top_p'?" (the closest spelling), while the
     docs listed it as a line key; the setting is stop_strings."""
@@ -320,6 +330,17 @@ def test_cli_output_dash_writes_jsonl_to_stdout(tmp_path: Path):
     assert result.exit_code == 0, result.output
     (record,) = [json.loads(x) for x in result.stdout.splitlines()]
     assert record["id"] == 1 and record["text"] == ", there was a little"
+
+
+@pytest.mark.parametrize("text", ["", "\n\n"], ids=["empty", "blank lines"])
+def test_an_input_with_no_lines_says_so_and_writes_an_empty_file(tmp_path: Path, text: str):
+    out = tmp_path / "out.jsonl"
+    result = invoke("--input", "-", "--output", str(out), input=text)
+    assert result.exit_code == 0, result.output  # an empty batch is done, as `jq` is
+    assert result.stderr.splitlines()[0] == "warning: stdin has no lines to run: nothing " \
+        "to generate"
+    assert "0 lines · 0 generated · 0 failed" in result.stderr
+    assert out.read_text() == ""
 
 
 @pytest.mark.parametrize(("args", "message"), [
