@@ -210,8 +210,9 @@ def test_a_closed_stdin_reads_as_empty():
 def test_a_closed_stderr_costs_no_output_when_something_warns(how, to_file, tmp_path):
     """xgrammar logs on descriptor 2 while it compiles `a$b`, and genlab warns: with
     stderr closed, the warning goes nowhere, and the document is written, exit 0. With
-    `-o FILE` the file is opened after the start: unmended, it would take the closed
-    descriptor 2 and the log would land in it."""
+    `-o FILE` the file is opened after the start, where a closed descriptor 2 would let
+    it take 2 and the log land in it. With `2>&-` an import opens a file first and takes
+    2 itself, so the mend shows in the `2</dev/null` runs, and in the test below."""
     pytest.importorskip("xgrammar")
     out = tmp_path / "out.json"
     args = f"generate x -m {STORIES} --regex 'a$b' -n 3 --json" + (f" -o {out}" * to_file)
@@ -221,6 +222,19 @@ def test_a_closed_stderr_costs_no_output_when_something_warns(how, to_file, tmp_
     written = out.read_text() if to_file else run.stdout
     assert "Warning" not in written
     assert json.loads(written)["outputs"][0]["text"] == "ab"
+
+
+def test_a_closed_descriptor_2_gets_dev_null_before_any_file_can_take_it():
+    """The `2>&-` runs above pass however the CLI starts, when an import opens a file
+    that takes the closed descriptor first: here descriptor 2 is closed right before
+    `stderr_to_devnull`, so a file opened after it would take 2 unless it is mended."""
+    code = ("import os, sys; from cli.errors import stderr_to_devnull; os.close(2); "
+            "sys.stderr = None; stderr_to_devnull(); f = open(os.devnull, 'rb'); "
+            "print(os.path.samestat(os.fstat(2), os.stat(os.devnull)), f.fileno() != 2, "
+            "sys.stderr.fileno())")
+    run = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=ENV,
+                         capture_output=True, text=True, timeout=120)
+    assert run.stdout.split() == ["True", "True", "2"], run.stdout + run.stderr
 
 
 def test_closed_stdout_and_an_encoding_that_lacks_characters():

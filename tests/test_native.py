@@ -72,11 +72,14 @@ def library():
     return build.library
 
 
-TINY_MODELS = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
+TINY = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
+TINY_IDS = ["tiny-gqa-llama", "tiny-qwen2-biases", "odd-shapes"]
+# The kernel's vector paths, by the build flags that select them on this CPU
+PORTABLE = {"native": (), "no AVX-512": ("-mno-avx512f",),
+            "no AVX2 (generic vectors, libm's expf)": ("-mno-avx512f", "-mno-avx2")}
 
 
-@pytest.mark.parametrize("make", TINY_MODELS, ids=["tiny-gqa-llama", "tiny-qwen2-biases",
-                                                   "odd-shapes"])
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_native_step_follows_the_lean_step_on_tiny_models(library, make, threads):
     lean = LeanLlama.from_model(make())
@@ -119,9 +122,9 @@ def bf16_matrices(model):
     return rounded
 
 
-@pytest.mark.parametrize("make", TINY_MODELS, ids=["tiny-gqa-llama", "tiny-qwen2-biases",
-                                                   "odd-shapes"])
-@pytest.mark.parametrize("flags", [(), ("-mno-avx512f",)], ids=["native", "no AVX-512"])
+@pytest.mark.parametrize("make", TINY, ids=TINY_IDS)
+@pytest.mark.parametrize("flags", [PORTABLE["native"], PORTABLE["no AVX-512"]],
+                         ids=["native", "no AVX-512"])
 def test_bfloat16_matrices_give_the_lean_step_over_bfloat16_weights(library, make, flags):
     """A step that stores its matrices in bfloat16 (a draft model's) computes what the
     lean forward computes over those rounded matrices, in float32: the same logits to
@@ -315,9 +318,6 @@ def test_a_cache_gets_scratch_for_the_step_that_runs_it(library):
 
 # --- Many tokens in one call: extend (one row's k tokens) and step_rows (B rows) -------
 
-PORTABLE = {"native": (), "no AVX-512": ("-mno-avx512f",),
-            "no AVX2 (generic vectors, libm's expf)": ("-mno-avx512f", "-mno-avx2")}
-
 
 @pytest.fixture(scope="module", params=list(PORTABLE), ids=list(PORTABLE))
 def any_library(request, library):
@@ -350,10 +350,6 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def assert_same_kv(a, b, length: int) -> None:
     for x, y in zip(a.keys + a.values, b.keys + b.values):
         assert torch.equal(x[:, :, :length], y[:, :, :length])
-
-
-TINY = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
-TINY_IDS = ["tiny-gqa-llama", "tiny-qwen2-biases", "odd-shapes"]
 
 
 @pytest.mark.parametrize("make", TINY, ids=TINY_IDS)

@@ -495,17 +495,20 @@ def test_reasons_are_the_first_line_of_rays_message():
         "ray::MapWorker.__init__() (pid=1)"
 
 
-def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys):
+def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys, monkeypatch):
     """A Ray worker's stderr reaches the driver's as it is: xgrammar's warnings there read
-    as the CLI's own `warning:` lines, without Python's file and line."""
+    as the CLI's own `warning:` lines, without Python's file and line, once the worker
+    has started."""
     import warnings
 
-    from genlib.errors import GenlabWarning, show_genlab_warnings
-    from genlib.ray_engine import say_warning
+    from genlib.errors import GenlabWarning
+    from genlib.ray_engine import GenerateWorker
 
-    with warnings.catch_warnings():
+    monkeypatch.setattr(sys, "stdout", sys.stdout)  # the worker sends it to stderr
+    with warnings.catch_warnings():  # and puts its own showwarning, undone on leaving
         warnings.simplefilter("always")
-        show_genlab_warnings(say_warning)  # as GenerateWorker does
+        GenerateWorker(plan_for(1))
+        capsys.readouterr()
         warnings.warn(GenlabWarning("regex: xgrammar warns: '$' is ignored"), stacklevel=1)
         warnings.warn("not genlab's", UserWarning, stacklevel=1)  # Python's to show
     assert capsys.readouterr().err == "warning: regex: xgrammar warns: '$' is ignored\n"
