@@ -327,7 +327,7 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     """Load model and tokenizer for genlib's decode loop (eval mode, on the device).
 
     `quick`: a local Llama-style checkpoint that qualifies is loaded without transformers
-    (genlib.quickload: a second and a half faster to start), transformers' model and
+    (genlib.quickload: no import of transformers' model modules), transformers' model and
     tokenizer following on first use of anything the lean path does not provide."""
     ref = model_source(spec.ref)
     # Before importing torch and transformers (seconds): an unreachable hub fails at once.
