@@ -109,8 +109,8 @@ def run() -> None:
         if type(exc).__name__ != "NoArgsIsHelpError":  # `genlab presets`: help, shown
             usage_error(exc)
     # Interpreter shutdown garbage-collects every object torch and transformers created,
-    # about half a second after the work is done; frozen objects are left to the process
-    # exit. Files, atexit handlers and stream flushing run as usual.
+    # a wait after the work is done; frozen objects are left to the process exit.
+    # Files, atexit handlers and stream flushing run as usual.
     gc.freeze()
     raise SystemExit(TERMINATED if terminated and code == INTERRUPTED else code)
 
