@@ -116,7 +116,7 @@ def comparison_view(n_strategies: int):
     for i, strategy in enumerate(strategies):
         samples = [cmp.Sample(f"{LONG}#{i}.{n}", (1,) * 12, (-1.0,) * 12, "length", 0.1)
                    for n in range(2 if strategy.stochastic else 1)]
-        metrics = {m.key: 1234.5678 for m in METRICS}
+        metrics = {m.key: 1234.5678 for m in METRICS} | {"new_tokens": 12.0}
         view.on_event(i, cmp.StrategyDone(cmp.StrategyResult(strategy, samples, metrics)))
     return view
 
@@ -132,9 +132,10 @@ def test_compare_shows_every_text_in_full(width, n_strategies):
     for index in range(n_strategies):
         for row in view.texts[index].values():
             assert words_in_order(row, text), (index, row[-20:])
+    table = text[:text.index("* the best value")]  # above the legend, which names them
     for metric in METRICS:  # each metric row on one line, its values whole
-        value = format_metric(metric.key, 1234.5678)
-        rows = [line for line in text.splitlines() if metric.label in line]
+        value = "12" if metric.key == "new_tokens" else format_metric(metric.key, 1234.5678)
+        rows = [line for line in table.splitlines() if metric.label in line]
         assert rows and all(value in line for line in rows), (metric.label, rows)
 
 
