@@ -124,7 +124,7 @@ def backend_note(prefill: Prefill | None) -> str:
     """--stats' words on the backend that ran, and why it was chosen."""
     if prefill is None or not prefill.backend:
         return ""
-    return f" · backend {prefill.backend} ({prefill.backend_reason})"
+    return f"{prefill.backend} ({prefill.backend_reason})"
 
 
 @user_errors

@@ -142,8 +142,9 @@ MirostatEta = Annotated[float | None, typer.Option(
 Samplers = Annotated[str | None, typer.Option(
     "--samplers", rich_help_panel=SAMPLERS_PANEL, metavar="A;B;...",
     help="The chain's order, stage names separated by ';'; stages left out do not run "
-         "(llama.cpp). Default: logit_bias;penalties;no_repeat_ngram;dry;temperature;top_k;"
-         "top_p;min_p;typical_p;epsilon_cutoff;eta_cutoff;top_n_sigma;xtc;mirostat.")]
+         "(llama.cpp). Default: logit_bias; penalties; no_repeat_ngram; dry; temperature; "
+         "top_k; top_p; min_p; typical_p; epsilon_cutoff; eta_cutoff; top_n_sigma; xtc; "
+         "mirostat.")]
 
 JsonSchema = Annotated[str | None, typer.Option(
     "--json-schema", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
