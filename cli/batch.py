@@ -197,6 +197,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
                 _generate(lm, todo, run_defaults, batch_size, results, tally)
         except KeyboardInterrupt:
             tally.interrupted = True
+        results.check()  # what the summary counts is still in the file
     _summary(tally, time.perf_counter() - start)
     if tally.interrupted:
         raise typer.Exit(INTERRUPTED)
