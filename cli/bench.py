@@ -16,7 +16,8 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, presets_model, settings_for
 from cli.errors import fail, user_errors
-from cli.output import Sink, check_writable, opened, sink
+from cli.output import Sink, opened, sink
+from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
 from genlib.config import with_seed
 from genlib.errors import not_one_of
@@ -236,13 +237,15 @@ def bench(
     if baseline not in BASELINES:
         raise fail(not_one_of("--baseline", baseline, BASELINES))
     check_plot_available(plot)
+    if plot is not None:
+        check_output_path(Path(plot), "--plot")
     if target.machine and target.to_stdout and csv_path == "-":
         raise fail(f"--{target.mode} and --csv - both write to stdout; send the CSV to a file")
     if not target.machine and output is not None:
         raise fail("-o/--output writes the --json or --jsonl output of bench; add one of "
                    "them, or use --csv FILE")
     if csv_path is not None and csv_path != "-":
-        check_writable(Path(csv_path), "--csv")
+        check_output_path(Path(csv_path), "--csv")
     check_threads(threads)
     groups = build_cases(strategy_settings(names, seed, baseline == "transformers"), lengths,
                          counts, batches, backends, no_cache)
