@@ -174,7 +174,8 @@ def bench(
         "--new-tokens", help="Comma list of new-token counts, each at least 2 (generation "
         "is forced to this length; end tokens are ignored).")] = "256",
     batch_size: Annotated[str, typer.Option(
-        "--batch-size", help="Comma list of batch sizes.")] = "1",
+        "--batch-size", help="Comma list of batch sizes (a size whose KV cache cannot fit "
+        "in the memory available is refused before any run).")] = "1",
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Comma list of dtypes: auto, float32, bfloat16, float16.")] = "auto",
     quantize: Annotated[str, typer.Option(
@@ -278,6 +279,7 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
     with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
         for dtype, quantize in product(dtypes, quants):
             lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
+            core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
             bar.expect(forced_warmups(lm, groups, warmup))
             weights = core.weight_bytes(lm.model)
             machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights
