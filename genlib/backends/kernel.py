@@ -214,8 +214,8 @@ def _reload(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path, lib
 def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path,
              library: Path) -> None:
     """Build `library` in a scratch folder beside it and rename it (and its checksum)
-    into place, clearing the way first: a folder where the cache or the library should
-    be, or a file where the cache folder should be."""
+    into place, clearing the way first: a file where the cache folder should be, and
+    a folder where the library or its checksum should be."""
     _clear(library.parent, keep_folder=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
