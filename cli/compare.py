@@ -721,9 +721,9 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
         raise fail(f"-o and --markdown both name {markdown_path}; the Markdown would "
                    f"overwrite the {target.mode.upper()}: give them different files")
     if markdown_path is not None and markdown_path != "-":
-        from cli.output import check_writable
+        from cli.paths import check_output_path
 
-        check_writable(Path(markdown_path), "--markdown")
+        check_output_path(Path(markdown_path), "--markdown")
 
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,

@@ -156,7 +156,9 @@ def explain(
         raise fail("--steps selects the steps of the terminal view or the --html page; "
                    "--json writes every step (drop --steps, or add --html FILE)")
     if html_file is not None:
-        output.check_writable(html_file, "--html")
+        from cli.paths import check_output_path
+
+        check_output_path(html_file, "--html")
     first, last = parse_steps(steps)
     settings, loaded_preset = settings_for(preset, flags, EXPLAIN_DEFAULTS)
     if settings.strategy == "beam":
