@@ -146,9 +146,11 @@ def _compiled(name: str, kind: str, text: str, info: Any, limit_s: float,
     started = time.monotonic()
     with _xgrammar_warnings(kind) as messages:
         compiled = _bounded_compile(compiler, kind, text, limit_s, shown)
-    if grammar_cache.worth_storing(compiled, time.monotonic() - started):
+    compile_s = time.monotonic() - started
+    if grammar_cache.worth_storing(compiled, compile_s):
         # serializing takes about as long as compiling did: on a worker too, interruptible
-        bounded.run(lambda: grammar_cache.store(name, compiled, messages), math.inf)
+        bounded.run(lambda: grammar_cache.store(name, compiled, messages, compile_s),
+                    math.inf)
     return compiled, tuple(messages)
 
 

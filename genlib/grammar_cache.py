@@ -10,7 +10,7 @@ xgrammar 0.2.8 serializes every rule's automaton with a copy of the whole gramma
 automaton, so its JSON grows with rules x states: 1.5 MB for a 7-property schema, 420 MB
 for an object of 1,000 optional keys, which takes 36 s to read back where compiling took
 10 s. A grammar is stored only when reading it back is expected to be quicker than
-compiling it was (`worth_storing`).
+compiling it was (`worth_storing` on an estimate, then `store` on the real size).
 
 A damaged entry is ignored (and replaced by the next store); a cache folder that cannot
 be written is skipped. Writes go to a temporary file renamed into place, so a reader
@@ -31,10 +31,10 @@ from typing import Any
 
 FORMAT = 1
 # xgrammar's serialization is about R * M / 10 bytes for R rules and a compiled size of
-# M bytes (within 10% for the flat schemas of 200-1,000 keys measured; an overestimate
-# for small ones), and reads back at 10-14 MB/s (deserialize_json, on the 2-core machine
-# of benchmarks/results/2026-11-27-grammar-cache.txt).
-READ_BYTES_PER_S = 10e6
+# M bytes (within 10% for the flat schemas of 200-1,000 keys measured; twice too high
+# for a 7-property schema), and reads back at 9-17 MB/s (deserialize_json, on the 2-core
+# machine of benchmarks/results/2026-11-27-grammar-cache.txt).
+READ_BYTES_PER_S = 8e6
 
 
 @dataclass(frozen=True)
@@ -90,16 +90,21 @@ def load(name: str, info: Any) -> Entry | None:
 
 
 def worth_storing(compiled: Any, compile_s: float) -> bool:
-    """Whether reading `compiled` back is expected to be quicker than compiling it was."""
+    """Whether `compiled` may be worth serializing: its estimated size would read back
+    within twice its compile time (`store` checks the real size; the estimate is high
+    for small grammars, twice the real size for a 7-property schema)."""
     rules = str(compiled.grammar).count("\n") + 1
     expected_bytes = rules * compiled.memory_size_bytes / 10
-    return expected_bytes / READ_BYTES_PER_S < compile_s
+    return expected_bytes / READ_BYTES_PER_S < 2 * compile_s
 
 
-def store(name: str, compiled: Any, warnings: Sequence[str]) -> None:
-    """Write the entry `name` atomically; nothing when the cache folder cannot be made
-    or written (read-only, full): the next run compiles again."""
+def store(name: str, compiled: Any, warnings: Sequence[str], compile_s: float) -> None:
+    """Write the entry `name` atomically, if it reads back quicker than `compile_s`;
+    nothing when the cache folder cannot be made or written (read-only, full): the
+    next run compiles again."""
     body = compiled.serialize_json().encode()
+    if len(body) / READ_BYTES_PER_S >= compile_s:
+        return
     header = json.dumps({"format": FORMAT, "sha256": _digest(body),
                          "warnings": list(warnings)}).encode()
     folder = cache_dir()

@@ -69,6 +69,7 @@ def test_a_signal_stops_a_long_schema_compile_within_2_s(tmp_path, signum, code)
     child = start_compile(tmp_path, "--grammar-timeout", "600")
     try:
         seen = wait_for_compiling(child)
+        time.sleep(1)  # well inside the C++ compile, not on the way in
         assert re.search(r"^compiling JSON schema grammar \([\d,]+ bytes\) for code-target\.\.\.$",
                          seen, re.M)
         child.send_signal(signum)
@@ -103,10 +104,10 @@ def builtin():
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     """A cache folder of the test's own, empty memory caches, and every compile stored
-    (the rule for when storing pays has a test of its own)."""
+    (the rule for when storing pays has tests of its own)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(grammar, "_COMPILED", type(grammar._COMPILED)())
-    monkeypatch.setattr(grammar_cache, "worth_storing", lambda compiled, seconds: True)
+    monkeypatch.setattr(grammar_cache, "READ_BYTES_PER_S", float("inf"))
     return tmp_path / "genlab" / "grammars"
 
 
@@ -180,6 +181,15 @@ def test_a_grammar_is_stored_only_where_reading_it_back_pays():
     assert not grammar_cache.worth_storing(flat, 10.05)
     assert grammar_cache.worth_storing(small, 0.31)
     assert not grammar_cache.worth_storing(small, 0.05)
+
+
+def test_a_grammar_whose_real_size_reads_back_slower_than_it_compiled_is_not_stored(cache):
+    big = SimpleNamespace(serialize_json=lambda: "x" * 8_000_000)  # 1 s to read back
+    grammar_cache.READ_BYTES_PER_S = 8e6  # restored by the fixture's monkeypatch
+    grammar_cache.store("a", big, [], compile_s=0.5)
+    assert not cache.exists()
+    grammar_cache.store("a", big, [], compile_s=2.0)
+    assert (cache / "a.grammar").stat().st_size > 8_000_000
 
 
 def test_tokenizer_views_are_kept_per_object_not_per_id(builtin):
