@@ -68,6 +68,7 @@ class compiling:  # noqa: N801 - used as a context manager, like open()
         import os
 
         self._file: Any = None
+        self._terminal = err.is_terminal  # asked now: the compile puts a file on 2
         try:
             self._file = os.fdopen(os.dup(2), "w", encoding="utf-8", errors="replace")
         except OSError:  # no descriptor 2 to copy: nothing is shown
@@ -79,9 +80,9 @@ class compiling:  # noqa: N801 - used as a context manager, like open()
         if self._file is None:
             yield
             return
-        console = Console(file=self._file, force_terminal=err.is_terminal,
+        console = Console(file=self._file, force_terminal=self._terminal,
                           no_color=err.no_color, highlight=False, soft_wrap=True)
-        if not err.is_terminal:
+        if not self._terminal:
             console.print(f"[dim]{_escape(message)}...[/]")
             yield
             return
