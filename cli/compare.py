@@ -639,6 +639,7 @@ def compare(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",

@@ -108,6 +108,19 @@ def _warn_once(message: str) -> None:
     warn(message)
 
 
+def prepare_grammar(lm: LoadedModel, settings: GenerationSettings) -> None:
+    """Compile the settings' grammar now (or read it from the cache), so that a slow
+    compile is announced: a spinner on a terminal, one line elsewhere, from half a
+    second on. Generation then finds it compiled."""
+    from cli.render import compiling
+    from genlib import grammar
+
+    if grammar.kind_of(settings) is None:
+        return
+    with compiling() as notify:
+        grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings, notify)
+
+
 MAX_STDIN_BYTES = 64 << 20  # far beyond any model's context; more is a mistaken pipe
 
 

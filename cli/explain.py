@@ -10,7 +10,14 @@ import typer
 
 from cli import options as opt
 from cli import output
-from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.context import (
+    ModelFlags,
+    encode_prompt,
+    load,
+    prepare_grammar,
+    read_prompt,
+    settings_for,
+)
 from cli.errors import fail, user_errors
 from genlib.config import with_seed
 
@@ -106,6 +113,7 @@ def explain(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -169,6 +177,7 @@ def explain(
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
               loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
     runs = runs_of(record)

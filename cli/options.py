@@ -156,6 +156,10 @@ Grammar = Annotated[str | None, typer.Option(
     "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
     help="Constrain the output to this EBNF/GBNF grammar file (`-` = stdin; start rule: "
          "root; llama.cpp's GBNF).")]
+GrammarTimeout = Annotated[float | None, typer.Option(
+    "--grammar-timeout", rich_help_panel=GRAMMAR_PANEL, metavar="SECONDS",
+    help="Stop with exit status 1 when the grammar takes longer than this to compile "
+         "(default 30). Compiled grammars are cached on disk.")]
 
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
@@ -274,6 +278,7 @@ DECODING_PARAMS = {
     "top_n_sigma": "top_n_sigma", "epsilon_cutoff": "epsilon_cutoff",
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
+    "grammar_timeout": "grammar_timeout",
 }
 
 

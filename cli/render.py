@@ -58,6 +58,43 @@ class building:  # noqa: N801 - used as a context manager, like open()
             err.print(f"[dim]{self._status.status} done[/]")
 
 
+class compiling:  # noqa: N801 - used as a context manager, like open()
+    """Yields notify(message) for `genlib.grammar.compile_for`: a context that shows the
+    message while a slow compile lasts, with a spinner on a terminal, as one line
+    elsewhere. It writes to a copy of file descriptor 2 taken on entry, because the
+    compile puts a file on descriptor 2 to catch xgrammar's log meanwhile."""
+
+    def __enter__(self) -> Any:
+        import os
+
+        self._file: Any = None
+        self._terminal = err.is_terminal  # asked now: the compile puts a file on 2
+        try:
+            self._file = os.fdopen(os.dup(2), "w", encoding="utf-8", errors="replace")
+        except OSError:  # no descriptor 2 to copy: nothing is shown
+            pass
+        return self.notify
+
+    @contextmanager
+    def notify(self, message: str) -> Iterator[None]:
+        if self._file is None:
+            yield
+            return
+        console = Console(file=self._file, force_terminal=self._terminal,
+                          no_color=err.no_color, highlight=False, soft_wrap=True)
+        if not self._terminal:
+            console.print(f"[dim]{_escape(message)}...[/]")
+            yield
+            return
+        with console.status(f"{_escape(message)}..."):
+            yield
+        console.print(f"[dim]{_escape(message)} done[/]")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def warn_incomplete(reasons: list[str], max_new_tokens: int) -> bool:
     """Warn when an output stopped before its grammar could end (finish reason
     grammar_incomplete), or ended failing its JSON schema (schema_invalid): that text is

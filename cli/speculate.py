@@ -16,6 +16,7 @@ from cli.context import (
     encode_prompt,
     keep_last_tokens,
     load,
+    prepare_grammar,
     read_prompt,
     settings_for,
 )
@@ -285,6 +286,7 @@ def speculate(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -333,6 +335,7 @@ def speculate(
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend),
                  weights=kernels) if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(target, settings)
     if truncate_prompt and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)

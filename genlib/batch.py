@@ -138,6 +138,7 @@ def job_fingerprint(job: Job, run: RunDefaults) -> str:
     effective settings (the seed only where it is used: sampling), and the logprobs it
     asks for (only when it asks: fingerprints of lines without stay as they were)."""
     settings = job.settings.to_dict()
+    del settings["grammar_timeout"]  # how long a compile may take, not what it makes
     if not job.settings.do_sample:
         settings["seed"] = None
     chat = run.chat or job.messages is not None
