@@ -79,7 +79,8 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     """Build the native kernel now, where a generation on `lm` may run it, so its one-off
     build (a few seconds, once per machine) is announced and timed apart: one line on
     stderr, with a spinner while it compiles on a terminal. `weights`: which builds
-    (`kernel.WEIGHTS`)."""
+    (`kernel.WEIGHTS`). A model mapped from its file (genlib.quickload) has its float32
+    matrices packed now too, through the weight cache (`kernel.packed_weights`)."""
     import torch
 
     from genlib.backends import kernel
@@ -90,10 +91,14 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
         return
     if lm.backend == "auto" and not native_allowed():
         return
-    from cli.render import building
+    from cli.render import building, warn
 
     with building() as notify:
         kernel.ensure_built(notify, weights=weights)
+    if lm.lean is not None and lm.lean.weights_file is not None and "float32" in weights:
+        # The packed weights now, mapped from the cache (or packed and cached), so a
+        # cache that cannot be written is said once, before any output.
+        lm.lean.native_step("float32", warn)
     for kind in weights:  # each build ran once above; this only reads what it said
         notice = kernel.build_for(kind).notice
         if notice:

@@ -15,6 +15,7 @@ import typer
 
 from cli import beam as beam_cmd
 from cli import bench as bench_cmd
+from cli import cache as cache_cmd
 from cli import compare as compare_cmd
 from cli import explain as explain_cmd
 from cli import generate as generate_cmd
@@ -60,6 +61,7 @@ app.command("bench")(bench_cmd.bench)
 app.command("speculate")(speculate_cmd.speculate)
 app.command("explain")(explain_cmd.explain)
 app.add_typer(presets_cmd.app, name="presets")
+app.add_typer(cache_cmd.app, name="cache")
 
 
 def run() -> None:

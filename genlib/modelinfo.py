@@ -92,7 +92,7 @@ class LoadedModel:
     @property
     def vocab_size(self) -> int:
         if self.lean is not None:
-            return int(self.lean.lm_head.w.shape[1])
+            return int(self.lean.vocab)
         return int(self.model.get_output_embeddings().weight.shape[0])
 
     def encode(self, prompt: str) -> list[int]:

@@ -87,6 +87,7 @@ def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callabl
     if tensors is None or tokenizer is None:
         return None
     lean = LeanLlama(model_config, tensors, _inv_freq(model_config))
+    lean.weights_file = path / WEIGHTS  # the native kernel's packed copy is cached by it
     facts = SimpleNamespace(config=model_config, generation_config=SimpleNamespace(**generation))
     return LoadedModel(model=None, tokenizer=tokenizer, ref=spec.ref, device=device,
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),

@@ -25,7 +25,8 @@ SUB_BEGIN = "<!-- usage of genlab {command}: written by scripts/gen_docs.py from
             "do not edit -->"
 SUB_BEGIN_PATTERN = re.compile(r"<!-- usage of genlab (.+?): written by scripts/gen_docs\.py")
 END = "<!-- /usage -->"
-COMMANDS = ("generate", "beam", "compare", "speculate", "bench", "explain", "presets")
+COMMANDS = ("generate", "beam", "compare", "speculate", "bench", "explain", "presets",
+            "cache")
 WIDTH = 100
 
 

@@ -20,12 +20,15 @@ built again once, whatever is in its way (`Build.notice` says so).
 Every weight is read once per call however many tokens it feeds, so verifying k drafted
 tokens, or stepping B rows, costs one pass over the weights plus the tokens' arithmetic
 (each token's sums run as a one-token call runs them: the same bits). The kernel reads
-its own copy of the weight matrices, packed in panels of rows (`pack`), so a NativeStep
-takes as much memory again as the model's float32 weights (the lean forward, which runs
-the prompts, keeps reading the originals). With `weights="bfloat16"` the packed matrices
-are bfloat16 and a second build of the kernel widens them as it reads them, the
-arithmetic float32: half the reads, for a draft model, whose proposals the target checks
-(it costs half as much memory again). `ensure_built(notify)` tells its caller before the
+the weight matrices packed in panels of rows (`pack`, `pack_weights`). A model mapped
+from its file (genlib.quickload) has them packed once and cached on disk
+(`packed_weights`, genlib.backends.weightcache), mapped on later starts: the process then
+holds one copy of each matrix, the packed one; the float matrices stay in the mapped
+model file, unread, until the torch forward needs them (`LeanLlama.layers`, made on first
+use). A model loaded by transformers keeps its float weights beside the packed copy. With
+`weights="bfloat16"` the packed matrices are bfloat16 and a second build of the kernel
+widens them as it reads them, the arithmetic float32: half the reads, for a draft model,
+whose proposals the target checks. `ensure_built(notify)` tells its caller before the
 first build compiles (a second or two a build).
 
 `LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
@@ -41,7 +44,7 @@ import shlex
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,6 +58,8 @@ BUILDING = "building genlab's native kernel, once"
 # that make them read so.
 WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",)}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
+LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
+QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 
 _float_p = ctypes.POINTER(ctypes.c_float)
 _float_pp = ctypes.POINTER(_float_p)
@@ -111,9 +116,9 @@ def _cpu_flags() -> str:
 
 
 def _cache_dir() -> Path:
-    import platformdirs
+    from genlib import cachedirs
 
-    return Path(platformdirs.user_cache_dir("genlab")) / "native"
+    return cachedirs.native()
 
 
 @functools.cache
@@ -263,6 +268,84 @@ def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return weight.reshape(padded // panel, panel, columns).transpose(1, 2).contiguous()
 
 
+def qkv_bias(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
+    """Layer `prefix`'s q/k/v biases as one vector (zeros for a projection without one),
+    as the fused q/k/v product adds them; None when it has none."""
+    names = [prefix + name for name in QKV]
+    biases = [tensors.get(name + ".bias") for name in names]
+    if all(bias is None for bias in biases):
+        return None
+    with torch.no_grad():
+        return torch.cat([bias if bias is not None else
+                          tensors[name + ".weight"].new_zeros(tensors[name + ".weight"].shape[0])
+                          for bias, name in zip(biases, names)])
+
+
+def pack_weights(tensor: Callable[[str], torch.Tensor], layers: int, head: str, panel: int,
+                 weights: str) -> dict[str, torch.Tensor]:
+    """Every matrix the kernel reads, packed (`pack`) and stored as `weights`, by the
+    names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
+    `.gate`, `.up`, `.down`. `tensor(name)` gives a float matrix (out, in) by its
+    state-dict name; `head` is the output projection's (the embeddings' when tied)."""
+    dtype = getattr(torch, weights)
+
+    def matrix(*names: str) -> torch.Tensor:
+        rows = [tensor(name) for name in names]
+        return pack(torch.cat(rows) if len(rows) > 1 else rows[0], panel).to(dtype)
+
+    packed = {"lm_head": matrix(head)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        packed.update({
+            f"layers.{i}.qkv": matrix(*[f"{prefix}{name}.weight" for name in QKV]),
+            f"layers.{i}.o": matrix(f"{prefix}self_attn.o_proj.weight"),
+            f"layers.{i}.gate": matrix(f"{prefix}mlp.gate_proj.weight"),
+            f"layers.{i}.up": matrix(f"{prefix}mlp.up_proj.weight"),
+            f"layers.{i}.down": matrix(f"{prefix}mlp.down_proj.weight")})
+    return packed
+
+
+def packed_weights(lean: Any, panel: int, weights: str,
+                   notify: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
+    """`pack_weights` over `lean`'s matrices: through the weight cache where they were
+    mapped from a file (`lean.weights_file`, genlib.quickload), read from that file one
+    at a time when the cache misses (so the float matrices are never all in memory);
+    packed in memory from `lean.tensors` otherwise (a model loaded by transformers)."""
+    def over(tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+        return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights)
+
+    file = lean.weights_file
+    if file is None:
+        return over(lean.tensors.__getitem__)
+
+    def from_file() -> dict[str, torch.Tensor]:
+        from safetensors import safe_open
+
+        with safe_open(str(file), framework="pt", backend="pread") as source:
+            return over(lambda name: source.get_tensor(name).to(lean.dtype))
+
+    from genlib.backends import weightcache
+
+    entry, key = cache_key(Path(file), weights, panel, lean.dtype)
+    return weightcache.cached(entry, key, from_file, notify)
+
+
+def cache_key(file: Path, weights: str, panel: int, dtype: torch.dtype
+              ) -> tuple[str, dict[str, Any]]:
+    """The weight cache's entry name and key for `file`'s matrices packed as `weights`
+    in panels of `panel` rows. The file is known by its path, size and mtime_ns: a stat,
+    free at every start, where a hash of its contents would read all of it (a hash of
+    its header alone would miss new values of the same shapes); any rewrite of the file
+    changes its mtime_ns."""
+    real = file.resolve()
+    stat = real.stat()
+    where = hashlib.sha256(str(real).encode()).hexdigest()[:12]
+    entry = f"{real.parent.name}-{where}-{weights}-p{panel}"
+    return entry, {"file": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+                   "weights": weights, "panel": panel, "layout": LAYOUT,
+                   "dtype": str(dtype).removeprefix("torch.")}
+
+
 def applies(lean: Any, weights: str = "float32") -> str | None:
     """Why the kernel does not apply to `lean`, or None when it does."""
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
@@ -279,12 +362,13 @@ class NativeStep:
     cache must not."""
 
     def __init__(self, lean: Any, threads: int, library: ctypes.CDLL | None = None,
-                 weights: str = "float32") -> None:
+                 weights: str = "float32", notify: Callable[[str], None] | None = None
+                 ) -> None:
         """Over `lean`'s weights, on `threads` threads, its matrices stored as `weights`
-        (a `WEIGHTS` key), with `library` (default: `build_for(weights)`'s)."""
-        layers = lean.layers
+        (a `WEIGHTS` key), with `library` (default: `build_for(weights)`'s); `notify`
+        hears what the weight cache has to say (`packed_weights`)."""
         self._kept: list[torch.Tensor] = []
-        self.vocab = lean.lm_head.w.shape[1]
+        self.vocab = lean.vocab
         self.threads = threads
         if weights not in WEIGHTS:
             raise ValueError(f"the kernel stores matrices as {', '.join(WEIGHTS)}, not "
@@ -295,15 +379,9 @@ class NativeStep:
         if library.genlab_weight_bytes() != dtype.itemsize:  # type: ignore[union-attr]
             raise ValueError(f"this build of the kernel does not read {weights} matrices")
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
-
-        def matrix(w: torch.Tensor) -> torch.Tensor:  # w: (in, out), as the lean forward's
-            return self._keep(pack(w.t(), panel).to(dtype))
-
-        def halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [gate | up]
-            gate, up = w.chunk(2, dim=1)
-            return matrix(gate), matrix(up)
-
-        gate_up = [halves(la.gate_up.w) for la in layers]
+        packed = packed_weights(lean, panel, weights, notify)
+        self._kept.extend(packed.values())
+        layer = [f"layers.{i}." for i in range(lean.num_layers)]
         self._step = library.genlab_step  # type: ignore[union-attr]
         self._step.restype = None
         self._scratch_floats = library.genlab_scratch_floats  # type: ignore[union-attr]
@@ -317,24 +395,29 @@ class NativeStep:
         self.tokens = lean.embed.shape[0]
         self.model = _Model(
             hidden=lean.embed.shape[1], heads=lean.heads, kv_heads=lean.kv_heads,
-            head_dim=lean.head_dim, intermediate=layers[0].down.w.shape[0],
-            vocab=self.vocab, layers=len(layers), threads=threads, eps=lean.eps,
+            head_dim=lean.head_dim, intermediate=lean.intermediate,
+            vocab=self.vocab, layers=lean.num_layers, threads=threads, eps=lean.eps,
             scale=lean.scale, embed=_pointer(self._keep(lean.embed.contiguous())),
-            norm=_pointer(lean.norm), lm_head=_pointer(matrix(lean.lm_head.w)),
+            norm=_pointer(lean.norm), lm_head=_pointer(packed["lm_head"]),
             cos=_pointer(self._keep(lean.cos.contiguous())),
             sin=_pointer(self._keep(lean.sin.contiguous())),
-            input_norm=self._array([la.input_norm for la in layers]),
-            qkv=self._array([matrix(la.qkv.w) for la in layers]),
-            qkv_bias=self._array([la.qkv_bias for la in layers]),
-            o=self._array([matrix(la.o.w) for la in layers]),
-            post_norm=self._array([la.post_norm for la in layers]),
-            gate=self._array([gate for gate, _ in gate_up]),
-            up=self._array([up for _, up in gate_up]),
-            down=self._array([matrix(la.down.w) for la in layers]))
+            input_norm=self._array([lean.tensors[f"model.{p}input_layernorm.weight"]
+                                    for p in layer]),
+            qkv=self._array([packed[p + "qkv"] for p in layer]),
+            qkv_bias=self._array([qkv_bias(lean.tensors, f"model.{p}") for p in layer]),
+            o=self._array([packed[p + "o"] for p in layer]),
+            post_norm=self._array([lean.tensors[f"model.{p}post_attention_layernorm.weight"]
+                                   for p in layer]),
+            gate=self._array([packed[p + "gate"] for p in layer]),
+            up=self._array([packed[p + "up"] for p in layer]),
+            down=self._array([packed[p + "down"] for p in layer]))
 
     @classmethod
-    def of(cls, lean: Any, threads: int, weights: str = "float32") -> NativeStep | None:
-        return cls(lean, threads, weights=weights) if applies(lean, weights) is None else None
+    def of(cls, lean: Any, threads: int, weights: str = "float32",
+           notify: Callable[[str], None] | None = None) -> NativeStep | None:
+        if applies(lean, weights) is not None:
+            return None
+        return cls(lean, threads, weights=weights, notify=notify)
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         self._kept.append(tensor)

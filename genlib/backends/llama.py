@@ -28,8 +28,10 @@ logits differ in the last bits, the tokens do not in the tests.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -37,12 +39,12 @@ import torch.nn.functional as F
 
 from genlib.backends import hugepages
 from genlib.backends.direct import DirectCompiled, compile_errors
-from genlib.backends.kernel import NativeStep
+from genlib.backends.kernel import QKV as _QKV
+from genlib.backends.kernel import NativeStep, qkv_bias
 
 # Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
 # mistral only with no sliding window, which `eligible_config` checks).
 _ARCHS = ("llama", "mistral", "qwen2")
-_QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
 
@@ -231,17 +233,34 @@ class LeanLlama:
         self.scale = self.head_dim ** -0.5
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
+        self.tensors = tensors
         self.embed = tensors["model.embed_tokens.weight"]
         self.norm = tensors["model.norm.weight"]
-        self.lm_head = _Proj.of(tensors.get("lm_head.weight", self.embed).t())
+        self.head_name = "lm_head.weight" if "lm_head.weight" in tensors else \
+            "model.embed_tokens.weight"
+        self.vocab = tensors[self.head_name].shape[0]
+        self.num_layers = config.num_hidden_layers
+        self.intermediate = tensors["model.layers.0.mlp.down_proj.weight"].shape[1]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        fused = self._fused_weights(tensors, config.num_hidden_layers)
-        self.layers = [self._layer(tensors, f"model.layers.{i}.", qkv, gate_up)
-                       for i, (qkv, gate_up) in enumerate(fused)]
+        self.weights_file: Path | None = None  # set by genlib.quickload: the file mapped
         self.cos, self.sin = self._rotary_tables(inv_freq)
         self._compiled: DirectCompiled | None = None
         self._native: dict[str, NativeStep | None] = {}  # by how it stores the matrices
+
+    @functools.cached_property
+    def lm_head(self) -> _Proj:
+        """The output projection as `x @ w` takes it; made on first use, as `layers` is."""
+        return _Proj.of(self.tensors[self.head_name].t())
+
+    @functools.cached_property
+    def layers(self) -> list[_Layer]:
+        """The decoder layers of the torch forward, made on its first use: the native
+        kernel packs its own matrices from `tensors` and never needs these (the fused
+        q/k/v and gate/up matrices are copies)."""
+        fused = self._fused_weights(self.tensors, self.num_layers)
+        return [self._layer(self.tensors, f"model.layers.{i}.", qkv, gate_up)
+                for i, (qkv, gate_up) in enumerate(fused)]
 
     @classmethod
     def from_model(cls, model: Any) -> LeanLlama | None:
@@ -283,12 +302,9 @@ class LeanLlama:
         def weight(name: str) -> torch.Tensor:
             return tensors[prefix + name + ".weight"]
 
-        biases = [tensors.get(prefix + name + ".bias") for name in _QKV]
-        bias = None if all(b is None for b in biases) else torch.cat(
-            [b if b is not None else weight(name).new_zeros(weight(name).shape[0])
-             for b, name in zip(biases, _QKV)])
         return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv.t()),
-                      qkv_bias=bias, o=_Proj.of(weight("self_attn.o_proj").t()),
+                      qkv_bias=qkv_bias(tensors, prefix),
+                      o=_Proj.of(weight("self_attn.o_proj").t()),
                       post_norm=weight("post_attention_layernorm"),
                       gate_up=_Proj.of(gate_up.t()),
                       down=_Proj.of(weight("mlp.down_proj").t()))
@@ -315,7 +331,7 @@ class LeanLlama:
 
         def buffers() -> list[torch.Tensor]:
             return [torch.empty(shape, dtype=self.dtype, device=self.device)
-                    for _ in self.layers]
+                    for _ in range(self.num_layers)]
 
         return LeanCache(buffers(), buffers(),
                          position=torch.zeros((), dtype=torch.long, device=self.device),
@@ -461,16 +477,19 @@ class LeanLlama:
             options["cpp.threads"] = 1
         return options
 
-    def native_step(self, weights: str = "float32") -> NativeStep | None:
+    def native_step(self, weights: str = "float32",
+                    notify: Callable[[str], None] | None = None) -> NativeStep | None:
         """The step as one native kernel (genlib.backends.kernel) reading its matrices as
         `weights` (bfloat16: a draft model's), None where it does not apply
         (`kernel.applies` says why); made once for each, on torch's thread count whatever
         the model's size: unlike the compiled step's ~100 parallel regions, the kernel
         has one a step, and a second thread made stories260K's decoding 1.34x-1.37x
         faster and draft speculation with code-draft 1.11x-1.13x
-        (benchmarks/bench_threads.py, docs/performance.md)."""
+        (benchmarks/bench_threads.py, docs/performance.md). `notify` hears what the
+        weight cache has to say, when this call makes the step (`kernel.packed_weights`)."""
         if weights not in self._native:
-            self._native[weights] = NativeStep.of(self, torch.get_num_threads(), weights)
+            self._native[weights] = NativeStep.of(self, torch.get_num_threads(), weights,
+                                                  notify)
         return self._native[weights]
 
     @torch.inference_mode()
