@@ -65,7 +65,10 @@ class _Model(ctypes.Structure):
         "threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, _float_p) for name in ("embed", "norm", "lm_head", "cos", "sin")] + [
         (name, _float_pp) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
-                                       "gate", "up", "down")]
+                                       "gate", "up", "down")] + [
+        (name, ctypes.c_float) for name in ("embedding_multiplier", "residual_multiplier",
+                                            "logits_scaling")] + [
+        ("window", ctypes.c_int), ("q_norm", _float_pp), ("k_norm", _float_pp)]
 
 
 @dataclass(frozen=True)
@@ -265,7 +268,18 @@ class NativeStep:
             post_norm=self._array([la.post_norm for la in layers]),
             gate=self._array([gate for gate, _ in gate_up]),
             up=self._array([up for _, up in gate_up]),
-            down=self._array([matrix(la.down.w) for la in layers]))
+            down=self._array([matrix(la.down.w) for la in layers]),
+            **self._arch_fields(lean))
+
+    def _arch_fields(self, lean: Any) -> dict[str, Any]:
+        """The Model fields of `lean.arch`'s differences from Llama's block."""
+        arch, layers = lean.arch, lean.layers
+        qk_norm = layers[0].q_norm is not None
+        return dict(embedding_multiplier=arch.embedding_multiplier,
+                    residual_multiplier=arch.residual_multiplier,
+                    logits_scaling=arch.logits_scaling, window=arch.window,
+                    q_norm=self._array([la.q_norm for la in layers]) if qk_norm else None,
+                    k_norm=self._array([la.k_norm for la in layers]) if qk_norm else None)
 
     @classmethod
     def of(cls, lean: Any, threads: int, weights: str = "float32") -> NativeStep | None:
