@@ -160,3 +160,19 @@ def test_configs_it_cannot_follow_are_refused_naming_the_key(config, key, storie
             choose_backend(lm, Request(backend=name))
         message = str(error.value)
         assert key in message and "\n" not in message
+
+
+@pytest.mark.parametrize("backend", ["lean", "native"])
+def test_speculation_past_mistrals_window_gives_generates_tokens(backend, library,
+                                                                 stories_tokenizer):
+    """Verifying drafted tokens feeds several tokens after the cached ones, each under
+    the window (the model as its own draft: every proposal is accepted)."""
+    from genlib.speculative import Drafting
+    from tests.test_lean import greedy
+
+    lm = arch_lm("mistral", stories_tokenizer)
+    draft = arch_lm("mistral", stories_tokenizer)
+    [drafted] = generate.generate(lm, [PROMPT], greedy(STEPS), backend=backend,
+                                  drafter=Drafting(draft_lm=draft, num_draft_tokens=5))
+    assert_varied(list(drafted.token_ids))
+    assert list(drafted.token_ids) == hf_generate(lm, PROMPT, STEPS)
