@@ -6,7 +6,7 @@ token-identical to transformers' `generate()`):
 
 | request and model | auto picks |
 | --- | --- |
-| a float32 Llama-style model on a CPU with a C compiler (any rows, beams too) | native |
+| a float32 Llama-style model (arch.ARCHITECTURES) on a CPU with a compiler | native |
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
 | one row of a Llama-style model in bfloat16/float16 on a CPU | lean |
 | one row of an unquantized model on a GPU | compiled |
