@@ -33,7 +33,7 @@ def _common() -> dict:
 
 def arch_config(arch: str):
     """A small random config of `arch` whose one difference from Llama is not neutral."""
-    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Qwen3Config
+    from transformers import GraniteConfig, LlamaConfig, MistralConfig, Phi3Config, Qwen3Config
 
     if arch == "qwen3":  # head_dim given apart from hidden / heads, as Qwen3's are
         return Qwen3Config(head_dim=24, **_common())
@@ -42,6 +42,10 @@ def arch_config(arch: str):
     if arch == "granite":
         return GraniteConfig(embedding_multiplier=4.0, residual_multiplier=0.4,
                              attention_multiplier=0.2, logits_scaling=1.5, **_common())
+    if arch == "phi3":  # fused products, and a window as Phi-3-mini-4k's (2047) has; an
+        # intermediate size whose rows end in a vector tail (silu on the strided gate)
+        return Phi3Config(sliding_window=WINDOW, pad_token_id=0,
+                          **{**_common(), "intermediate_size": 72})
     if arch in ("linear", "yarn"):  # llama with a rope scaling computed once
         rope = {"rope_type": arch, "factor": 2.0, "rope_theta": 10000.0}
         if arch == "yarn":
@@ -50,7 +54,7 @@ def arch_config(arch: str):
     raise ValueError(arch)
 
 
-ARCHS = ("qwen3", "mistral", "granite")
+ARCHS = ("qwen3", "mistral", "granite", "phi3")
 
 
 def arch_model(arch: str, dtype: torch.dtype = torch.float32):
@@ -81,6 +85,7 @@ def assert_varied(tokens: list[int]) -> None:
 def test_describe_reads_each_difference_from_the_config(arch):
     got = describe(arch_config(arch))
     expected = {"qwen3": dict(qk_norm=True), "mistral": dict(window=WINDOW),
+                "phi3": dict(fused=True, window=WINDOW),
                 "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.4,
                                 attention_multiplier=0.2, logits_scaling=1.5)}.get(arch, {})
     assert got.name == ("llama" if arch in ("linear", "yarn") else arch)

@@ -12,6 +12,7 @@ Each architecture is a few declared differences from Llama's forward:
 | qwen2 | q/k/v products add biases |
 | qwen3 | per-head RMSNorm on q and k, before the rotary embedding |
 | mistral | a sliding window: each token attends to the last `sliding_window` tokens |
+| phi3 | q/k/v and gate/up stored as one matrix each (split at load); mistral's window |
 | granite | embeddings, residual branches, attention scores (for 1/sqrt(head_dim)) and  |
 |  | logits scaled by the config's multipliers |
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3")
 # Rope types whose frequencies the model computes once (the lean forward takes them from
 # the model's rotary embedding, with its attention scaling); "dynamic" and "longrope"
 # change them with the sequence's length.
@@ -39,7 +40,7 @@ _ARITHMETIC = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
                "query_pre_attn_scalar": None, "use_sliding_window": False,
                "sliding_window": None, "use_qk_norm": False, "qk_layernorm": False,
                "partial_rotary_factor": 1.0, "logit_scale": None}
-_FOLLOWS = {"mistral": {"sliding_window"},
+_FOLLOWS = {"mistral": {"sliding_window"}, "phi3": {"sliding_window"},
             "granite": {"embedding_multiplier", "residual_multiplier",
                         "attention_multiplier", "logits_scaling"}}
 
@@ -55,6 +56,7 @@ class Arch:
     name: str
     qkv_bias: bool = False  # q/k/v products add biases (qwen2)
     qk_norm: bool = False  # per-head RMSNorm on q and k before rope (qwen3)
+    fused: bool = False  # q/k/v and gate/up held as one matrix each (phi3)
     window: int = 0  # attention sees the last `window` tokens; 0: all (mistral)
     embedding_multiplier: float = 1.0  # granite's, from here on
     residual_multiplier: float = 1.0
@@ -84,7 +86,8 @@ def describe(config: Any) -> Arch:
                     attention_multiplier=float(config.attention_multiplier),
                     logits_scaling=float(config.logits_scaling))
     return Arch(name, qkv_bias=name == "qwen2", qk_norm=name == "qwen3",
-                window=_window(config) if name == "mistral" else 0)
+                fused=name == "phi3",
+                window=_window(config) if name in ("mistral", "phi3") else 0)
 
 
 def _window(config: Any) -> int:

@@ -209,20 +209,41 @@ def eligible(model: Any) -> bool:
     return refusal(model) is None
 
 
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
 def _plain_layers(model: Any) -> bool:
     inner = model.model
     # Every projection must be a plain Linear (bitsandbytes and friends subclass it but
     # keep packed weights); the o/gate/up/down projections must have no bias.
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                     mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        named = [(n, getattr(attn, n)) for n in _ATTENTION if hasattr(attn, n)] + \
+            [(n, getattr(mlp, n)) for n in _MLP if hasattr(mlp, n)]
+        for name, proj in named:
             if type(proj) is not torch.nn.Linear or proj.weight.dtype != model.lm_head.weight.dtype:
                 return False
-        if any(p.bias is not None for p in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                             mlp.down_proj)):
-            return False
+            if proj.bias is not None and name not in _ATTENTION[:3]:
+                return False
     return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
+
+
+def split_fused(tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """phi3's fused `qkv_proj` and `gate_up_proj` weights as Llama's q/k/v and gate/up
+    (views: the lean forward stacks them again into its own buffer)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = dict(tensors)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        qkv = out.pop(prefix + "self_attn.qkv_proj.weight")
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        for name, part in zip(_QKV, qkv.split(sizes)):
+            out[f"{prefix}{name}.weight"] = part
+        gate, up = out.pop(prefix + "mlp.gate_up_proj.weight").chunk(2)
+        out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+    return out
 
 
 class LeanLlama:
@@ -264,6 +285,8 @@ class LeanLlama:
             return None
         tensors = {name: p.detach() for name, p in model.named_parameters()}
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
+        if describe(model.config).fused:
+            tensors = split_fused(tensors, model.config)
         rotary = model.model.rotary_emb
         return cls(model.config, tensors, rotary.inv_freq,
                    float(getattr(rotary, "attention_scaling", 1.0)))
@@ -372,7 +395,10 @@ class LeanLlama:
     def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         gate, up = mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         # silu on a strided view takes another (scalar) path for the row tails: make the
-        # gate contiguous, as transformers' separate gate_proj output is.
+        # gate contiguous, as transformers' separate gate_proj output is; phi3's is a
+        # view of its fused product there too, and up * silu(gate) its order.
+        if self.arch.fused:
+            return self._residual(x, mm(up * F.silu(gate), layer.down))
         return self._residual(x, mm(F.silu(gate.contiguous()) * up, layer.down))
 
     def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
