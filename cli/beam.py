@@ -101,7 +101,7 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     import time
 
     from cli import output, render
-    from genlib.backends.choose import choose_backend
+    from genlib.backends.choose import architecture, choose_backend
     from genlib.beam import backend_request, search
     from genlib.generate import generate
 
@@ -116,7 +116,8 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     # The greedy run's loop keeps a Ctrl-C too: its row ends "interrupted".
     interrupted = result.interrupted or (greedy is not None and greedy.reason == "interrupted")
     doc = result_json(lm, prompt, len(ids), result, greedy, settings, seconds, tree,
-                      {"name": backend.name, "reason": backend.reason})
+                      {"name": backend.name, "reason": backend.reason,
+                       "architecture": architecture(lm)})
     for out in doc["outputs"]:
         sink.json_line(output.line(doc, out, role="beam"))
     if doc["greedy"] is not None:

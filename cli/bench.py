@@ -118,6 +118,8 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
            weight_bytes: int, runs: int, warmup: int) -> dict[str, Any]:
     """One JSON/CSV record: what was run, every metric, and how it compares (the bound
     from the bandwidth sampled between this configuration's rounds)."""
+    from genlib.backends.choose import architecture
+
     case = engine_result.case
     metrics = engine_result.metrics()
     bound_tps = group.bound_tps(weight_bytes)
@@ -127,6 +129,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "dtype": dtype, "torch_dtype": lm.dtype_name,
         "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
         case.new_tokens, "batch_size": case.batch_size,
+        "architecture": architecture(lm),
         "backend": engine_result.backend, "backend_requested":
         case.backend if engine_result.engine == "genlab" else None,
         "runs": runs, "warmup": warmup, "settings": case.settings.to_dict(), **metrics,

@@ -35,9 +35,10 @@ def run_document(lm: LoadedModel, prompt: str, ids: list[int],
     """The run's JSON document (docs/output.md), its outputs to be filled in: with the
     backend that ran and why (the Prefill event's; none when the run stopped before)."""
     from cli import output
+    from genlib.backends.choose import architecture
 
-    ran = {"backend": {"name": prefill.backend, "reason": prefill.backend_reason}} \
-        if prefill else {}
+    ran = {"backend": {"name": prefill.backend, "reason": prefill.backend_reason,
+                       "architecture": architecture(lm)}} if prefill else {}
     return output.run_document("generate", lm.ref, settings, prompt, len(ids), [], **ran)
 
 
@@ -117,7 +118,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                 render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
-                         backend_note(prefill))
+                         backend_note(prefill, lm))
     return exit_code([f.reason for f in finished], settings.max_new_tokens, interrupted)
 
 
@@ -127,11 +128,14 @@ def text_block(row: int, text: str) -> str:
     return ("\n" if row else "") + text + "\n"
 
 
-def backend_note(prefill: Prefill | None) -> str:
-    """--stats' words on the backend that ran, and why it was chosen."""
+def backend_note(prefill: Prefill | None, lm: LoadedModel) -> str:
+    """--stats' words on the backend that ran and why it was chosen, then the model's
+    architecture: parts the stats line may break between."""
+    from genlib.backends.choose import architecture
+
     if prefill is None or not prefill.backend:
         return ""
-    return f"{prefill.backend} ({prefill.backend_reason})"
+    return f"{prefill.backend} ({prefill.backend_reason}) · {architecture(lm)}"
 
 
 @user_errors

@@ -172,8 +172,9 @@ def stats(new_tokens: int, ttft: float | None, tps: float | None, reason: str,
     ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
     tps_text = f"{tps:.1f} tok/s" if tps is not None else "- tok/s"
     parts = [f"{new_tokens} tokens", f"first token {ttft_text}", tps_text, f"finish: {reason}"]
-    if backend:
-        parts.append(f"backend {backend}")
+    if backend:  # "NAME (why) · ARCHITECTURE"
+        ran, *rest = backend.split(" · ")
+        parts += [f"backend {ran}", *rest]
     print_parts(err, parts, style="dim")
 
 

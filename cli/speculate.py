@@ -370,7 +370,7 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
            ) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output
-    from genlib.backends.choose import Request, draft_request
+    from genlib.backends.choose import Request, architecture, draft_request
     from genlib.events import Finish, Token
     from genlib.speculative import adapts, draft_length, summarize
 
@@ -389,7 +389,8 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
     tokens = [e for e in events if isinstance(e, Token)]
     prefill = next((e for e in events if type(e).__name__ == "Prefill"), None)
-    backend = {"name": prefill.backend, "reason": prefill.backend_reason} if prefill else {}
+    backend = {"name": prefill.backend, "reason": prefill.backend_reason,
+               "architecture": architecture(target)} if prefill else {}
     weights = prefill.draft_weights if prefill else None  # as the drafter that ran has them
     gamma = draft_length(drafting.num_draft_tokens, draft is not None)
     doc = result_json(target, drafter, text, len(ids), finish, summary, plain, settings,

@@ -128,7 +128,11 @@ def test_one_row_backends_refuse_several_rows_and_reorder_naming_what_works(stor
 def test_lean_backends_refuse_models_that_are_not_plain_llama(tiny, name):
     if tiny.ref in ("tiny-llama", "tiny-qwen2"):
         pytest.skip("a plain Llama-style model")
-    with pytest.raises(ConfigError, match=f"the {name} backend runs plain Llama-style models"):
+    arch = tiny.ref.removeprefix("tiny-")
+    with pytest.raises(ConfigError, match=f"the {name} backend runs llama, mistral, qwen2, "
+                                          f"qwen3, granite, phi3 models, and cannot run "
+                                          f"{tiny.ref}: model_type '{arch}' is not one the "
+                                          f"lean forward"):
         choose_backend(tiny, Request(backend=name))
 
 
@@ -190,7 +194,9 @@ def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
     backend = choose_backend(lm, Request(crop=True))
     assert backend.name == "transformers"
     assert backend.reason == ("one row in bfloat16 on cpu, GENLAB_LEAN=0" if arch == "llama"
-                              else "one row in bfloat16 on cpu, not a plain Llama-style model")
+                              else "one row in bfloat16 on cpu, no lean forward: model_type "
+                                   "'gpt2' is not one the lean forward runs (llama, mistral, "
+                                   "qwen2, qwen3, granite, phi3)")
     ids, settings = [1, 37, 99, 4, 250], GenerationSettings(max_new_tokens=12)
     [plain] = generate(lm, [ids], settings, backend="transformers")
     [drafted] = generate(lm, [ids], settings, drafter=Drafting(prompt_lookup=2))
@@ -208,7 +214,7 @@ def test_auto_picks_native_lean_or_transformers_and_says_why(stories, tiny, monk
     native = kernel.build().library is not None
     backend = choose_backend(stories, Request())
     assert backend.name == ("native" if native else "lean")
-    assert backend.reason == ("a float32 Llama-style model on the CPU" if native
+    assert backend.reason == ("a float32 llama model on the CPU" if native
                               else f"no native kernel: {kernel.build().reason}")
     many = "native" if native else "transformers"
     assert choose_backend(stories, Request(rows=2)).name == many

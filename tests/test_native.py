@@ -206,7 +206,7 @@ def test_auto_picks_native_and_genlab_native_0_picks_lean(library, stories_token
     lm = tiny_lm(stories_tokenizer)
     backend = choose_backend(lm, Request())
     assert isinstance(backend, NativeBackend) and backend.kernel is lean_model_of(lm).native_step()
-    assert backend.reason == "a float32 Llama-style model on the CPU"
+    assert backend.reason == "a float32 llama model on the CPU"
     for rows, reorder in ((2, False), (1, True)):  # batches and beams run on it too
         several = choose_backend(lm, Request(rows=rows, reorder=reorder))
         assert several.name == "native" and several.reason == backend.reason

@@ -115,11 +115,13 @@ def test_every_run_names_the_backend_that_ran(documents):
     for name in ("generate", "beam", "speculate"):
         backend = documents[name]["backend"]
         assert backend["reason"], name
+        assert backend["architecture"] == "llama", name  # stories260K's
         if expected:
             assert backend["name"] == expected, name
     rows = documents["bench"]["results"]
     assert [r["backend_requested"] for r in rows] == ["auto"]
     assert all(r["backend"] in ("native", "lean", "transformers") for r in rows)
+    assert all(r["architecture"] == "llama" for r in rows)
     doc = json.loads(json.dumps(documents["generate"]))
     doc["backend"]["name"] = "warp"
     assert errors(doc)

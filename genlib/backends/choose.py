@@ -6,7 +6,7 @@ token-identical to transformers' `generate()`):
 
 | request and model | auto picks |
 | --- | --- |
-| a float32 Llama-style model on a CPU with a C compiler (any rows, beams too) | native |
+| a float32 Llama-style model (arch.ARCHITECTURES) on a CPU with a compiler | native |
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
 | one row of an unquantized float32 model on a GPU | compiled |
@@ -37,6 +37,7 @@ import os
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from genlib.backends.arch import ARCHITECTURES
 from genlib.errors import ConfigError, not_one_of
 
 if TYPE_CHECKING:
@@ -162,20 +163,20 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
         if lm.dtype != torch_float32():
             return _low_precision(lm)
         if _static_cache_must_crop(lm, request):
-            why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
+            why = "GENLAB_LEAN=0" if not lean_allowed() else _no_compiled_lean(lm)
             return "transformers", (f"speculative decoding in {lm.dtype_name} on "
-                                    f"{lm.device.type} and no lean forward ({why}): a "
-                                    f"compiled static cache cannot roll back")
+                                    f"{lm.device.type} and no compiled lean step ({why}): "
+                                    f"a compiled static cache cannot roll back")
         return "compiled", f"one row in {lm.dtype_name} on {lm.device.type}: a compiled step"
     if not lean_allowed():
         return "transformers", "GENLAB_LEAN=0"
     lean = _lean(lm)
     if lean is None:
-        return "transformers", "not a plain Llama-style model, so no lean forward"
+        return "transformers", f"no lean forward: {lean_refusal(lm)}"
     why_not = "GENLAB_NATIVE=0" if not native_allowed() \
         else _kernel_missing(lean, request.kernel_weights)
     if why_not is None:
-        return "native", "a float32 Llama-style model on the CPU"
+        return "native", f"a float32 {lean.arch.name} model on the CPU"
     if one_row:
         return "lean", why_not if why_not == "GENLAB_NATIVE=0" else \
             f"no native kernel: {why_not}"
@@ -192,8 +193,8 @@ def _low_precision(lm: LoadedModel) -> tuple[str, str]:
     if not lean_allowed():
         return "transformers", f"one row in {dtype} on {device}, GENLAB_LEAN=0"
     if _lean(lm) is None:
-        return "transformers", (f"one row in {dtype} on {device}, not a plain Llama-style "
-                                f"model")
+        return "transformers", (f"one row in {dtype} on {device}, no lean forward: "
+                                f"{lean_refusal(lm)}")
     return "lean", (f"one row in {dtype} on {device}: the lean forward, exact; a compiled "
                     f"step sums in another order")
 
@@ -216,10 +217,34 @@ def _lean(lm: LoadedModel) -> LeanLlama | None:
     return lean_model_of(lm)
 
 
+def architecture(lm: LoadedModel) -> str:
+    """The model's architecture (its config's model_type), as records name it."""
+    if lm.lean is not None:
+        return lm.lean.arch.name
+    return str(getattr(getattr(lm.model, "config", None), "model_type", None) or "unknown")
+
+
+def lean_refusal(lm: LoadedModel) -> str:
+    """Why `lm` has no lean forward, in one line naming the config key or the
+    architecture."""
+    from genlib.backends.llama import refusal
+
+    return refusal(lm.model) or "no lean forward"
+
+
 def _compiled_lean(lm: LoadedModel) -> LeanLlama | None:
     """The lean forward the compiled backend compiles; None: it compiles transformers'
-    forward over a static cache."""
-    return _lean(lm) if lean_allowed() else None
+    forward over a static cache (also for a sliding window, which its one graph over
+    every attention length does not hold)."""
+    lean = _lean(lm) if lean_allowed() else None
+    return lean if lean is not None and not lean.arch.window else None
+
+
+def _no_compiled_lean(lm: LoadedModel) -> str:
+    lean = _lean(lm)
+    if lean is None:
+        return lean_refusal(lm)
+    return f"the compiled lean step does not run {lean.arch.name}'s sliding window"
 
 
 def _static_cache_must_crop(lm: LoadedModel, request: Request) -> bool:
@@ -250,8 +275,8 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
         return None
     lean = _lean(lm)
     if lean is None:
-        return (f"the {name} backend runs plain Llama-style models (llama, mistral, qwen2), "
-                f"and {lm.ref} is not one; use --backend transformers (or auto)")
+        return (f"the {name} backend runs {', '.join(ARCHITECTURES)} models, and cannot "
+                f"run {lm.ref}: {lean_refusal(lm)}; use --backend transformers (or auto)")
     why_not = _kernel_missing(lean, request.kernel_weights) if name == "native" else None
     if why_not is not None:
         instead = "lean" if request.rows == 1 and not request.reorder else "transformers"

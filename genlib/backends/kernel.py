@@ -73,7 +73,10 @@ class _Model(ctypes.Structure):
         "threads")] + [("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, _float_p) for name in ("embed", "norm", "lm_head", "cos", "sin")] + [
         (name, _float_pp) for name in ("input_norm", "qkv", "qkv_bias", "o", "post_norm",
-                                       "gate", "up", "down")]
+                                       "gate", "up", "down")] + [
+        (name, ctypes.c_float) for name in ("embedding_multiplier", "residual_multiplier",
+                                            "logits_scaling")] + [
+        ("window", ctypes.c_int), ("q_norm", _float_pp), ("k_norm", _float_pp)]
 
 
 @dataclass(frozen=True)
@@ -410,7 +413,22 @@ class NativeStep:
                                    for p in layer]),
             gate=self._array([packed[p + "gate"] for p in layer]),
             up=self._array([packed[p + "up"] for p in layer]),
-            down=self._array([packed[p + "down"] for p in layer]))
+            down=self._array([packed[p + "down"] for p in layer]),
+            **self._arch_fields(lean, layer))
+
+    def _arch_fields(self, lean: Any, layer: list[str]) -> dict[str, Any]:
+        """The Model fields of `lean.arch`'s differences from Llama's block, read from
+        `lean.tensors` (`layer`: each layer's name prefix, after `model.`)."""
+        arch, tensors = lean.arch, lean.tensors
+
+        def norms(name: str) -> Any:
+            found = [tensors.get(f"model.{p}self_attn.{name}.weight") for p in layer]
+            return self._array(found) if found[0] is not None else None
+
+        return dict(embedding_multiplier=arch.embedding_multiplier,
+                    residual_multiplier=arch.residual_multiplier,
+                    logits_scaling=arch.logits_scaling, window=arch.window,
+                    q_norm=norms("q_norm"), k_norm=norms("k_norm"))
 
     @classmethod
     def of(cls, lean: Any, threads: int, weights: str = "float32",

@@ -1,4 +1,6 @@
 """A lean forward pass for Llama-architecture models, for one unpadded row (batch 1).
+The architectures it runs differ from Llama's block in a few declared ways
+(`genlib.backends.arch.Arch`: q/k biases, q/k norms, a sliding window, multipliers).
 
 transformers' `LlamaForCausalLM.forward` spends most of a small model's decode step on
 bookkeeping around the arithmetic: module calls, mask creation, config lookups, rotary
@@ -38,13 +40,11 @@ import torch
 import torch.nn.functional as F
 
 from genlib.backends import hugepages
+from genlib.backends.arch import Arch, Unsupported, describe
 from genlib.backends.direct import DirectCompiled, compile_errors
 from genlib.backends.kernel import QKV as _QKV
 from genlib.backends.kernel import NativeStep, qkv_bias
 
-# Architectures whose forward is Llama's math exactly (qwen2 only adds q/k/v biases;
-# mistral only with no sliding window, which `eligible_config` checks).
-_ARCHS = ("llama", "mistral", "qwen2")
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
 
@@ -125,6 +125,8 @@ class _Layer:
     input_norm: torch.Tensor
     qkv: _Proj  # (hidden, (heads + 2 * kv_heads) * head_dim)
     qkv_bias: torch.Tensor | None
+    q_norm: torch.Tensor | None  # per-head RMSNorm weights (head_dim,): qwen3
+    k_norm: torch.Tensor | None
     o: _Proj
     post_norm: torch.Tensor
     gate_up: _Proj  # (hidden, 2 * intermediate)
@@ -176,46 +178,74 @@ class LeanCache:
         return copy
 
 
+def config_refusal(config: Any) -> str | None:
+    """Why the lean forward cannot run a model config (transformers' or config.json's
+    fields as attributes) exactly, in one line naming the key; None when it can."""
+    if config is None:
+        return "no model config"
+    try:
+        describe(config)
+    except Unsupported as error:
+        return str(error)
+    return None
+
+
 def eligible_config(config: Any) -> bool:
-    """True when a model config (transformers' or config.json's fields as attributes)
-    describes a plain (unquantized, default-rope) Llama-style causal LM."""
-    if config is None or getattr(config, "model_type", None) not in _ARCHS:
-        return False
-    rope = getattr(config, "rope_parameters", None) or {}
-    if rope.get("rope_type", "default") != "default" or "rope_theta" not in rope:
-        return False
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        return False
-    if getattr(config, "hidden_act", None) != "silu" or getattr(config, "mlp_bias", False):
-        return False
-    if config.model_type != "qwen2" and getattr(config, "attention_bias", False):
-        return False
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return False
-    if getattr(config, "quantization_config", None) is not None:
-        return False
-    return getattr(config, "pretraining_tp", 1) == 1
+    """True when the lean forward runs a model config exactly (`config_refusal`)."""
+    return config_refusal(config) is None
+
+
+def refusal(model: Any) -> str | None:
+    """Why the lean forward cannot run `model` exactly (one line); None when it can."""
+    why = config_refusal(getattr(model, "config", None))
+    if why is not None:
+        return why
+    inner = getattr(model, "model", None)
+    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+        return "not a decoder-only model with layers and an lm_head"
+    return None if _plain_layers(model) else "projections that are not plain float Linear layers"
 
 
 def eligible(model: Any) -> bool:
-    """True when `model` is a plain (unquantized, default-rope) Llama-style causal LM."""
-    if not eligible_config(getattr(model, "config", None)):
-        return False
-    inner = getattr(model, "model", None)
-    if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
-        return False
+    """True when the lean forward runs `model` exactly (`refusal`)."""
+    return refusal(model) is None
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
+
+
+def _plain_layers(model: Any) -> bool:
+    inner = model.model
     # Every projection must be a plain Linear (bitsandbytes and friends subclass it but
     # keep packed weights); the o/gate/up/down projections must have no bias.
     for layer in inner.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        for proj in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj,
-                     mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+        named = [(n, getattr(attn, n)) for n in _ATTENTION if hasattr(attn, n)] + \
+            [(n, getattr(mlp, n)) for n in _MLP if hasattr(mlp, n)]
+        for name, proj in named:
             if type(proj) is not torch.nn.Linear or proj.weight.dtype != model.lm_head.weight.dtype:
                 return False
-        if any(p.bias is not None for p in (attn.o_proj, mlp.gate_proj, mlp.up_proj,
-                                             mlp.down_proj)):
-            return False
+            if proj.bias is not None and name not in _ATTENTION[:3]:
+                return False
     return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
+
+
+def split_fused(tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
+    """phi3's fused `qkv_proj` and `gate_up_proj` weights as Llama's q/k/v and gate/up
+    (views: the lean forward stacks them again into its own buffer)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    out = dict(tensors)
+    for i in range(config.num_hidden_layers):
+        prefix = f"model.layers.{i}."
+        qkv = out.pop(prefix + "self_attn.qkv_proj.weight")
+        sizes = [heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]
+        for name, part in zip(_QKV, qkv.split(sizes)):
+            out[f"{prefix}{name}.weight"] = part
+        gate, up = out.pop(prefix + "mlp.gate_up_proj.weight").chunk(2)
+        out[prefix + "mlp.gate_proj.weight"], out[prefix + "mlp.up_proj.weight"] = gate, up
+    return out
 
 
 class LeanLlama:
@@ -223,14 +253,16 @@ class LeanLlama:
     (`new_cache`; see the module doc)."""
 
     def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor],
-                 inv_freq: torch.Tensor) -> None:
+                 inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
         """`tensors` by their state-dict names (`model.layers.0.self_attn.q_proj.weight`,
         ...; `lm_head.weight` may be absent when tied to the embeddings), `inv_freq` the
-        rotary frequencies as the model computes them."""
+        rotary frequencies as the model computes them and `rope_scaling` the factor on
+        its cos/sin tables (its rotary embedding's `attention_scaling`: yarn's)."""
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.scale = self.head_dim ** -0.5
+        self.arch: Arch = describe(config)
+        self.scale = self.arch.scale(self.head_dim)
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
         self.tensors = tensors
@@ -244,7 +276,9 @@ class LeanLlama:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.weights_file: Path | None = None  # set by genlib.quickload: the file mapped
-        self.cos, self.sin = self._rotary_tables(inv_freq)
+        self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
+        self._ones = torch.ones(1, max(self.arch.window, 1), dtype=torch.bool,
+                                device=self.device)
         self._compiled: DirectCompiled | None = None
         self._native: dict[str, NativeStep | None] = {}  # by how it stores the matrices
 
@@ -270,7 +304,11 @@ class LeanLlama:
             return None
         tensors = {name: p.detach() for name, p in model.named_parameters()}
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
-        return cls(model.config, tensors, model.model.rotary_emb.inv_freq)
+        if describe(model.config).fused:
+            tensors = split_fused(tensors, model.config)
+        rotary = model.model.rotary_emb
+        return cls(model.config, tensors, rotary.inv_freq,
+                   float(getattr(rotary, "attention_scaling", 1.0)))
 
     @staticmethod
     @torch.no_grad()
@@ -304,21 +342,26 @@ class LeanLlama:
 
         return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv.t()),
                       qkv_bias=qkv_bias(tensors, prefix),
+                      q_norm=tensors.get(prefix + "self_attn.q_norm.weight"),
+                      k_norm=tensors.get(prefix + "self_attn.k_norm.weight"),
                       o=_Proj.of(weight("self_attn.o_proj").t()),
                       post_norm=weight("post_attention_layernorm"),
                       gate_up=_Proj.of(gate_up.t()),
                       down=_Proj.of(weight("mlp.down_proj").t()))
 
-    def _rotary_tables(self, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # As LlamaRotaryEmbedding.forward computes them (float32, then the model's dtype),
-        # once for every position instead of once per step. The sine table carries
-        # rotate_half's sign, so rotate_half(x) * sin == roll(x, half) * signed_sin.
+    def _rotary_tables(self, inv_freq: torch.Tensor, scaling: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+        # As LlamaRotaryEmbedding.forward computes them (float32, times the rope's
+        # attention scaling, then the model's dtype), once for every position instead of
+        # once per step. The sine table carries rotate_half's sign, so
+        # rotate_half(x) * sin == roll(x, half) * signed_sin.
         positions = torch.arange(self.max_positions, device=self.device).float()
         freqs = positions[:, None] * inv_freq.to(device=self.device, dtype=torch.float)[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         half = emb.shape[-1] // 2
         sign = torch.cat([-torch.ones(half), torch.ones(half)]).to(self.device)
-        return emb.cos().to(self.dtype), emb.sin().to(self.dtype) * sign.to(self.dtype)
+        cos, sin = emb.cos() * scaling, emb.sin() * scaling
+        return cos.to(self.dtype), sin.to(self.dtype) * sign.to(self.dtype)
 
     # --- KV cache ---------------------------------------------------------------------
 
@@ -356,6 +399,9 @@ class LeanLlama:
         qkv = qkv.view(t, -1, self.head_dim)
         rotary = self.heads + self.kv_heads
         qk = qkv[:, :rotary]
+        if layer.q_norm is not None:  # qwen3: each head's q and k RMS-normed, before rope
+            qk = torch.cat([self._rms_norm(qk[:, :self.heads], layer.q_norm),
+                            self._rms_norm(qk[:, self.heads:], layer.k_norm)], 1)
         # apply_rotary_pos_emb on q and k at once: x * cos + rotate_half(x) * sin.
         qk = (qk * cos) + (qk.roll(self.head_dim // 2, -1) * sin)
         q = qk[:, :self.heads].transpose(0, 1)[None]
@@ -365,8 +411,16 @@ class LeanLlama:
     def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
         gate, up = mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         # silu on a strided view takes another (scalar) path for the row tails: make the
-        # gate contiguous, as transformers' separate gate_proj output is.
-        return x + mm(F.silu(gate.contiguous()) * up, layer.down)
+        # gate contiguous, as transformers' separate gate_proj output is; phi3's is a
+        # view of its fused product there too, and up * silu(gate) its order.
+        if self.arch.fused:
+            return self._residual(x, mm(up * F.silu(gate), layer.down))
+        return self._residual(x, mm(F.silu(gate.contiguous()) * up, layer.down))
+
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
+        """x plus a sublayer's output, scaled as granite scales it."""
+        multiplier = self.arch.residual_multiplier
+        return x + branch if multiplier == 1.0 else x + branch * multiplier
 
     def _attend(self, layer: _Layer, keys: torch.Tensor, values: torch.Tensor,
                 x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
@@ -377,33 +431,69 @@ class LeanLlama:
         keys[:, :, start:end] = k
         values[:, :, start:end] = v
         # Causal over the prompt; several tokens after a cached prefix (speculative
-        # verify) take an explicit mask.
-        out = self._sdpa(q, keys, values, end, mask=mask, causal=t > 1 and mask is None)
-        return x + _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o)
+        # verify), or past a sliding window, take an explicit mask. One token past the
+        # window reads the window's last keys only.
+        first = max(0, end - self.arch.window) if t == 1 and self.arch.window else 0
+        out = self._sdpa(q, keys[:, :, first:], values[:, :, first:], end - first,
+                         mask=mask, causal=t > 1 and mask is None)
+        return self._residual(x, _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o))
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               end: int | torch.SymInt, mask: torch.Tensor | None = None,
               causal: bool = False) -> torch.Tensor:
         # SDPA over the first `end` cached tokens, with grouped heads, as transformers'
-        # sdpa path runs it.
-        return F.scaled_dot_product_attention(
-            q, keys[:, :, :end], values[:, :, :end], attn_mask=mask, is_causal=causal,
-            scale=self.scale, enable_gqa=True)
+        # sdpa path runs it: under a mask without SDPA's grouped heads, one query's heads
+        # of a KV head taken as its rows, several queries' KV heads repeated.
+        keys, values = keys[:, :, :end], values[:, :, :end]
+        group = self.heads // self.kv_heads
+        if mask is None or group == 1:
+            return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask,
+                                                  is_causal=causal, scale=self.scale,
+                                                  enable_gqa=True)
+        if q.shape[2] == 1:
+            packed = q.reshape(1, self.kv_heads, group, self.head_dim)
+            return F.scaled_dot_product_attention(packed, keys, values, attn_mask=mask,
+                                                  scale=self.scale).view(q.shape)
+        return F.scaled_dot_product_attention(q, keys.repeat_interleave(group, 1),
+                                              values.repeat_interleave(group, 1),
+                                              attn_mask=mask, scale=self.scale)
 
     def _logits(self, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
-        return mm(self._rms_norm(x, self.norm), self.lm_head).float()
+        logits = mm(self._rms_norm(x, self.norm), self.lm_head)
+        if self.arch.logits_scaling != 1.0:
+            logits = logits / self.arch.logits_scaling  # granite's
+        return logits.float()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        x = F.embedding(ids, self.embed)
+        multiplier = self.arch.embedding_multiplier
+        return x if multiplier == 1.0 else x * multiplier  # granite's
+
+    def _mask(self, start: int, t: int) -> torch.Tensor | None:
+        """Which cached slots each of t tokens after `start` sees, where causal
+        attention from position 0 does not say it (as transformers masks): None for a
+        prompt (t > 1, start 0) shorter than the window, or one token before it. One
+        token at the window or past it reads the window's last keys alone, under a mask
+        that keeps them all (as transformers' sliding cache and mask give it: the same
+        bits)."""
+        window, end = self.arch.window, start + t
+        if t == 1:
+            return self._ones[:, :window] if window and end >= window else None
+        if start == 0 and not (window and end >= window):
+            return None
+        slots = torch.arange(end, device=self.device)[None, :]
+        positions = start + torch.arange(t, device=self.device)[:, None]
+        mask = slots <= positions  # token i sees the cached prefix and tokens 0..i
+        return mask & (slots > positions - window) if window else mask
 
     def _forward(self, input_ids: torch.Tensor, cache: LeanCache, all_logits: bool = False
                  ) -> torch.Tensor:
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        mask = None
-        if t > 1 and start > 0:  # token i sees the cached prefix and tokens 0..i
-            slots = torch.arange(start + t, device=self.device)
-            mask = slots[None, :] <= start + torch.arange(t, device=self.device)[:, None]
+        mask = self._mask(start, t)
         cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
-        x = F.embedding(input_ids[0], self.embed)
+        x = self._embed(input_ids[0])
         for layer, keys, values in zip(self.layers, cache.keys, cache.values):
             x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
         cache.length = start + t
@@ -448,13 +538,13 @@ class LeanLlama:
         torch._check(length <= keys[0].shape[2])
         cos = self.cos.index_select(0, index)[:, None]
         sin = self.sin.index_select(0, index)[:, None]
-        x = F.embedding(token[0], self.embed)
+        x = self._embed(token[0])
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             q, k, v = self._qkv(layer, x, cos, sin, _matvec)
             layer_keys.index_copy_(2, index, k)
             layer_values.index_copy_(2, index, v)
             out = self._sdpa(q, layer_keys, layer_values, length)
-            x = x + _matvec(out.view(1, -1), layer.o)
+            x = self._residual(x, _matvec(out.view(1, -1), layer.o))
             x = self._mlp(layer, x, _matvec)
         return self._logits(x, _matvec)
 

@@ -91,6 +91,13 @@ typedef struct {
     const weight_t *const *o;
     const float *const *post_norm;
     const weight_t *const *gate, *const *up, *const *down;
+    /* The architecture's differences from Llama's block (genlib/backends/arch.py):
+     * embeddings, residual branches and logits scaled (granite; 1 elsewhere), attention
+     * over the last `window` positions (mistral; 0: all), and per layer each head's q
+     * and k RMS-normed before rope (qwen3; NULL elsewhere). */
+    float embedding_multiplier, residual_multiplier, logits_scaling;
+    int window;
+    const float *const *q_norm, *const *k_norm;
 } Model;
 
 #ifdef __AVX512F__
@@ -428,11 +435,18 @@ static void mix_values(float *out, const float *values, long count, const float 
 }
 
 /* One query over a KV head's `position` cached keys and values (rows of head_dim) and
- * its own new key and value: the scores are a product over the cached keys. */
+ * its own new key and value: the scores are a product over the cached keys, the last
+ * window - 1 of them under a sliding window. */
 static void attend(const Model *m, const float *q, const float *keys, const float *values,
                    const float *key, const float *value, long position, float *scores,
                    float *out) {
     int d = m->head_dim;
+    if (m->window && position >= m->window) {
+        long first = position - m->window + 1;
+        keys += first * d;
+        values += first * d;
+        position -= first;
+    }
     rows_times(keys, d, q, position, scores);
     scores[position] = dot(q, key, d);
     float top = -INFINITY;
@@ -459,6 +473,24 @@ typedef struct {
     float *x, *h, *qkv, *attn, *mlp, *scores;
 } Buffers;
 
+/* One head's q or k as rope takes it: RMS-normed by layer i's weights where the model
+ * has them (into `normed`), else as it is. */
+static const float *head_norm(const Model *m, const float *const *norms, int i,
+                              const float *x, float *normed) {
+    if (!norms) return x;
+    rms_norm(x, norms[i], normed, m->head_dim, m->eps);
+    return normed;
+}
+
+/* x[s][r] += branch[s][r] * multiplier for rows [r0, r1) of n slots (granite's scaled
+ * residual branches). */
+static void add_branch(float *x, const float *branch, int n, int hidden, int r0, int r1,
+                       float multiplier) {
+    for (int s = 0; s < n; s++)
+        for (int r = r0; r < r1; r++)
+            x[(long)s * hidden + r] += branch[(long)s * hidden + r] * multiplier;
+}
+
 /* Each (run, KV head) pair is one thread's: it writes the run's keys and values of that
  * head in slot order, each slot attending right after its own write, so a slot sees the
  * run's earlier slots, and writes and reads of a head's cache never cross threads. */
@@ -466,7 +498,7 @@ static void attention(const Model *m, int i, const Slots *c, const Buffers *b, i
                       int threads) {
     int d = m->head_dim, group = m->heads / m->kv_heads;
     int rows = (m->heads + 2 * m->kv_heads) * d, pairs = c->runs * m->kv_heads;
-    float q[d], key[d];
+    float q[d], key[d], normed[d];
     /* pairs split evenly (no runs of four here: they are not weight rows) */
     for (int p = pairs * thread / threads; p < pairs * (thread + 1) / threads; p++) {
         int run = p / m->kv_heads, g = p % m->kv_heads;
@@ -477,9 +509,10 @@ static void attention(const Model *m, int i, const Slots *c, const Buffers *b, i
             const float *value = qkv + (m->heads + m->kv_heads + g) * d;
             float *keys = c->keys[s][i] + (long)g * capacity * d;
             float *values = c->values[s][i] + (long)g * capacity * d;
-            rotary(qkv + (m->heads + g) * d, cos, sin, key, d);
+            rotary(head_norm(m, m->k_norm, i, qkv + (m->heads + g) * d, normed), cos, sin,
+                   key, d);
             for (int h = g * group; h < (g + 1) * group; h++) {
-                rotary(qkv + h * d, cos, sin, q, d);
+                rotary(head_norm(m, m->q_norm, i, qkv + h * d, normed), cos, sin, q, d);
                 attend(m, q, keys, values, key, value, position, b->scores,
                        b->attn + ((long)s * m->heads + h) * d);
             }
@@ -505,7 +538,12 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
     attention(m, i, c, b, thread, threads);
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
-    matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->x, hidden, r0, r1, n, 1);
+    if (m->residual_multiplier == 1.0f) {
+        matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->x, hidden, r0, r1, n, 1);
+    } else {  /* this thread's rows of the branch in its own h, then added scaled */
+        matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->h, hidden, r0, r1, n, 0);
+        add_branch(b->x, b->h, n, hidden, r0, r1, m->residual_multiplier);
+    }
 #pragma omp barrier
     for (int s = 0; s < n; s++)
         rms_norm(b->x + (long)s * hidden, m->post_norm[i], b->h + (long)s * hidden, hidden,
@@ -519,7 +557,12 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
     }
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
-    matmul(m->down[i], inter, b->mlp, 2 * inter, b->x, hidden, r0, r1, n, 1);
+    if (m->residual_multiplier == 1.0f) {
+        matmul(m->down[i], inter, b->mlp, 2 * inter, b->x, hidden, r0, r1, n, 1);
+    } else {
+        matmul(m->down[i], inter, b->mlp, 2 * inter, b->h, hidden, r0, r1, n, 0);
+        add_branch(b->x, b->h, n, hidden, r0, r1, m->residual_multiplier);
+    }
 #pragma omp barrier
 }
 
@@ -557,8 +600,11 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
     float *qkv = hs + (long)m->threads * n * hidden, *attn = qkv + (long)n * rows;
     float *mlp = attn + (long)n * m->heads * m->head_dim;
     float *scores = mlp + 2L * n * m->intermediate;
-    for (int s = 0; s < n; s++)
+    for (int s = 0; s < n; s++) {
         memcpy(x + (long)s * hidden, m->embed + tokens[s] * hidden, sizeof(float) * hidden);
+        if (m->embedding_multiplier != 1.0f)
+            for (int j = 0; j < hidden; j++) x[(long)s * hidden + j] *= m->embedding_multiplier;
+    }
 #pragma omp parallel num_threads(m->threads)
     {
         int thread = 0, threads = 1, r0, r1;  /* the region may get fewer than asked */
@@ -574,6 +620,9 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
                      m->eps);
         share(m->vocab, thread, threads, &r0, &r1);
         matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
+        if (m->logits_scaling != 1.0f)
+            for (int j = 0; j < picked; j++)
+                for (int r = r0; r < r1; r++) logits[(long)j * m->vocab + r] /= m->logits_scaling;
     }
 }
 
