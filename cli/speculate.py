@@ -400,7 +400,6 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
                       tokens)
     sink.json_document(doc)
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
-    sink.texts([finish.text])
     if not sink.machine:
         if logprobs:
             render_tokens.logprobs_table(target, tokens)
