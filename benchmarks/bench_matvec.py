@@ -1,6 +1,6 @@
-"""One-row products at batch 1, as the decode step runs them: docs/performance.md's figures
-for torch.mm (MKL's one-column SGEMM), the lean forward's split product
-(`genlib.backends.llama._mm`) and torch.compile's reduction
+"""One-row products at batch 1, as the decode step runs them (the figures of
+benchmarks/results/matvec.txt): torch.mm (MKL's one-column SGEMM), the lean forward's
+split product (`genlib.backends.llama._mm`) and torch.compile's reduction
 (`genlib.backends.llama._matvec`, the products of --backend compiled's step), over
 code-target's weight shapes (69 MB in float32, more than the L3 cache, so the weights
 stream from memory), and the read bandwidth `genlab bench` measures

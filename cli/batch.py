@@ -150,6 +150,10 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     out_path = None if output == "-" else Path(output)
     if out_path is not None and gb.same_file(input_path, out_path):
         raise fail("--output is the --input file; give another file for the results")
+    if out_path is not None:
+        from cli.paths import check_output_path
+
+        check_output_path(out_path, "--output")
     preset = load_preset(preset_ref) if preset_ref else None
     # bad flags: fail once, not on every line
     run_settings = resolve_settings(flags, preset.settings if preset else None)
@@ -197,6 +201,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
                 _generate(lm, todo, run_defaults, batch_size, results, tally)
         except KeyboardInterrupt:
             tally.interrupted = True
+        results.check()  # what the summary counts is still in the file
     _summary(tally, time.perf_counter() - start)
     if tally.interrupted:
         raise typer.Exit(INTERRUPTED)

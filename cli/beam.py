@@ -8,7 +8,14 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import options as opt
-from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.context import (
+    ModelFlags,
+    encode_prompt,
+    load,
+    prepare_grammar,
+    read_prompt,
+    settings_for,
+)
 from cli.errors import INTERRUPTED, exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
 from genlib.config import parse_value, resolve_settings, with_seed
@@ -214,6 +221,7 @@ def beam(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     tree: Annotated[bool, typer.Option(
         "--tree", rich_help_panel=opt.OUTPUT_PANEL,
         help="Draw the search tree: candidates kept, finished and pruned at each step.")
@@ -266,6 +274,7 @@ def beam(
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
               loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(lm, settings)
     with opened(target) as target:
         code = run_beam(lm, ids, text, settings, sink=target, tree=tree,
                         tree_steps=tree_steps, tree_width=tree_width,

@@ -16,7 +16,8 @@ import typer
 from cli import options as opt
 from cli.context import ModelFlags, load, presets_model, settings_for
 from cli.errors import fail, user_errors
-from cli.output import Sink, check_writable, opened, sink
+from cli.output import Sink, opened, sink
+from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
 from genlib.config import with_seed
 from genlib.errors import not_one_of
@@ -173,7 +174,8 @@ def bench(
         "--new-tokens", help="Comma list of new-token counts, each at least 2 (generation "
         "is forced to this length; end tokens are ignored).")] = "256",
     batch_size: Annotated[str, typer.Option(
-        "--batch-size", help="Comma list of batch sizes.")] = "1",
+        "--batch-size", help="Comma list of batch sizes (a size whose KV cache cannot fit "
+        "in the memory available is refused before any run).")] = "1",
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Comma list of dtypes: auto, float32, bfloat16, float16.")] = "auto",
     quantize: Annotated[str, typer.Option(
@@ -236,10 +238,12 @@ def bench(
     if baseline not in BASELINES:
         raise fail(not_one_of("--baseline", baseline, BASELINES))
     check_plot_available(plot)
+    if plot is not None:
+        check_output_path(Path(plot), "--plot")
     if target.machine and target.to_stdout and csv_path == "-":
         raise fail(f"--{target.mode} and --csv - both write to stdout; send the CSV to a file")
     if csv_path is not None and csv_path != "-":
-        check_writable(Path(csv_path), "--csv")
+        check_output_path(Path(csv_path), "--csv")
     check_threads(threads)
     groups = build_cases(strategy_settings(names, seed, baseline == "transformers"), lengths,
                          counts, batches, backends, no_cache)
@@ -272,6 +276,7 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
     with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
         for dtype, quantize in product(dtypes, quants):
             lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
+            core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
             bar.expect(forced_warmups(lm, groups, warmup))
             weights = core.weight_bytes(lm.model)
             machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights

@@ -1,7 +1,9 @@
 """`genlab compare`: one prompt through several decoding strategies, side by side.
 
-The view fills in live, one column per strategy (stacked panels on a narrow terminal),
-then shows each strategy's metrics with the best value of each highlighted. `--json`
+The view fills in live, one column per strategy on a terminal at least 120 columns wide
+(a table per row of strategies where they do not all fit; stacked panels on a narrower
+terminal and in a pipe), then shows each strategy's metrics with the best value of each
+highlighted and starred. `--json`
 and `--markdown` export the whole comparison. `--models` / `--quantize` compare models
 or quantizations on one strategy instead. `--logprobs N` adds each output's tokens'
 logprobs: a table per output under the view (the columns have no room for N
@@ -30,7 +32,8 @@ if TYPE_CHECKING:
     from genlib.config import GenerationSettings
 
 
-MIN_COLUMN = 30  # characters a text column needs to stay readable; narrower: stack
+SIDE_BY_SIDE = 120  # a terminal this wide or wider shows the strategies in columns
+MIN_COLUMN = 30  # characters a text column needs to stay readable: sets columns per row
 REFRESH_S = 0.1  # live view redraws at most this often (Rich is slow on a busy CPU)
 LABEL_WIDTH = 20
 SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_tokens",
@@ -72,11 +75,35 @@ def format_metric(key: str, value: float | None) -> str:
     return format(value, fmt)
 
 
-def metric_cell(key: str, value: float | None, best: dict[str, float]) -> str:
-    text = format_metric(key, value)
+def metric_text(result: StrategyResult, key: str) -> str:
+    """A strategy's metric as shown: new tokens as an integer where every sample has the
+    same count (a mean like 48.0 reads as a fraction of a token), else as formatted."""
+    value = result.metrics.get(key)
+    if key == "new_tokens" and value is not None:
+        counts = {len(sample.token_ids) for sample in result.samples}
+        if len(counts) == 1:
+            return str(counts.pop())
+    return format_metric(key, value)
+
+
+def metric_cell(key: str, value: float | None, best: dict[str, float],
+                text: str | None = None) -> str:
+    """A metric's cell (`text`, else its formatted value), starred where it is the best
+    of its row."""
+    text = format_metric(key, value) if text is None else text
     if value is not None and key in best and value == best[key]:
         return f"[bold green]{text} *[/]"  # the star survives where colour does not
     return text
+
+
+def best_legend() -> str:
+    """What the * beside a metric means (set by `metric_cell`, from genlib.metrics)."""
+    from genlib.metrics import METRICS
+
+    higher = [m.label for m in METRICS if m.higher_is_better]
+    lower = [m.label for m in METRICS if m.higher_is_better is False]
+    return (f"* the best value of its row, among the strategies that ran to the end: "
+            f"highest {', '.join(higher)}; lowest {', '.join(lower)}")
 
 
 # --- the live view ------------------------------------------------------------------
@@ -142,50 +169,85 @@ class View:
         return body
 
     def header(self, index: int) -> str:
+        """The strategy's label and, on a second line, its settings where they say more."""
+        summary = self.summary(index)
+        return self.label(index) if summary is None else f"{self.label(index)}\n{summary}"
+
+    def label(self, index: int) -> str:
+        from rich.markup import escape
+
+        result = self.results[index]
+        cut = " [yellow](interrupted)[/]" if result is not None and result.interrupted else ""
+        return f"[bold]{escape(self.strategies[index].label)}[/]{cut}"
+
+    def summary(self, index: int) -> str | None:
+        """The settings that make the strategy what it is, unless its label says it."""
         from rich.markup import escape
 
         strategy = self.strategies[index]
         summary = settings_summary(strategy.settings)
-        result = self.results[index]
-        cut = " [yellow](interrupted)[/]" if result is not None and result.interrupted else ""
         if summary in (strategy.label, strategy.label.replace("-", "_")):
-            return f"[bold]{escape(strategy.label)}[/]{cut}"
-        return f"[bold]{escape(strategy.label)}[/]{cut}\n[dim]{escape(summary)}[/]"
+            return None
+        return f"[dim]{escape(summary)}[/]"
 
-    def render(self, width: int) -> RenderableType:
-        if width < LABEL_WIDTH + MIN_COLUMN * len(self.strategies):
+    def render(self, width: int, terminal: bool = True) -> RenderableType:
+        """Side by side on a terminal at least SIDE_BY_SIDE columns wide; stacked panels
+        on a narrower one, and in a pipe (`terminal` False), which reads one strategy at
+        a time."""
+        if not terminal or width < SIDE_BY_SIDE:
             return self.stacked()
-        return self.table()
+        return self.side_by_side(width)
 
-    def table(self) -> RenderableType:
-        """One column per strategy; metric rows under the texts."""
+    def side_by_side(self, width: int) -> RenderableType:
+        """A table of columns per row of strategies: as many columns as fit MIN_COLUMN
+        each beside the labels, the strategies spread evenly over the fewest rows
+        (six at 160 columns: two rows of three)."""
+        from rich.console import Group
+
+        n = len(self.strategies)
+        per_row = max(1, (width - LABEL_WIDTH) // MIN_COLUMN)
+        rows = -(-n // per_row)
+        size = -(-n // rows)
+        tables = [self.table(range(first, min(first + size, n))) for first in range(0, n, size)]
+        return Group(*tables, *self.footer())
+
+    def table(self, indices: range) -> RenderableType:
+        """One column per strategy of `indices`; metric rows under the texts."""
         from rich.table import Table
 
         from genlib.metrics import METRICS
 
-        table = Table(expand=True, caption=self.caption(), caption_justify="left")
+        table = Table(expand=True)
         table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
-        for index in range(len(self.strategies)):
-            table.add_column(wrapped(self.header(index)), ratio=1, overflow="fold")
-        table.add_row("output", *[self.body(i) for i in range(len(self.strategies))],
-                      end_section=True)
+        for index in indices:  # labels alone, so that they share a line
+            table.add_column(wrapped(self.label(index)), ratio=1, overflow="fold")
+        summaries = [self.summary(i) for i in indices]
+        if any(summaries):
+            table.add_row("settings", *[wrapped(s or "") for s in summaries])
+        table.add_row("output", *[self.body(i) for i in indices], end_section=True)
         best = self.best()
-        if any(r is not None and r.error is None for r in self.results):
+        if self.has_metrics():
             for metric in METRICS:
-                cells = [self._metric(i, metric.key, best) for i in range(len(self.strategies))]
-                table.add_row(metric.label, *cells)
+                table.add_row(metric.label, *[self._metric(i, metric.key, best) for i in indices])
         return table
 
-    def caption(self) -> str | None:
+    def has_metrics(self) -> bool:
+        return any(r is not None and r.error is None for r in self.results)
+
+    def footer(self) -> list[RenderableType]:
+        """What the * means (once there are metrics), then the prompt."""
         from rich.markup import escape
 
-        return f"[dim]prompt:[/] {escape(self.prompt)}" if self.prompt else None
+        lines = [f"[dim]{best_legend()}[/]"] if self.has_metrics() else []
+        if self.prompt:
+            lines.append(f"[dim]prompt:[/] {escape(self.prompt)}")
+        return [wrapped(line) for line in lines]
 
     def _metric(self, index: int, key: str, best: dict[str, float]) -> str:
         result = self.results[index]
         if result is None or result.error is not None:
             return ""
-        return metric_cell(key, result.metrics.get(key), best)
+        return metric_cell(key, result.metrics.get(key), best, metric_text(result, key))
 
     def stacked(self) -> RenderableType:
         """One panel per strategy, for terminals too narrow for side-by-side columns."""
@@ -206,13 +268,13 @@ class View:
                 parts.append(Text(""))
                 for metric in METRICS:
                     grid.add_row(f"[dim]{metric.label}[/]",
-                                 metric_cell(metric.key, result.metrics.get(metric.key), best))
+                                 metric_cell(metric.key, result.metrics.get(metric.key), best,
+                                             metric_text(result, metric.key)))
                 parts.append(grid)
             panels.append(Panel(Group(*parts),
                                 title=self.header(index).replace("\n", " · "),
                                 title_align="left"))
-        caption = self.caption()
-        return Group(*panels, caption) if caption else Group(*panels)
+        return Group(*panels, *self.footer())
 
 
 def console_for(target: Sink, markdown_path: str | None) -> Console:
@@ -279,13 +341,14 @@ def comparison_markdown(comparison: Comparison) -> str:
              f"- random draws: {'common to every strategy' if comparison.crn else 'independent'}",
              "",
              "## Metrics", "",
+             f"In bold, {best_legend().removeprefix('* ')}.", "",
              "| metric | " + " | ".join(_md_cell(r.strategy.label) for r in results) + " |",
              "| --- |" + " ---: |" * len(results)]
     for metric in METRICS:
         cells = []
         for r in results:
             value = r.metrics.get(metric.key) if r.error is None else None
-            text = format_metric(metric.key, value) if r.error is None else "error"
+            text = metric_text(r, metric.key) if r.error is None else "error"
             bold = value is not None and best.get(metric.key) == value
             cells.append(f"**{text}**" if bold else text)
         lines.append(f"| {metric.label} | " + " | ".join(cells) + " |")
@@ -471,7 +534,8 @@ def models_table(comparison: ModelComparison) -> RenderableType:
     summary = settings_summary(strategy.settings)
     title = strategy.label if summary == strategy.label else f"{strategy.label}: {summary}"
     table = Table(expand=True, title=escape(title),
-                  caption=f"[dim]prompt:[/] {escape(comparison.prompt)}", caption_justify="left")
+                  caption=f"[dim]* the fastest tokens/s and the smallest weights\nprompt:[/] "
+                  f"{escape(comparison.prompt)}", caption_justify="left")
     table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
     for run in comparison.runs:
         table.add_column(f"[bold]{escape(run.label)}[/]", ratio=1, overflow="fold")
@@ -575,6 +639,7 @@ def compare(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",
@@ -654,9 +719,9 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
         raise fail(f"-o and --markdown both name {markdown_path}; the Markdown would "
                    f"overwrite the {target.mode.upper()}: give them different files")
     if markdown_path is not None and markdown_path != "-":
-        from cli.output import check_writable
+        from cli.paths import check_output_path
 
-        check_writable(Path(markdown_path), "--markdown")
+        check_output_path(Path(markdown_path), "--markdown")
 
 
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
@@ -682,7 +747,7 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
                             results=results, crn=crn)
     try:
         if not console.is_terminal:  # piped: the view once, as it ended
-            console.print(view.render(console.width))
+            console.print(view.render(console.width, terminal=False))
         if not target.machine:
             logprobs_tables(strategy_tables(results), console)
     finally:  # a reader of the view that went away (| head) costs no export

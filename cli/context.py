@@ -3,6 +3,7 @@ settings (flag > preset > defaults), load the model once and encode the prompt."
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -93,6 +94,31 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
 
     with building() as notify:
         kernel.ensure_built(notify, weights=weights)
+    for kind in weights:  # each build ran once above; this only reads what it said
+        notice = kernel.build_for(kind).notice
+        if notice:
+            _warn_once(notice)
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """A kernel build's notice, once a process (speculate loads two models)."""
+    from cli.render import warn
+
+    warn(message)
+
+
+def prepare_grammar(lm: LoadedModel, settings: GenerationSettings) -> None:
+    """Compile the settings' grammar now (or read it from the cache), so that a slow
+    compile is announced: a spinner on a terminal, one line elsewhere, from half a
+    second on. Generation then finds it compiled."""
+    from cli.render import compiling
+    from genlib import grammar
+
+    if grammar.kind_of(settings) is None:
+        return
+    with compiling() as notify:
+        grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings, notify)
 
 
 MAX_STDIN_BYTES = 64 << 20  # far beyond any model's context; more is a mistaken pipe

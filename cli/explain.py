@@ -10,7 +10,14 @@ import typer
 
 from cli import options as opt
 from cli import output
-from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.context import (
+    ModelFlags,
+    encode_prompt,
+    load,
+    prepare_grammar,
+    read_prompt,
+    settings_for,
+)
 from cli.errors import fail, user_errors
 from genlib.config import with_seed
 
@@ -117,6 +124,7 @@ def explain(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -168,7 +176,9 @@ def explain(
         raise fail(f"--steps selects the steps of the terminal view or the --html page; "
                    f"--{target.mode} writes every step (drop --steps, or add --html FILE)")
     if html_file is not None:
-        output.check_writable(html_file, "--html")
+        from cli.paths import check_output_path
+
+        check_output_path(html_file, "--html")
     first, last = parse_steps(steps)
     settings, loaded_preset = settings_for(preset, flags, EXPLAIN_DEFAULTS)
     if settings.strategy == "beam":
@@ -179,6 +189,7 @@ def explain(
     lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
               loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)
     runs = runs_of(record)

@@ -10,7 +10,14 @@ import typer
 
 from cli import options as opt
 from cli import render_tokens
-from cli.context import ModelFlags, encode_prompt, load, read_prompt, settings_for
+from cli.context import (
+    ModelFlags,
+    encode_prompt,
+    load,
+    prepare_grammar,
+    read_prompt,
+    settings_for,
+)
 from cli.errors import exit_code, user_errors
 from cli.output import Json, Jsonl, Sink, opened, sink
 from cli.settings_view import show_settings_table
@@ -123,7 +130,7 @@ def backend_note(prefill: Prefill | None) -> str:
     """--stats' words on the backend that ran, and why it was chosen."""
     if prefill is None or not prefill.backend:
         return ""
-    return f" · backend {prefill.backend} ({prefill.backend_reason})"
+    return f"{prefill.backend} ({prefill.backend_reason})"
 
 
 @user_errors
@@ -151,6 +158,7 @@ def generate(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -244,6 +252,7 @@ def generate(
     if show_settings:
         show_settings_table(settings, flags, loaded_preset, lm)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(lm, settings)
     with opened(sink(as_json, as_jsonl, output)) as target:
         code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by)
     if code:

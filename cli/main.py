@@ -109,10 +109,29 @@ def run() -> None:
         if type(exc).__name__ != "NoArgsIsHelpError":  # `genlab presets`: help, shown
             usage_error(exc)
     # Interpreter shutdown garbage-collects every object torch and transformers created,
-    # about half a second after the work is done; frozen objects are left to the process
-    # exit. Files, atexit handlers and stream flushing run as usual.
+    # a wait after the work is done; frozen objects are left to the process exit.
+    # Files, atexit handlers and stream flushing run as usual.
     gc.freeze()
-    raise SystemExit(TERMINATED if terminated and code == INTERRUPTED else code)
+    code = TERMINATED if terminated and code == INTERRUPTED else code
+    _exit_past_a_running_compile(code)
+    raise SystemExit(code)
+
+
+def _exit_past_a_running_compile(code: object) -> None:
+    """End the process now, with `code`, while a grammar compile it gave up on (Ctrl-C,
+    SIGTERM, --grammar-timeout) still runs on its worker thread: that C++ call cannot be
+    stopped, and returning into an interpreter that has shut down aborts the process.
+    The command's own files are closed by now; the standard streams are flushed here."""
+    bounded = sys.modules.get("genlib.bounded")
+    if bounded is None or not bounded.running():
+        return
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code if isinstance(code, int) else 1)
 
 if __name__ == "__main__":
     run()

@@ -155,8 +155,9 @@ MirostatEta = Annotated[float | None, typer.Option(
 Samplers = Annotated[str | None, typer.Option(
     "--samplers", rich_help_panel=SAMPLERS_PANEL, metavar="A;B;...",
     help="The chain's order, stage names separated by ';'; stages left out do not run "
-         "(llama.cpp). Default: logit_bias;penalties;no_repeat_ngram;dry;temperature;top_k;"
-         "top_p;min_p;typical_p;epsilon_cutoff;eta_cutoff;top_n_sigma;xtc;mirostat.")]
+         "(llama.cpp). Default: logit_bias; penalties; no_repeat_ngram; dry; temperature; "
+         "top_k; top_p; min_p; typical_p; epsilon_cutoff; eta_cutoff; top_n_sigma; xtc; "
+         "mirostat.")]
 
 JsonSchema = Annotated[str | None, typer.Option(
     "--json-schema", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
@@ -168,6 +169,10 @@ Grammar = Annotated[str | None, typer.Option(
     "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
     help="Constrain the output to this EBNF/GBNF grammar file (`-` = stdin; start rule: "
          "root; llama.cpp's GBNF).")]
+GrammarTimeout = Annotated[float | None, typer.Option(
+    "--grammar-timeout", rich_help_panel=GRAMMAR_PANEL, metavar="SECONDS",
+    help="Stop with exit status 1 when the grammar takes longer than this to compile "
+         "(default 30). Compiled grammars are cached on disk.")]
 
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
@@ -285,6 +290,7 @@ DECODING_PARAMS = {
     "top_n_sigma": "top_n_sigma", "epsilon_cutoff": "epsilon_cutoff",
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
+    "grammar_timeout": "grammar_timeout",
 }
 
 

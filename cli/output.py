@@ -174,26 +174,10 @@ def sink(as_json: bool, as_jsonl: bool, path: str | None) -> Sink:
         raise fail("--json and --jsonl exclude each other: --json writes one document, "
                    "--jsonl one line per output; pick one")
     if path is not None and path != "-":
-        check_writable(Path(path), "-o/--output")
+        from cli.paths import check_output_path
+
+        check_output_path(Path(path), "-o/--output")
     return Sink("json" if as_json else "jsonl" if as_jsonl else "text", path)
-
-
-def check_writable(path: Path, flag: str) -> None:
-    """Fail before the work, not after it, when an output file cannot be written: a
-    directory, a missing folder, no permission."""
-    import os
-
-    from cli.errors import fail
-
-    if path.is_dir():
-        raise fail(f"{flag} {path} is a directory; give a file name")
-    folder = path.parent
-    if not folder.is_dir():
-        raise fail(f"{flag} {path}: folder {folder} does not exist; create it or pick "
-                   f"another path")
-    target = path if path.exists() else folder
-    if not os.access(target, os.W_OK):
-        raise fail(f"{flag} {path} cannot be written (no permission); pick a writable path")
 
 
 class _FileAsStdout(io.TextIOBase):

@@ -58,6 +58,43 @@ class building:  # noqa: N801 - used as a context manager, like open()
             err.print(f"[dim]{self._status.status} done[/]")
 
 
+class compiling:  # noqa: N801 - used as a context manager, like open()
+    """Yields notify(message) for `genlib.grammar.compile_for`: a context that shows the
+    message while a slow compile lasts, with a spinner on a terminal, as one line
+    elsewhere. It writes to a copy of file descriptor 2 taken on entry, because the
+    compile puts a file on descriptor 2 to catch xgrammar's log meanwhile."""
+
+    def __enter__(self) -> Any:
+        import os
+
+        self._file: Any = None
+        self._terminal = err.is_terminal  # asked now: the compile puts a file on 2
+        try:
+            self._file = os.fdopen(os.dup(2), "w", encoding="utf-8", errors="replace")
+        except OSError:  # no descriptor 2 to copy: nothing is shown
+            pass
+        return self.notify
+
+    @contextmanager
+    def notify(self, message: str) -> Iterator[None]:
+        if self._file is None:
+            yield
+            return
+        console = Console(file=self._file, force_terminal=self._terminal,
+                          no_color=err.no_color, highlight=False, soft_wrap=True)
+        if not self._terminal:
+            console.print(f"[dim]{_escape(message)}...[/]")
+            yield
+            return
+        with console.status(f"{_escape(message)}..."):
+            yield
+        console.print(f"[dim]{_escape(message)} done[/]")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._file is not None:
+            self._file.close()
+
+
 def warn_incomplete(reasons: list[str], max_new_tokens: int) -> bool:
     """Warn when an output stopped before its grammar could end (finish reason
     grammar_incomplete), or ended failing its JSON schema (schema_invalid): that text is
@@ -123,8 +160,37 @@ def end_line() -> None:
     stream_text("\n")
 
 
-def stats(new_tokens: int, ttft: float | None, tps: float, reason: str,
-          note: str = "") -> None:
+def stats(new_tokens: int, ttft: float | None, tps: float | None, reason: str,
+          backend: str = "") -> None:
+    """--stats on stderr: tokens, time to the first token, decode tokens/s ("-" with one
+    token: there is no decode interval) and the finish reason; then the backend that ran,
+    on a line of its own where one line would be wider than the terminal."""
     ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
-    err.print(f"[dim]{new_tokens} tokens · first token {ttft_text} · {tps:.1f} tok/s · "
-              f"finish: {reason}{note}[/]")
+    tps_text = f"{tps:.1f} tok/s" if tps is not None else "- tok/s"
+    parts = [f"{new_tokens} tokens", f"first token {ttft_text}", tps_text, f"finish: {reason}"]
+    if backend:
+        parts.append(f"backend {backend}")
+    print_parts(err, parts, style="dim")
+
+
+def fit_parts(parts: list[str], width: int, sep: str = " · ") -> list[str]:
+    """`parts` joined by `sep` into lines no wider than `width`, breaking only between
+    parts (a part wider than `width` gets a line of its own, for Rich to wrap at words)."""
+    from rich.cells import cell_len
+
+    lines: list[str] = []
+    for part in parts:
+        if lines and cell_len(lines[-1] + sep + part) <= width:
+            lines[-1] += sep + part
+        else:
+            lines.append(part)
+    return lines
+
+
+def print_parts(console: Console, parts: list[str], style: str = "") -> None:
+    """`fit_parts` on `console`, each line wrapped at words if still too wide (the
+    consoles soft-wrap, which a terminal would break mid-word)."""
+    from rich.text import Text
+
+    for line in fit_parts(parts, console.width):
+        console.print(Text(line, style=style), soft_wrap=False)

@@ -52,7 +52,8 @@ def nbest_table(prompt: str, hypotheses: Sequence[Hypothesis], greedy: Finish | 
 
 
 def _label(c: TreeCandidate) -> Text:
-    text = Text()
+    # One line a node, cut with "…" where the tree's indent leaves it too little room.
+    text = Text(no_wrap=True, overflow="ellipsis")
     text.append(repr(c.token), style=STATUS_STYLE[c.status])
     text.append(f"  p={c.prob:.3f}  cum logprob={c.score:.3f} (P={math.exp(c.score):.2e})  ",
                 style="dim" if c.status == "pruned" else "")
@@ -64,7 +65,7 @@ def search_tree(result: BeamResult, prompt: str, max_steps: int, max_children: i
     """Each kept beam's node lists the continuations considered from it at the next step
     (kept, finished, pruned, rejected) with p and the cumulative log-probability."""
     steps = result.tree or []
-    out.print(tree_view(steps, prompt, max_steps, max_children))
+    out.print(tree_view(steps, prompt, max_steps, max_children), soft_wrap=False)
     tree_notes(steps, max_steps, max_children)
 
 
@@ -72,7 +73,7 @@ def tree_view(steps: Sequence[TreeStep], prompt: str, max_steps: int, max_childr
               ) -> Tree:
     """The search tree of `steps` so far (drawn live as the search runs, then once more
     with its notes)."""
-    root = Tree(Text(f"prompt {prompt!r}", style="bold"))
+    root = Tree(Text(f"prompt {prompt!r}", style="bold", no_wrap=True, overflow="ellipsis"))
     groups = sorted({c.group for s in steps for c in s.candidates})
     shown = [s for s in steps if s.step < max_steps]
     for group in groups:
@@ -86,10 +87,10 @@ def tree_notes(steps: Sequence[TreeStep], max_steps: int, max_children: int) -> 
     total = max((s.step for s in steps), default=-1) + 1
     if total > max_steps:
         out.print(Text(f"(tree cut after {max_steps} of {total} steps; --tree-steps N shows "
-                       f"more)", style="dim"))
+                       f"more)", style="dim"), soft_wrap=False)
     out.print(Text(f"(each beam shows at most {max_children} of the candidates considered "
                    f"from it; the rest are counted in its '... N more not kept' line)",
-                   style="dim"))
+                   style="dim"), soft_wrap=False)
 
 
 def _grow(top: Tree, steps: Sequence[TreeStep], max_children: int) -> None:

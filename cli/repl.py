@@ -31,25 +31,43 @@ CONTINUE = "....... "
 BLOCK = '"""'
 HISTORY_LENGTH = 1000
 
-HELP = f"""\
-Type a prompt and press Enter; the answer streams below it.
-  multi-line   end a line with \\ to continue it, or put the text between {BLOCK} lines
-  Ctrl-C       stop the answer being generated (at an empty prompt: quit)
-  Ctrl-D       quit
-Commands:
-  /help                 this text
-  /preset NAME|PATH     use a preset (your /set and command-line settings still win)
-  /set KEY=VALUE ...    change settings, e.g. /set temperature=0.7 top_p=0.9
-  /set KEY=             back to the preset's or the default value, e.g. /set logit_bias=
-  /show                 every setting, where it came from, and the model's own defaults
-  /set logprobs=N       after each answer, each token's logprobs and N alternatives (0: off)
-  /branch STEP TOKEN    redo the last answer with TOKEN (text or #id) forced at STEP,
-                        the same random draws after it; both shown side by side
-  /seed N               sampling seed for every turn (/seed off: a fresh one each turn)
-  /chat on|off          conversation mode: keep the turns, apply the chat template
-  /reset                forget the conversation's turns
-  /save FILE            write this session's prompts, outputs and settings as JSONL
-  /quit                 leave (also /exit)"""
+HELP_INTRO = "Type a prompt and press Enter; the answer streams below it."
+HELP_KEYS = (
+    ("multi-line", f"end a line with \\ to continue it, or put the text between {BLOCK} lines"),
+    ("Ctrl-C", "stop the answer being generated (at an empty prompt: quit)"),
+    ("Ctrl-D", "quit"))
+HELP_COMMANDS = (
+    ("/help", "this text"),
+    ("/preset NAME|PATH", "use a preset (your /set and command-line settings still win)"),
+    ("/set KEY=VALUE ...", "change settings, e.g. /set temperature=0.7 top_p=0.9"),
+    ("/set KEY=", "back to the preset's or the default value, e.g. /set logit_bias="),
+    ("/show", "every setting, where it came from, and the model's own defaults"),
+    ("/set logprobs=N", "after each answer, each token's logprobs and N alternatives (0: off)"),
+    ("/branch STEP TOKEN", "redo the last answer with TOKEN (text or #id) forced at STEP, "
+                           "the same random draws after it; both shown side by side"),
+    ("/seed N", "sampling seed for every turn (/seed off: a fresh one each turn)"),
+    ("/chat on|off", "conversation mode: keep the turns, apply the chat template"),
+    ("/reset", "forget the conversation's turns"),
+    ("/save FILE", "write this session's prompts, outputs and settings as JSONL"),
+    ("/quit", "leave (also /exit)"))
+
+
+def print_help() -> None:
+    """/help on stderr: each name beside its description, which wraps at words within
+    the terminal's width (the console soft-wraps, which a terminal breaks mid-word)."""
+    from rich.table import Table
+    from rich.text import Text
+
+    render.err.print(Text(HELP_INTRO), soft_wrap=False)
+    for title, rows in ((None, HELP_KEYS), ("Commands:", HELP_COMMANDS)):
+        if title:
+            render.err.print(Text(title), soft_wrap=False)
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(no_wrap=True, min_width=20)
+        grid.add_column(overflow="fold")
+        for name, text in rows:
+            grid.add_row(Text("  " + name), Text(text))
+        render.err.print(grid, soft_wrap=False)
 
 
 class CommandError(GenlabError):
@@ -323,7 +341,7 @@ def command(session: Session, text: str) -> bool:
     """Run one /command; False means leave the session."""
     name, _, args = text.partition(" ")
     args = args.strip()
-    handlers = {"/help": lambda: render.err.print(HELP, markup=False, highlight=False),
+    handlers = {"/help": print_help,
                 "/preset": lambda: set_preset(session, args),
                 "/set": lambda: set_values(session, args),
                 "/show": lambda: show(session),

@@ -17,6 +17,7 @@ from cli.context import (
     encode_prompt,
     keep_last_tokens,
     load,
+    prepare_grammar,
     read_prompt,
     settings_for,
 )
@@ -167,37 +168,52 @@ def identical_line(ran: Finish, plain: Finish) -> str:
 
 def render_report(s: Summary, drafter: str, baseline_tps: float | None,
                   identical: str | None, do_sample: bool) -> None:
-    """The acceptance/timing report on stderr."""
+    """The acceptance/timing report on stderr: a label column and a value column whose
+    values wrap at words within the terminal's width."""
+    from rich.table import Table
+
     from cli import render
 
     err = render.err
     err.print(f"[bold]speculation[/] · drafter {drafter} · [green]draft[/] / "
-              f"[bold]target[/] tokens")
-    err.print(f"  acceptance       {s.acceptance_rate:6.1%}  ({s.accepted}/{s.proposed} draft "
-              f"tokens; alpha {s.alpha:.2f})")
-    err.print(f"  per target fwd   {s.tokens_per_forward:6.2f} tokens  ({s.mean_accepted:.2f} "
-              f"accepted drafts, mean gamma {s.mean_gamma:.1f}, {s.steps} forwards)")
+              f"[bold]target[/] tokens", soft_wrap=False)
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(no_wrap=True, min_width=18)
+    grid.add_column(overflow="fold")
+    for label, value in report_rows(s, baseline_tps):
+        grid.add_row(f"  {label}", value)
+    err.print(grid, soft_wrap=False)
+    if identical is not None and not do_sample:
+        err.print(f"  greedy output identical to plain decoding: {identical}", soft_wrap=False)
+
+
+def report_rows(s: Summary, baseline_tps: float | None) -> list[tuple[str, str]]:
+    """The report's (label, value) rows, values in Rich markup."""
+    rows = [("acceptance", f"{s.acceptance_rate:6.1%}  ({s.accepted}/{s.proposed} draft "
+                           f"tokens; alpha {s.alpha:.2f})"),
+            ("per target fwd", f"{s.tokens_per_forward:6.2f} tokens  ({s.mean_accepted:.2f} "
+                               f"accepted drafts, mean gamma {s.mean_gamma:.1f}, "
+                               f"{s.steps} forwards)")]
     for i, (proposed, accepted) in enumerate(s.by_position):
         rate = accepted / proposed if proposed else 0.0
         bar = "█" * round(rate * BAR_WIDTH)
-        err.print(f"  position {i + 1:<3}     [green]{bar:<{BAR_WIDTH}}[/] {rate:6.1%} "
-                  f"({accepted}/{proposed})")
-    err.print(f"  time             draft {s.draft_seconds:.3f} s ({s.draft_forwards} fwd) · "
-              f"target {s.target_seconds:.3f} s ({s.steps} fwd) · cost ratio c "
-              f"{s.cost_ratio:.3f}")
-    line = f"  speed            {s.tokens_per_second:.1f} tok/s"
+        rows.append((f"position {i + 1}", f"[green]{bar:<{BAR_WIDTH}}[/] {rate:6.1%} "
+                                          f"({accepted}/{proposed})"))
+    rows.append(("time", f"draft {s.draft_seconds:.3f} s ({s.draft_forwards} fwd) · target "
+                         f"{s.target_seconds:.3f} s ({s.steps} fwd) · cost ratio c "
+                         f"{s.cost_ratio:.3f}"))
+    speed = f"{s.tokens_per_second:.1f} tok/s"
     if baseline_tps:
-        line += (f" vs plain {baseline_tps:.1f} tok/s → [bold]"
-                 f"{s.tokens_per_second / baseline_tps:.2f}x[/] (formula predicts "
-                 f"{s.predicted_speedup():.2f}x)")
-    err.print(line)
+        speed += (f" vs plain {baseline_tps:.1f} tok/s → [bold]"
+                  f"{s.tokens_per_second / baseline_tps:.2f}x[/] (formula predicts "
+                  f"{s.predicted_speedup():.2f}x)")
+    rows.append(("speed", speed))
     if baseline_tps and s.steps:
         cost = s.verify_cost(baseline_tps)
-        err.print(f"  verify cost      a target forward over gamma+1 tokens took {cost:.2f}x "
-                  f"a plain decoding step (the formula assumes 1x; with it: "
-                  f"{s.predicted_speedup(cost):.2f}x)")
-    if identical is not None and not do_sample:
-        err.print(f"  greedy output identical to plain decoding: {identical}")
+        rows.append(("verify cost", f"a target forward over gamma+1 tokens took {cost:.2f}x "
+                                    f"a plain decoding step (the formula assumes 1x; with "
+                                    f"it: {s.predicted_speedup(cost):.2f}x)"))
+    return rows
 
 
 def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: int,
@@ -288,6 +304,7 @@ def speculate(
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
+    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -336,6 +353,7 @@ def speculate(
     draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend),
                  weights=kernels) if draft_ref is not None else None
     ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    prepare_grammar(target, settings)
     if truncate_prompt and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)

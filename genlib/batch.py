@@ -46,6 +46,7 @@ from genlib.errors import (
     unexpected,
 )
 from genlib.events import Finish, Token
+from genlib.memory import check_memory, rows_of
 from genlib.presets import load_named_preset
 from genlib.results import (  # noqa: F401  (the batch-file API, importable from here)
     FINGERPRINT_KEY,
@@ -137,6 +138,7 @@ def job_fingerprint(job: Job, run: RunDefaults) -> str:
     effective settings (the seed only where it is used: sampling), and the logprobs it
     asks for (only when it asks: fingerprints of lines without stay as they were)."""
     settings = job.settings.to_dict()
+    del settings["grammar_timeout"]  # how long a compile may take, not what it makes
     if not job.settings.do_sample:
         settings["seed"] = None
     chat = run.chat or job.messages is not None
@@ -499,8 +501,14 @@ def line_finish(lm: LoadedModel, finish: Finish, tokens: Sequence[Token] | None
 def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int
                   ) -> Iterator[tuple[Job, Any]]:
     """Every job's outcome as it ends: (job, Finish), or (job, error message) when it
-    cannot be generated. Stops early after rows ended by Ctrl-C (reason "interrupted")."""
-    for batch in plan_batches(jobs, batch_size):
+    cannot be generated. Stops early after rows ended by Ctrl-C (reason "interrupted").
+    TooLargeError, before any batch runs, when one cannot fit in memory."""
+    batches = plan_batches(jobs, batch_size)
+    for batch in batches:
+        check_memory(lm, rows_of(len(batch), batch[0].settings),
+                     max(len(job.ids) for job in batch) + batch[0].settings.max_new_tokens,
+                     remedy="lower --batch-size, or the lines' max_new_tokens")
+    for batch in batches:
         interrupted = yield from _isolated(lm, batch)
         if interrupted:
             return

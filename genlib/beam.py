@@ -229,6 +229,7 @@ def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Gene
         yield event
         if isinstance(event, _Settled):
             row = event.prompt_index * n
+            _first_step(rows[row:row + n], event.time)
             yield from _tokens(lm, rows[row], row, event.ids, event.logprobs)
     for result in results:
         for rank, hyp in enumerate(result.hypotheses):
@@ -236,6 +237,15 @@ def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: Gene
             yield from _tokens(lm, rows[number], number, hyp.token_ids, hyp.logprobs)
             for finish in finish_row(rows[number], number, hyp.finish_reason, start):
                 yield dataclasses.replace(finish, score=hyp.score)
+
+
+def _first_step(rows: Sequence[Row], now: float) -> None:
+    """The search's first step chose every row's first token, though none is settled
+    yet: its time is the rows' first token, so the decode time (and tokens/s) runs from
+    there, not from the end, where most of a beam's tokens are settled at once."""
+    for row in rows:
+        if row.first_token is None:
+            row.first_token = now
 
 
 def _tokens(lm: LoadedModel, row: Row, number: int, ids: Sequence[int],

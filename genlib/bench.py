@@ -29,6 +29,7 @@ from genlib.backends.transformers import TransformersBackend
 from genlib.config import GenerationSettings
 from genlib.events import Event, Finish, Prefill, Token
 from genlib.generate import stream
+from genlib.memory import check_memory, rows_of
 from genlib.models import LoadedModel
 from genlib.step import choose_tokens, make_plan
 
@@ -139,9 +140,20 @@ def exact_prompts(lm: LoadedModel, length: int, batch_size: int) -> list[list[in
     bos = lm.tokenizer.bos_token_id
     head = [bos] if body and body[0] == bos else []
     body = body[len(head):] or [lm.pad_id]
-    need = length - len(head) + batch_size
+    span = length - len(head)  # each row's text tokens: a window of the text, not its tail
+    need = span + batch_size
     text_ids = (body * (need // len(body) + 1))[:need]
-    return [(head + text_ids[i:])[:length] for i in range(batch_size)]
+    return [head + text_ids[i:i + span] for i in range(batch_size)]
+
+
+def check_cases(lm: LoadedModel, cases: Iterable[Case]) -> None:
+    """Refuse, before any case runs, one whose prompt and new tokens do not fit in the
+    model's positions, or whose rows do not fit in memory."""
+    for case in cases:
+        lm.check_fits(case.prompt_len, case.new_tokens)
+        check_memory(lm, rows_of(case.batch_size, case.settings),
+                     case.prompt_len + case.new_tokens,
+                     remedy="lower --batch-size, --prompt-len or --new-tokens")
 
 
 def forced_settings(settings: GenerationSettings, new_tokens: int) -> GenerationSettings:
@@ -468,8 +480,8 @@ def measure(lm: LoadedModel, cases: Sequence[Case], runs: int, warmup: int, base
     `runs` rounds in which every contender runs once, in turn, each round preceded by a
     bandwidth sample when there is a `probe` (outside the peak-memory windows)."""
     first = cases[0]
+    check_cases(lm, [first])
     prompts = exact_prompts(lm, first.prompt_len, first.batch_size)
-    lm.check_fits(first.prompt_len, first.new_tokens)
     group = Group([Result(c, engine_name(c)) for c in cases],
                   Result(first, "transformers") if baseline else None)
     contenders: list[tuple[Result, Runner]] = [(r, genlab_run) for r in group.results]

@@ -166,6 +166,9 @@ SPECS: dict[str, Spec] = {
                   "(xgrammar)", optional=True),
     "grammar": Spec("str", None, "constrain the output to this EBNF/GBNF grammar, rule root "
                     "(xgrammar)", optional=True),
+    "grammar_timeout": Spec("float", 30.0, "seconds a json_schema, regex or grammar may take "
+                            "to compile before the run stops (compiled grammars are cached)",
+                            "> 0", lambda v: v > 0),
 }
 
 
@@ -224,6 +227,7 @@ class GenerationSettings:
     json_schema: str | None = _default("json_schema")
     regex: str | None = _default("regex")
     grammar: str | None = _default("grammar")
+    grammar_timeout: float = _default("grammar_timeout")
     unused: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:

@@ -63,6 +63,11 @@ class CompileError(GenlabError):
     version): exit code 1, with the backend that runs without compiling."""
 
 
+class GrammarTimeoutError(GenlabError):
+    """A grammar took longer to compile than its grammar_timeout allows: exit code 1 (the
+    grammar is valid; compiling it is what costs too much here)."""
+
+
 class GenlabWarning(UserWarning):
     """Something in the user's input that genlib goes on with, but that they should know
     (a part of a regex the grammar library ignores): one line, said once. The CLI prints

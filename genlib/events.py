@@ -77,10 +77,12 @@ class Finish:
         return None if self.first_token is None else self.first_token - self.start
 
     @property
-    def tokens_per_second(self) -> float:
-        """Decode speed after the first token (the first one pays for prefill)."""
+    def tokens_per_second(self) -> float | None:
+        """Decode speed after the first token (the first one pays for prefill): the
+        tokens after it over the time since it. None with fewer than two tokens, where
+        there is no decode interval to measure."""
         if self.first_token is None or self.new_tokens < 2 or self.end <= self.first_token:
-            return 0.0
+            return None
         return (self.new_tokens - 1) / (self.end - self.first_token)
 
 

@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import re
 import sys
 import tempfile
 import threading
+import time
 import warnings
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -35,7 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from genlib.errors import ConfigError, GenlabWarning
+from genlib import bounded, grammar_cache
+from genlib.errors import ConfigError, GenlabWarning, GrammarTimeoutError
 
 INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar would not end
 # The finish reason of output that ended where the grammar allowed it, yet fails its JSON
@@ -43,6 +47,8 @@ INCOMPLETE = "grammar_incomplete"  # the finish reason of output the grammar wou
 INVALID = "schema_invalid"
 NEG_INF = float("-inf")
 CACHE_SIZE = 512  # matchers kept; a step needs one per row (per position when speculating)
+# The CLI's spinner: given what is compiling, a context that shows it while it lasts.
+Notify = Callable[[str], contextlib.AbstractContextManager[None]]
 
 
 def _xgrammar() -> Any:
@@ -62,38 +68,105 @@ def kind_of(settings: Any) -> str | None:
     return None
 
 
-_TOKENIZER_INFOS: dict[tuple[int, int, tuple[int, ...]], Any] = {}
+@dataclass(frozen=True)
+class _Tokenizer:
+    """xgrammar's view of a tokenizer, and the hash of its content (the cache keys)."""
+
+    info: Any
+    digest: str
 
 
-def _tokenizer_info(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> Any:
+# Per tokenizer object (not its id(), which a later object can reuse), per vocab size and
+# end ids: building one decodes the whole vocabulary.
+_TOKENIZERS: weakref.WeakKeyDictionary[Any, dict[tuple[int, tuple[int, ...]], _Tokenizer]] = \
+    weakref.WeakKeyDictionary()
+_COMPILED: OrderedDict[str, Any] = OrderedDict()  # cache key -> grammar compiled here
+COMPILED_KEPT = 16  # grammars kept in memory (a batch's lines, compare's columns)
+QUIET_S = 0.5  # a compile that takes longer is announced (`notify`)
+
+
+def _tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> _Tokenizer:
     """xgrammar's view of the tokenizer (built once per tokenizer: it decodes the vocab)."""
-    key = (id(tokenizer), vocab_size, tuple(eos_ids))
-    if key not in _TOKENIZER_INFOS:
-        xgr = _xgrammar()
-        _TOKENIZER_INFOS[key] = xgr.TokenizerInfo.from_huggingface(
+    per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
+    key = (vocab_size, tuple(eos_ids))
+    if key not in per_tokenizer:
+        info = _xgrammar().TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids) or None)
-    return _TOKENIZER_INFOS[key]
+        per_tokenizer[key] = _Tokenizer(info, grammar_cache.tokenizer_digest(info))
+    return per_tokenizer[key]
 
 
-def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], settings: Any
-                ) -> CompiledGrammar | None:
-    """The settings' constraint compiled for this tokenizer (None without one).
-    ConfigError when xgrammar is missing or cannot read the schema, regex or grammar."""
+KIND_NAMES = {"json_schema": "JSON schema", "regex": "regex", "grammar": "EBNF"}
+
+
+def compile_for(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int], settings: Any,
+                notify: Notify | None = None) -> CompiledGrammar | None:
+    """The settings' constraint compiled for this tokenizer (None without one): from
+    memory, from the disk cache (`genlib.grammar_cache`), or compiled on a worker thread
+    that Ctrl-C and SIGTERM interrupt. ConfigError when xgrammar is missing or cannot
+    read the schema, regex or grammar; GrammarTimeoutError past settings.grammar_timeout.
+    `notify(message)`: a context the compile runs in when it takes longer than QUIET_S
+    (the CLI's spinner)."""
     kind = kind_of(settings)
     if kind is None:
         return None
-    xgr = _xgrammar()
-    compiler = xgr.GrammarCompiler(_tokenizer_info(tokenizer, vocab_size, eos_ids),
-                                   max_threads=1)
     text = getattr(settings, kind)
+    view = _tokenizer(tokenizer, vocab_size, eos_ids)
+    name = grammar_cache.key(kind, text, view.digest)
+    if name in _COMPILED:
+        _warn(kind, _COMPILED[name][1])  # as its compile did
+    else:
+        about = (f"compiling {KIND_NAMES[kind]} grammar ({len(text.encode()):,} bytes) for "
+                 f"{_tokenizer_name(tokenizer)}")
+        _COMPILED[name] = _compiled(name, kind, text, view.info, settings.grammar_timeout,
+                                    lambda: notify(about) if notify else contextlib.nullcontext())
+    _COMPILED.move_to_end(name)
+    while len(_COMPILED) > COMPILED_KEPT:
+        _COMPILED.popitem(last=False)
+    compiled = _COMPILED[name][0]
+    return CompiledGrammar(compiled, _schema_check(tokenizer, text)
+                           if kind == "json_schema" else None)
+
+
+def _tokenizer_name(tokenizer: Any) -> str:
+    path = str(getattr(tokenizer, "name_or_path", "") or "")
+    return os.path.basename(path.rstrip("/")) or type(tokenizer).__name__
+
+
+def _compiled(name: str, kind: str, text: str, info: Any, limit_s: float,
+              shown: Callable[[], contextlib.AbstractContextManager[None]]
+              ) -> tuple[Any, tuple[str, ...]]:
+    """(xgrammar's compiled grammar, the warnings its compile logged): from the disk
+    cache, or compiled now and stored there when reading it back will pay."""
+    entry = grammar_cache.load(name, info)
+    if entry is not None:
+        _warn(kind, entry.warnings)
+        return entry.compiled, entry.warnings
+    compiler = _xgrammar().GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    started = time.monotonic()
+    with _xgrammar_warnings(kind) as messages:
+        compiled = _bounded_compile(compiler, kind, text, limit_s, shown)
+    compile_s = time.monotonic() - started
+    if grammar_cache.worth_storing(compiled, compile_s):
+        # serializing takes about as long as compiling did: on a worker too, interruptible
+        bounded.run(lambda: grammar_cache.store(name, compiled, messages, compile_s),
+                    math.inf)
+    return compiled, tuple(messages)
+
+
+def _bounded_compile(compiler: Any, kind: str, text: str, limit_s: float,
+                     shown: Callable[[], contextlib.AbstractContextManager[None]]) -> Any:
+    """`text` compiled by `compiler` on a worker thread (genlib.bounded)."""
+    call = {"json_schema": lambda: compiler.compile_json_schema(text, any_whitespace=False),
+            "regex": lambda: compiler.compile_regex(text),
+            "grammar": lambda: compiler.compile_grammar(text)}[kind]
     try:
-        with _xgrammar_warnings(kind):
-            if kind == "json_schema":
-                return CompiledGrammar(compiler.compile_json_schema(text, any_whitespace=False),
-                                       _schema_check(tokenizer, text))
-            if kind == "regex":
-                return CompiledGrammar(compiler.compile_regex(text))
-            return CompiledGrammar(compiler.compile_grammar(text))
+        return bounded.run(call, limit_s, QUIET_S, shown)
+    except bounded.OutOfTime:
+        raise GrammarTimeoutError(
+            f"the {kind} grammar took longer than {limit_s:g} s to compile; raise "
+            f"--grammar-timeout (grammar_timeout in a preset), or make the "
+            f"{KIND_NAMES[kind]} smaller") from None
     except (RuntimeError, ValueError, json.JSONDecodeError) as exc:
         raise ConfigError(f"{kind} cannot be compiled: {_first_line(exc)}") from None
 
@@ -106,27 +179,29 @@ _CAPTURE = threading.Lock()
 
 
 @contextlib.contextmanager
-def _xgrammar_warnings(kind: str) -> Iterator[None]:
+def _xgrammar_warnings(kind: str) -> Iterator[list[str]]:
     """Turn what xgrammar's C++ code logs on file descriptor 2 meanwhile (a part of the
     constraint it ignores or does not enforce, stamped with the time and its own source
-    path) into one GenlabWarning per distinct message, naming the setting. Anything else
+    path) into one GenlabWarning per distinct message, naming the setting; the list
+    yielded gets those messages, to keep with the compiled grammar. Anything else
     written there meanwhile (another thread's) is written back after it, in its order.
     When the compile fails, everything captured is written back as it was. Without a
     stderr, or a temporary file to capture into, nothing is captured."""
+    messages: list[str] = []
     with _CAPTURE:
         log, saved = _redirect_stderr()
         if log is None:
-            yield
+            yield messages
             return
         with log:
             try:
-                yield
+                yield messages
             except BaseException:
                 _restore_stderr(saved)
                 _write_back(_read(log))
                 raise
             _restore_stderr(saved)
-            _pass_on(_read(log), kind)
+            messages += _pass_on(_read(log), kind)
 
 
 def _flush_stderr() -> None:
@@ -171,16 +246,23 @@ def _write_back(data: bytes) -> None:
             data = data[os.write(2, data):]
 
 
-def _pass_on(captured: bytes, kind: str) -> None:
+def _pass_on(captured: bytes, kind: str) -> list[str]:
     """The lines of `captured` that are not xgrammar's warnings back on file descriptor
-    2, then each distinct warning as a GenlabWarning. Python shows a warning once per
-    text and place: this one place, so once per process (a REPL, a batch, compare's
-    columns)."""
+    2, then each distinct warning as a GenlabWarning (`_warn`); those warnings' messages."""
     lines = captured.splitlines(keepends=True)
     found = [_LOG_LINE.match(line.rstrip(b"\r\n")) for line in lines]
     _write_back(b"".join(line for line, match in zip(lines, found) if match is None))
     messages = [match.group(1).decode("utf-8", "replace").strip() for match in found if match]
-    for message in dict.fromkeys(messages):
+    messages = list(dict.fromkeys(messages))
+    _warn(kind, messages)
+    return messages
+
+
+def _warn(kind: str, messages: Sequence[str]) -> None:
+    """Each of xgrammar's `messages` as a GenlabWarning naming the setting. Python shows
+    a warning once per text and place: this one place, so once per process (a REPL, a
+    batch, compare's columns), whether the grammar was compiled or read from a cache."""
+    for message in messages:
         warnings.warn(GenlabWarning(f"{kind}: xgrammar warns: {message}"), stacklevel=1)
 
 

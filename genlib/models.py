@@ -327,7 +327,7 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     """Load model and tokenizer for genlib's decode loop (eval mode, on the device).
 
     `quick`: a local Llama-style checkpoint that qualifies is loaded without transformers
-    (genlib.quickload: a second and a half faster to start), transformers' model and
+    (genlib.quickload: no import of transformers' model modules), transformers' model and
     tokenizer following on first use of anything the lean path does not provide."""
     ref = model_source(spec.ref)
     # Before importing torch and transformers (seconds): an unreachable hub fails at once.
@@ -384,10 +384,10 @@ def wrap_model(model: Any, tokenizer: Any, ref: str = "<in memory>") -> LoadedMo
 def freeze_heap() -> None:
     """Take every object the process holds now out of the cycle collector's reach
     (`gc.freeze`): for a process that is genlab's alone (the CLI's, a Ray worker's), once
-    its model has loaded. Loading leaves about 400,000 tracked objects (modules,
-    tokenizer, model), which a full collection walks in 0.2 s; one that fell inside a
-    speculative run stopped a verify for 213 ms among verifies of 0.1-0.5 ms. Frozen
-    objects are still freed by reference counting, as a dropped model is. There is no
-    collection first (vLLM, SGLang and Ray Serve run one): it would add those 0.2 s to
-    every start, to free the ~1,800 objects it finds."""
+    its model has loaded. Loading leaves hundreds of thousands of tracked objects
+    (modules, tokenizer, model); a full collection, which Python starts on its own,
+    walks them all, and one that falls inside a decode stalls that step many times
+    over. Frozen objects are still freed by reference counting, as a dropped model is.
+    There is no collection first (vLLM, SGLang and Ray Serve run one): it would add a
+    full walk to every start, to free the few objects it finds."""
     gc.freeze()

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
@@ -498,15 +499,16 @@ class _BuildContext:
                          if any(b in text for b in breakers))
 
 
-_TEXTS: dict[int, list[str]] = {}
+# Held weakly: an entry goes with its tokenizer, so a later tokenizer that reuses a freed
+# one's id() never reads its texts.
+_TEXTS: weakref.WeakKeyDictionary[Any, list[str]] = weakref.WeakKeyDictionary()
 
 
 def _token_texts(tokenizer: Any) -> list[str]:
     """Each token id's text (decoded once per tokenizer)."""
-    key = id(tokenizer)
-    if key not in _TEXTS:
-        _TEXTS[key] = [tokenizer.decode([i]) for i in range(len(tokenizer))]
-    return _TEXTS[key]
+    if tokenizer not in _TEXTS:
+        _TEXTS[tokenizer] = [tokenizer.decode([i]) for i in range(len(tokenizer))]
+    return _TEXTS[tokenizer]
 
 
 def stage_order(settings: GenerationSettings) -> tuple[str, ...]:

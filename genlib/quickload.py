@@ -2,8 +2,7 @@
 `model.safetensors` into the lean forward (genlib/backends/llama.py), and the tokenizer through
 transformers' own tokenizer class imported directly, without importing transformers'
 config and model modules or AutoTokenizer's config lookup (that import chain costs more
-than a second and a half here: more than everything else `genlab generate` does for a
-small model).
+than everything else `genlab generate` does for a small model).
 
     lm = quick_load(spec, folder, device, full)  # None when the checkpoint does not qualify
 

@@ -16,6 +16,9 @@ writes batch results (the local loop in genlib.batch, or a distributed one):
   instant the path holds a complete file, and no second writer can slip in between.
 - `ResultsFile.append()` writes each record with one write call and no buffering, so a
   killed run leaves at most one half-written last line, which `read()` cuts off.
+- `ResultsFile.check()` (before each append, and by the caller before it exits): the path
+  still names the file being written (device and inode) and holds the bytes written to
+  it, else ResultsLostError (a file removed, replaced or truncated under the run).
 """
 
 from __future__ import annotations
@@ -44,6 +47,11 @@ class BatchFileError(UserInputError):
 
 class OutputBusyError(GenlabError):
     """Another process holds the results file's lock (a runtime condition: exit 1)."""
+
+
+class ResultsLostError(GenlabError):
+    """The results file was removed, replaced or truncated while the run wrote it: what
+    was written is not (all) there (a runtime condition: exit 1)."""
 
 
 class StaleResultsError(UserInputError):
@@ -140,6 +148,7 @@ class ResultsFile:
                  stream: IO[bytes] | None = None):
         self.path = path
         self._fd = fd  # regular files: read/write, O_APPEND
+        self._size = os.fstat(fd).st_size if fd is not None else 0  # bytes there by us
         self._stream = stream  # everything else
         self.locked = False
         self.repaired_bytes = 0  # a half-written last line cut off by read()
@@ -251,6 +260,7 @@ class ResultsFile:
             self.duplicates += key in found
             found[key] = Prior(record.get(FINGERPRINT_KEY), "error" in record, number)
             self._last[key] = number
+        self._size = os.fstat(self._fd).st_size
         return found
 
     def _lines(self) -> Iterator[tuple[int, int, bytes]]:
@@ -318,6 +328,7 @@ class ResultsFile:
         _fsync_dir(real.parent)
         os.close(self._fd)
         self._fd = fd
+        self._size = os.fstat(fd).st_size
         self.duplicates = 0
         return dropped
 
@@ -341,10 +352,37 @@ class ResultsFile:
         line = record if self._line_of is None else self._line_of(record)
         data = jsonl.dumps(dict(line))
         if self._fd is not None:
+            self.check()
             _write_all(self._fd, data)
+            self._size += len(data)
         elif self._stream is not None:
             self._stream.write(data)
             self._stream.flush()
+
+    def check(self) -> None:
+        """ResultsLostError unless the path still names the file this run writes (same
+        device and inode) and it holds exactly the bytes written to it: a file removed,
+        renamed over or truncated under the run has lost results that exit 0 would
+        claim. A stream has nothing to check."""
+        if self._fd is None or self.path is None:
+            return
+        own = os.fstat(self._fd)
+        try:
+            named = os.stat(self.path)
+        except FileNotFoundError:
+            named = None
+        if named is None:
+            why = "was removed during the run"
+        elif (named.st_dev, named.st_ino) != (own.st_dev, own.st_ino):
+            why = "was replaced by another file during the run"
+        elif own.st_size != self._size:
+            why = (f"changed size during the run ({own.st_size:,} bytes where this run had "
+                   f"{self._size:,})")
+        else:
+            return
+        raise ResultsLostError(
+            f"{self.path} {why}: results written to it were lost; rerun the same command "
+            f"to generate them again (lines whose results are still in the file are kept)")
 
     def close(self) -> None:
         """Flush to disk and release the lock (closing the file releases it)."""

@@ -59,18 +59,17 @@ OVERFLOW = ("the settings push the logits past float32's range, so there is no "
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
     """One token x ~ probs (vocab,) (weights: any scale) by inverse CDF, from one uniform
-    draw. On a CPU a fifth of torch.multinomial's time at 8,192 tokens (27 us against
-    135), which draws an exponential per token: speculative sampling's drafter and
-    verify draw with it, several times a step. The sums and the draw are float64 (but
-    on Apple's MPS, which has none): in float32 a span under ~6e-8 (a token that
-    unlikely, near the end of the sum) is lost or widened to the spacing of the
-    numbers, in float64 to ~1e-16. NaN or infinite weights raise `finite`'s
+    draw, where torch.multinomial draws an exponential per token: speculative
+    sampling's drafter and verify draw with it, several times a step. The sums and the
+    draw are float64 (but on Apple's MPS, which has none): in float32 a span under
+    ~6e-8 (a token that unlikely, near the end of the sum) is lost or widened to the
+    spacing of the numbers, in float64 to ~1e-16. NaN or infinite weights raise `finite`'s
     ConfigError; negative or all-zero ones ValueError, as torch.multinomial raises."""
     wide = torch.float32 if probs.device.type == "mps" else torch.float64
     cdf = probs.to(wide).cumsum(dim=-1)
     total = float(cdf[-1])
     if not math.isfinite(total):  # `finite`'s test on a float: `finite` on the 0-d
-        raise ConfigError(OVERFLOW)  # tensor would add 3.5 us to the 25 us of a draw
+        raise ConfigError(OVERFLOW)  # tensor would add a sizeable share to a draw
     if not 0.0 < total or float(probs.min()) < 0.0:
         raise ValueError(f"cannot draw from these weights (sum {total}): they must be "
                          "finite, not negative, and not all zero")

@@ -145,10 +145,9 @@ def draft_length(num_draft_tokens: int | None, draft_model: bool) -> int:
 def adapts(adaptive: bool | None, draft_model: bool) -> bool:
     """Whether gamma adapts (`GammaSchedule`): as asked, else for a draft model only. A
     draft model's acceptance runs in long spells (boilerplate it predicts, then code it
-    does not), which a fixed gamma cannot follow: on three code prompts, greedy, the
-    schedule from 5 ran at 1.04x-1.21x the speed of a fixed 5
-    (benchmarks/results/2026-11-24-speculative-schedules.md). Prompt lookup drafts for
-    free, and keeps transformers' fixed 10."""
+    does not), which a fixed gamma cannot follow, so the schedule grows through the
+    spells it predicts and shrinks after a rejection. Prompt lookup drafts for free, and
+    keeps transformers' fixed 10."""
     return draft_model if adaptive is None else adaptive
 
 

@@ -18,6 +18,7 @@ from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish, Token
+from genlib.memory import check_memory, rows_of
 from genlib.models import LoadedModel
 from genlib.stopping import StopStrings
 
@@ -244,12 +245,15 @@ def collect(events: Iterator[Event], handle: Callable[[Event], None]
 def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
                   settings: GenerationSettings) -> None:
     """ConfigError / ContextLengthError / ModelLoadError (an id the model has no embedding
-    for) for prompts no loop can run, before any work."""
+    for) / TooLargeError (rows that cannot fit in memory) for prompts no loop can run,
+    before any work."""
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ConfigError("every prompt needs at least one token")
     for prompt in prompts:
         lm.check_fits(len(prompt), settings.max_new_tokens)
         lm.check_token_ids(prompt)
+    check_memory(lm, rows_of(len(prompts), settings),
+                 max(len(p) for p in prompts) + settings.max_new_tokens)
 
 
 def context_of(prompts: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:

@@ -483,11 +483,22 @@ def test_logprobs_enter_the_fingerprint_only_when_asked_for():
     (zero,) = gb.parse_lines(lines_of({"id": "a", "prompt": "Once", "logprobs": 0}), RUN)
     assert plain.fingerprint == zero.fingerprint  # 0 asks for none: a result stays valid
     assert asked.fingerprint != plain.fingerprint  # its result must carry the logprobs
-    # the hash of a line without logprobs is what it was before logprobs existed
+    # the hash of a line without logprobs is what it was before logprobs existed (and
+    # before grammar_timeout, which bounds a compile and changes no output)
     settings = plain.settings.to_dict() | {"seed": None}
+    del settings["grammar_timeout"]
     assert plain.fingerprint == gb.fingerprint({
         "model": "", "prompt": "Once", "messages": None, "chat": False, "system": None,
         "settings": settings})
+
+
+def test_grammar_timeout_leaves_the_fingerprint_as_it_was():
+    line = lines_of({"id": "a", "prompt": "Once"})
+    (plain,) = gb.parse_lines(line, RUN)
+    (bounded,) = gb.parse_lines(line, gb.RunDefaults(
+        {}, {"max_new_tokens": 16, "grammar_timeout": 5.0}, seed=7))
+    assert bounded.settings.grammar_timeout == 5.0
+    assert bounded.fingerprint == plain.fingerprint
 
 
 def test_batched_logprobs_are_transformers_transition_scores(stories):

@@ -604,3 +604,60 @@ def test_sigkill_then_resume_with_a_changed_line(tmp_path: Path):
     assert sorted(ids) == sorted(f"p{i}" for i in range(10))
     assert {k: r["text"] for k, r in by_id(out).items()} == \
         {k: r["text"] for k, r in by_id(clean).items()}
+
+
+# ---------------------------------------------------------------- results file lost
+
+
+def _tamper_after_first_outcome(monkeypatch, tamper) -> None:
+    """Run `tamper()` once the first line's outcome came, before it is written (between
+    batches with --batch-size 1), as another process would mid-run."""
+    real = gb.generate_jobs
+
+    def hooked(*args, **kwargs):
+        for number, outcome in enumerate(real(*args, **kwargs)):
+            if number == 1:
+                tamper()
+            yield outcome
+
+    monkeypatch.setattr(gb, "generate_jobs", hooked)
+
+
+@pytest.mark.parametrize("how", ["removed", "truncated", "replaced"])
+def test_a_results_file_lost_mid_run_exits_1_and_a_rerun_regenerates(
+        tmp_path: Path, monkeypatch, how: str):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, *({"id": f"p{i}", "prompt": "Once upon a time"} for i in range(3)))
+    tamper = {"removed": out.unlink,
+              "truncated": lambda: os.truncate(out, 5),
+              "replaced": lambda: (tmp_path / "new").write_text("") or
+              os.replace(tmp_path / "new", out)}[how]
+    _tamper_after_first_outcome(monkeypatch, tamper)
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4", "--batch-size", "1")
+    assert result.exit_code == 1, result.output
+    assert result.stderr.startswith(f"error: {out} was "
+                                    if how != "truncated" else f"error: {out} changed size")
+    assert "results written to it were lost; rerun the same command to generate them " \
+           "again" in result.stderr
+    assert "generated" not in result.stderr  # no summary claiming the lines are written
+    monkeypatch.undo()
+    again = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert again.exit_code == 0, again.output
+    assert sorted(r["id"] for r in records_of(out)) == ["p0", "p1", "p2"]
+
+
+def test_a_results_file_removed_after_the_last_line_is_caught_before_exit(
+        tmp_path: Path, monkeypatch):
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, {"id": "a", "prompt": "Once upon a time"})
+    real = gb.generate_jobs
+
+    def then_remove(*args, **kwargs):
+        yield from real(*args, **kwargs)
+        out.unlink()
+
+    monkeypatch.setattr(gb, "generate_jobs", then_remove)
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert result.exit_code == 1, result.output
+    assert f"{out} was removed during the run: results written to it were lost" \
+        in result.stderr

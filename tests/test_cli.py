@@ -104,8 +104,33 @@ def test_stats_start_their_own_line_after_the_streamed_text():
                            "-n", "5", "--stats"], cwd=ROOT, capture_output=False, text=True,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=120)
     assert both.returncode == 0, both.stdout
-    text, stats = both.stdout.splitlines()
-    assert text == ", there was a little" and stats.startswith("5 tokens · first token")
+    text, *stats = both.stdout.splitlines()  # the backend on a line of its own at 80
+    assert text == ", there was a little" and stats[0].startswith("5 tokens · first token")
+
+
+@pytest.mark.parametrize("width", ["80", "60"])
+def test_stats_lines_fit_the_terminal(width):
+    result = subprocess.run([sys.executable, "-m", "cli", "generate", "Once upon a time",
+                             *MODEL, "-n", "5", "--stats"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=120, env={**os.environ, "COLUMNS": width})
+    assert result.returncode == 0, result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) >= 2 and all(len(line) <= int(width) for line in lines), lines
+    assert lines[0].startswith("5 tokens · first token")
+    assert any(line.startswith("backend ") for line in lines[1:]), lines
+
+
+def test_one_token_has_no_decode_rate():
+    """With one token there is no interval between tokens: --stats shows "-" for tok/s
+    (the first-token time says how long it took), and the JSON null, not 0.0."""
+    result = invoke("generate", "Once upon a time", *MODEL, "-n", "1", "--stats")
+    assert result.exit_code == 0, result.output
+    assert "1 tokens · first token " in result.stderr and " · - tok/s · " in result.stderr
+    assert "0.0 tok/s" not in result.stderr
+    doc = json.loads(invoke("generate", "Once upon a time", *MODEL, "-n", "1", "--json").stdout)
+    assert doc["outputs"][0]["timings"]["tokens_per_s"] is None
+    two = json.loads(invoke("generate", "Once upon a time", *MODEL, "-n", "2", "--json").stdout)
+    assert two["outputs"][0]["timings"]["tokens_per_s"] > 0
 
 
 @pytest.mark.parametrize("args,fragment", [

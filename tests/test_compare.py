@@ -299,7 +299,8 @@ def test_wide_terminal_columns_narrow_terminal_stacks(default_run):
     narrow = _render(view.render(80), 80)
     starts = [narrow.index(label) for label in ("greedy", "top-k", "temp 1.3")]
     assert starts == sorted(starts)  # one panel after another
-    assert narrow.count("repeated 4-grams") == len(strategies) - \
+    panels = narrow[:narrow.index("* the best value")]  # the legend below names metrics too
+    assert panels.count("repeated 4-grams") == len(strategies) - \
         sum(r.error is not None for r in default_run.results)
 
 
@@ -307,7 +308,62 @@ def test_best_metric_is_highlighted():
     best = {"perplexity": 1.5}
     assert metric_cell("perplexity", 1.5, best) == "[bold green]1.50 *[/]"
     assert metric_cell("perplexity", 2.0, best) == "2.00"
-    assert metric_cell("new_tokens", 10.0, best) == "10.0"
+
+
+def result_with_counts(*counts: int) -> cmp.StrategyResult:
+    [top_k] = cmp.build_strategies(["topk"], [], {}, samples=len(counts))
+    samples = [cmp.Sample("x", (1,) * n, (-1.0,) * n, "length", 0.1) for n in counts]
+    return cmp.StrategyResult(top_k, samples, {"new_tokens": sum(counts) / len(counts)})
+
+
+def test_new_tokens_is_an_integer_unless_the_samples_differ():
+    from cli.compare import metric_text
+
+    assert metric_text(result_with_counts(48, 48), "new_tokens") == "48"
+    assert metric_text(result_with_counts(47, 49), "new_tokens") == "48.0"  # a mean
+    assert metric_text(result_with_counts(47, 48), "new_tokens") == "47.5"
+
+
+def view_of(run: cmp.Comparison) -> View:
+    view = View([r.strategy for r in run.results], PROMPT)
+    for index, result in enumerate(run.results):
+        view.on_event(index, cmp.StrategyDone(result))
+    return view
+
+
+def test_the_view_says_what_the_star_means(default_run):
+    for width in (80, 160):
+        text = " ".join(_render(view_of(default_run).render(width), width)
+                        .replace("│", " ").split())
+        assert "*" in text.replace("* the best value", "")  # a star to explain
+        assert ("* the best value of its row, among the strategies that ran to the end: "
+                "highest tokens/s, mean logprob, distinct-1") in text
+        assert "lowest time (s), perplexity, repeated 4-grams" in text
+        assert "new tokens 12 " in text and "12.0" not in text  # every sample has 12
+    waiting = View([r.strategy for r in default_run.results], PROMPT)
+    assert "the best value" not in _render(waiting.render(160), 160)  # no metrics: no legend
+
+
+def test_wide_terminal_puts_strategies_side_by_side_in_rows(default_run):
+    """Six strategies at 160 columns: two rows of three columns; at 80 (and in a pipe,
+    whatever the width) one panel after another; every word of every text shown."""
+    view = view_of(default_run)
+    labels = [r.strategy.label for r in default_run.results]
+    wide = _render(view.render(160), 160)
+    lines = wide.splitlines()
+    assert any(all(label in line for label in labels[:3]) for line in lines), wide
+    assert any(all(label in line for label in labels[3:]) for line in lines), wide
+    assert sum("│ output" in line for line in lines) == 2  # two tables of three
+    assert not any(labels[0] in line and labels[3] in line for line in lines)
+    for narrow in (_render(view.render(80), 80), _render(view.render(160, terminal=False), 160)):
+        assert not any(sum(label in line for label in ("greedy", "top-k", "top-p")) > 1
+                       for line in narrow.splitlines())
+        starts = [narrow.index(label) for label in labels]
+        assert starts == sorted(starts)  # one panel after another
+    flat = " ".join(wide.replace("│", " ").split())
+    for result in default_run.results:
+        for sample in result.samples:
+            assert all(word in flat.split() for word in sample.text.split()), sample.text
 
 
 def test_markdown_has_every_strategy(default_run):
@@ -365,7 +421,7 @@ def test_cli_json_to_stdout_keeps_the_view_off_stdout(stories):
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert [s["label"] for s in data["strategies"]] == ["greedy"]
-    assert "output" in result.stderr  # the table went to stderr
+    assert "tokens/s" in result.stderr  # the view (piped: panels) went to stderr
 
 
 @pytest.mark.parametrize("form", ["--json", "--jsonl"])
@@ -378,7 +434,7 @@ def test_cli_json_to_a_file_leaves_stdout_empty(tmp_path, stories, form, kind):
                                  "--seed", "1", "-p", "greedy", *kind, form, "-o", str(out)])
     assert result.exit_code == 0, result.output
     assert result.stdout == ""
-    assert "output" in result.stderr  # the view, on stderr
+    assert "tokens/s" in result.stderr  # the view (a metric row's label), on stderr
     text = out.read_text()
     docs = [json.loads(text)] if form == "--json" else [json.loads(x) for x in text.splitlines()]
     assert docs and all(d["command"] == "compare" for d in docs)

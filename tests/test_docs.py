@@ -177,6 +177,34 @@ def test_the_readme_links_lead_somewhere_and_it_stays_short():
         assert (ROOT / target).exists(), target
 
 
+RESULTS = ROOT / "benchmarks" / "results"
+RECORD_NAME = re.compile(r"`([\w.-]+\.(?:md|txt|json|png))`")
+
+
+def missing_records(page: str) -> list[str]:
+    """The results files a page cites by name (`2026-11-25-gc-freeze.md`) that
+    benchmarks/results/ does not hold; names inside code blocks are left out."""
+    return sorted({name for name in RECORD_NAME.findall(prose(page))
+                   if not (RESULTS / name).exists()})
+
+
+def test_the_performance_page_is_short_and_its_records_exist():
+    page = (ROOT / "docs" / "performance.md").read_text()
+    assert len(page.splitlines()) < 250
+    assert len(RECORD_NAME.findall(prose(page))) >= 20
+    assert missing_records(page) == []
+    assert missing_records("`ray.md`, `2026-01-01-never-measured.txt`") == \
+        ["2026-01-01-never-measured.txt"]
+
+
+def test_benchmark_results_hold_records_not_trial_code():
+    """Trial patches and scripts live in git history (a record names the commit), not in
+    the tree: benchmarks/results/ holds what was measured."""
+    code = [path.relative_to(ROOT) for path in RESULTS.rglob("*")
+            if path.suffix in {".patch", ".diff", ".py", ".c", ".sh"}]
+    assert code == []
+
+
 # --- links --------------------------------------------------------------------------
 
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)(?:\s+\"[^\"]*\")?\)")

@@ -210,7 +210,8 @@ def test_grammar_stage_is_pure_and_masks_per_row(builtin):
 
 def test_without_xgrammar_the_grammar_settings_fail_with_one_line(monkeypatch, builtin):
     monkeypatch.setitem(sys.modules, "xgrammar", None)
-    grammar._TOKENIZER_INFOS.clear()
+    monkeypatch.setattr(grammar, "_TOKENIZERS", type(grammar._TOKENIZERS)())
+    monkeypatch.setattr(grammar, "_COMPILED", type(grammar._COMPILED)())
     with pytest.raises(ConfigError, match=r"need xgrammar: pip install 'genlab\[grammar\]'"):
         generate.generate(builtin, [builtin.encode("x")], resolve_settings({"regex": "a+"}))
 

@@ -371,3 +371,40 @@ def test_a_step_torch_cannot_compile_is_one_clear_line(monkeypatch):
                             f"float32 on cpu (Unsupported: ")
     assert result.stderr.strip().endswith("--backend lean runs the same forward uncompiled")
     assert result.stdout == ","  # the prefill's token, streamed before the first step
+
+
+LONG_NAME = "x" * 300 + ".html"
+
+
+@pytest.mark.parametrize(("args", "fragment"), [
+    (["explain", "x", "--html", "/proc/x.html"],
+     "--html /proc/x.html: cannot create a file in /proc; pick another path"),
+    (["explain", "x", "--html", f"/tmp/{LONG_NAME}"],
+     f"--html /tmp/{LONG_NAME}: the name is too long (305 bytes; this file system allows"),
+    (["explain", "x", "--html", "/nonexistent-dir/x.html"],
+     "--html /nonexistent-dir/x.html: folder /nonexistent-dir does not exist"),
+    (["explain", "x", "--html", "/etc/hostname/x.html"],
+     "--html /etc/hostname/x.html: /etc/hostname is a file, not a folder"),
+    (["generate", "x", "-o", f"/tmp/{LONG_NAME}"], "-o/--output /tmp/x"),
+    (["beam", "x", "--json", "-o", "/proc/x.json"], "-o/--output /proc/x.json: cannot create"),
+    (["compare", "x", "--markdown", "/proc/x.md"], "--markdown /proc/x.md: cannot create"),
+    (["bench", "--csv", "/proc/x.csv"], "--csv /proc/x.csv: cannot create"),
+    (["bench", "--plot", f"/tmp/{LONG_NAME}"], "the name is too long"),
+    (["speculate", "x", "--prompt-lookup", "2", "--json", "-o", "/proc/x.json"],
+     "-o/--output /proc/x.json: cannot create"),
+    (["generate", "--input", str(ROOT / "pyproject.toml"), "--output", "/proc/x.jsonl"],
+     "--output /proc/x.jsonl: cannot create"),
+])
+def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(
+        args: list[str], fragment: str, monkeypatch):
+    import genlib.models
+
+    def no_load(*_: object, **__: object):
+        raise AssertionError("the model was loaded before the output path was checked")
+
+    monkeypatch.setattr(genlib.models, "load_model", no_load)
+    if "--plot" in args:
+        pytest.importorskip("matplotlib")  # without it, --plot is refused for that first
+    result = invoke(args[0], *MODEL, *args[1:])
+    assert_clear(result, 2, fragment)
+    assert LONG_NAME not in os.listdir("/tmp")

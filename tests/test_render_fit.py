@@ -116,7 +116,7 @@ def comparison_view(n_strategies: int):
     for i, strategy in enumerate(strategies):
         samples = [cmp.Sample(f"{LONG}#{i}.{n}", (1,) * 12, (-1.0,) * 12, "length", 0.1)
                    for n in range(2 if strategy.stochastic else 1)]
-        metrics = {m.key: 1234.5678 for m in METRICS}
+        metrics = {m.key: 1234.5678 for m in METRICS} | {"new_tokens": 12.0}
         view.on_event(i, cmp.StrategyDone(cmp.StrategyResult(strategy, samples, metrics)))
     return view
 
@@ -132,9 +132,10 @@ def test_compare_shows_every_text_in_full(width, n_strategies):
     for index in range(n_strategies):
         for row in view.texts[index].values():
             assert words_in_order(row, text), (index, row[-20:])
+    table = text[:text.index("* the best value")]  # above the legend, which names them
     for metric in METRICS:  # each metric row on one line, its values whole
-        value = format_metric(metric.key, 1234.5678)
-        rows = [line for line in text.splitlines() if metric.label in line]
+        value = "12" if metric.key == "new_tokens" else format_metric(metric.key, 1234.5678)
+        rows = [line for line in table.splitlines() if metric.label in line]
         assert rows and all(value in line for line in rows), (metric.label, rows)
 
 
@@ -208,3 +209,126 @@ def test_logprobs_table_keeps_every_number_whole(width):
         assert repr(entry["token"]) in text, i
     for alt in logprobs["content"][0]["top_logprobs"]:
         assert f"{alt['token']!r} {alt['logprob']:.2f}" in flat  # wrapped at spaces only
+
+
+# --- lines of text at 80 and 60 columns: none wider, no word split ------------------------
+
+NARROW = (80, 60)
+
+
+def recording(width: int) -> Console:
+    """A console like genlab's stderr one (soft wrap on, not a terminal), recording."""
+    return Console(width=width, record=True, force_terminal=False, soft_wrap=True,
+                   highlight=False, stderr=True)
+
+
+def fits_whole(text: str, width: int, expected: str) -> None:
+    """No line of `text` wider than `width`, and its words those of `expected`, in order
+    and whole: lines broke at spaces only (the "·" between parts may go at a break)."""
+    for line in text.splitlines():
+        assert len(line) <= width, f"line wider than {width}: {line!r}"
+    words = [w for w in text.split() if w != "·"]
+    assert words == [w for w in expected.split() if w != "·"], text
+
+
+@pytest.mark.parametrize("width", NARROW)
+def test_stats_lines_fit_and_break_between_words(width, monkeypatch):
+    from cli import render
+
+    console = recording(width)
+    monkeypatch.setattr(render, "err", console)
+    reason = "a float32 Llama-style model on the CPU, asked for with --backend native"
+    render.stats(48, 0.087, 708.93, "length", f"native ({reason})")
+    fits_whole(console.export_text(), width,
+               f"48 tokens · first token 87 ms · 708.9 tok/s · finish: length · backend "
+               f"native ({reason})")
+
+
+def tree_steps(depth: int):
+    from genlib.beam import TreeCandidate, TreeStep
+
+    return [TreeStep(step, (TreeCandidate(0, 0, 7, " extraordinarily", 0.5, -0.693 * (step + 1),
+                                          "kept", 0),
+                            TreeCandidate(0, 0, 8, " b", 0.25, -1.386 * (step + 1), "pruned")))
+            for step in range(depth)]
+
+
+@pytest.mark.parametrize("width", NARROW)
+def test_beam_tree_cuts_its_lines_with_an_ellipsis(width, monkeypatch):
+    from cli import render_beam
+    from genlib.beam import BeamResult
+
+    console = recording(width)
+    monkeypatch.setattr(render_beam, "out", console)
+    result = BeamResult(0, [], tree_steps(12))
+    render_beam.search_tree(result, "Once upon a time", 12, 4)
+    text = console.export_text()
+    lines = text.splitlines()
+    assert all(len(line) <= width for line in lines), text
+    nodes = [line for line in lines if "── '" in line]
+    assert len(nodes) == 24, text  # every node shown, one line each
+    cut = [line for line in nodes if not line.endswith(("kept", "pruned"))]
+    assert cut and all(line.endswith("…") for line in cut), cut  # cut, and says so
+    note = text[text.index("(each beam"):]
+    assert " ".join(note.split()) == ("(each beam shows at most 4 of the candidates "
+                                      "considered from it; the rest are counted in its "
+                                      "'... N more not kept' line)")
+
+
+def speculation_summary():
+    from genlib.speculative import Summary
+
+    return Summary(new_tokens=48, steps=16, proposed=87, accepted=44, rejections=12,
+                   draft_seconds=0.4012, target_seconds=0.8543, draft_forwards=87,
+                   decode_seconds=1.3, prefill_seconds=0.05,
+                   by_position=[[15, 12], [15, 9], [1, 0]], gammas=[5] * 16)
+
+
+@pytest.mark.parametrize("width", NARROW)
+def test_speculate_report_fits_with_every_word_whole(width, monkeypatch):
+    from cli import render, speculate
+
+    console = recording(width)
+    monkeypatch.setattr(render, "err", console)
+    summary = speculation_summary()
+    drafter = "../shared/models/code-draft (bfloat16 weights)"
+    speculate.render_report(summary, drafter, 41.37, "[green]yes[/]", False)
+    rows = speculate.report_rows(summary, 41.37)
+    from rich.text import Text
+
+    expected = " ".join([f"speculation · drafter {drafter} · draft / target tokens",
+                         *(f"{label} {Text.from_markup(value).plain}" for label, value in rows),
+                         "greedy output identical to plain decoding: yes"])
+    fits_whole(console.export_text(), width, expected)
+    assert any(label == "verify cost" for label, _ in rows)  # the longest row is there
+
+
+@pytest.mark.parametrize("width", NARROW)
+def test_repl_help_fits_with_every_word_whole(width, monkeypatch):
+    from cli import render, repl
+
+    console = recording(width)
+    monkeypatch.setattr(render, "err", console)
+    repl.print_help()
+    expected = " ".join([repl.HELP_INTRO, *(f"{name} {text}" for name, text in repl.HELP_KEYS),
+                         "Commands:",
+                         *(f"{name} {text}" for name, text in repl.HELP_COMMANDS)])
+    fits_whole(console.export_text(), width, expected)
+
+
+@pytest.mark.parametrize("width", [80, 140])
+def test_samplers_help_shows_the_whole_default_order(width):
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from genlib.config import DEFAULT_SAMPLERS
+
+    result = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": str(width)},
+                                terminal_width=width)
+    assert result.exit_code == 0, result.output
+    block = result.output[result.output.index("--samplers"):]
+    block = block[:block.index("╰")]
+    words = re.sub(r"[\s│]+", " ", block).split()
+    assert "…" not in block, block
+    default = words[words.index("Default:") + 1:]
+    assert [w.rstrip(";.") for w in default] == list(DEFAULT_SAMPLERS), block

@@ -409,3 +409,29 @@ def test_draws_refuse_weights_that_are_not_numbers():
                  lambda: sampling.inverse_cdf(nan.log())):
         with pytest.raises(ConfigError, match="past float32's range"):
             call()
+
+
+def test_token_texts_go_with_their_tokenizer():
+    """The decoded texts are held per tokenizer object, not per id(): once a tokenizer is
+    freed its entry goes, so one created later at the same address never reads them."""
+    import gc
+
+    from genlib import processors
+
+    class Vocab:
+        def __init__(self, word: str) -> None:
+            self.word = word
+
+        def __len__(self) -> int:
+            return 2
+
+        def decode(self, ids: list[int]) -> str:
+            return f"{self.word}{ids[0]}"
+
+    first = Vocab("a")
+    assert processors._token_texts(first) == ["a0", "a1"]
+    del first
+    gc.collect()
+    assert len(processors._TEXTS) == 0 or all(
+        texts != ["a0", "a1"] for texts in processors._TEXTS.values())
+    assert processors._token_texts(Vocab("b")) == ["b0", "b1"]

@@ -8,17 +8,18 @@ token-identical to transformers' `generate()`):
 | --- | --- |
 | a float32 Llama-style model on a CPU with a C compiler (any rows, beams too) | native |
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
-| one row of a Llama-style model in bfloat16/float16 on a CPU | lean |
-| one row of an unquantized model on a GPU | compiled |
+| one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
+| one row of an unquantized float32 model on a GPU | compiled |
 | several rows otherwise, a quantized model, or any other model | transformers |
 | speculation on a GPU without the lean forward | transformers |
 
 On a GPU a step's kernel launches and casts, not its arithmetic, set the pace, which a
 compiled step (torch.compile over a fixed-size cache, in inductor's default mode: no
 CUDA graphs, whose fixed sizes the lean step's attention length is not) removes; its
-first step compiles for seconds. On a CPU in bfloat16/float16 auto keeps to the lean
-forward, which is exact, where the compiled step is about twice as fast but sums in its
-own order (`--backend compiled` asks for it). An explicit backend
+first step compiles for seconds. In bfloat16/float16 auto keeps to the lean forward, on
+a CPU and on a GPU alike, which is exact, where the compiled step is faster but sums in
+its own order and flips greedy near-ties (`--backend compiled` asks for it). An explicit
+backend
 that cannot serve the request or the model is refused with a `ConfigError` naming what
 would work, never replaced by another.
 
@@ -158,8 +159,8 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
             return "transformers", f"{many} in {lm.dtype_name} on {lm.device.type}"
-        if lm.device.type == "cpu":
-            return _cpu_low_precision(lm)
+        if lm.dtype != torch_float32():
+            return _low_precision(lm)
         if _static_cache_must_crop(lm, request):
             why = "GENLAB_LEAN=0" if not lean_allowed() else "not a plain Llama-style model"
             return "transformers", (f"speculative decoding in {lm.dtype_name} on "
@@ -182,19 +183,19 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
                            f"runs one row"
 
 
-def _cpu_low_precision(lm: LoadedModel) -> tuple[str, str]:
-    """One row in bfloat16/float16 on a CPU: the lean forward, whose products and norms
-    are transformers' own operations. A compiled step fuses them and sums in its own
-    order, which in these dtypes moves a logit by a rounding step often enough to flip
-    greedy tokens at near-ties (4 of 12 prompt-model pairs within 64 tokens:
-    docs/performance.md)."""
-    dtype = lm.dtype_name
+def _low_precision(lm: LoadedModel) -> tuple[str, str]:
+    """One row in bfloat16/float16, on a CPU or a GPU: the lean forward, whose products
+    and norms are transformers' own operations. A compiled step fuses them and sums in
+    its own order, which in these dtypes moves a logit by a rounding step often enough to
+    flip greedy tokens at near-ties (on a CPU and on an H100 alike: docs/performance.md)."""
+    dtype, device = lm.dtype_name, lm.device.type
     if not lean_allowed():
-        return "transformers", f"one row in {dtype} on cpu, GENLAB_LEAN=0"
+        return "transformers", f"one row in {dtype} on {device}, GENLAB_LEAN=0"
     if _lean(lm) is None:
-        return "transformers", f"one row in {dtype} on cpu, not a plain Llama-style model"
-    return "lean", (f"one row in {dtype} on cpu: the lean forward, exact; a compiled step "
-                    f"sums in another order")
+        return "transformers", (f"one row in {dtype} on {device}, not a plain Llama-style "
+                                f"model")
+    return "lean", (f"one row in {dtype} on {device}: the lean forward, exact; a compiled "
+                    f"step sums in another order")
 
 
 def _kernel_missing(lean: LeanLlama, weights: str) -> str | None:

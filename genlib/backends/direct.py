@@ -4,7 +4,7 @@ call.
 A compiled function called through torch.compile first runs dynamo's frame hook: it
 evaluates the guards of the cached graph (every tensor the step reads, ~70 for a small
 Llama: dtype, shape, strides, ids of the objects holding them) and unpacks the inputs,
-about 0.2 ms a call, a tenth of code-target's whole compiled step. A decode step is called
+a cost of the same order as a small model's whole compiled step. A decode step is called
 hundreds of times with inputs that only change in place (the KV buffers, the position), so
 `DirectCompiled` compiles through dynamo once per `key` (the caller's name for the input
 shapes), keeps the function inductor built and the inputs dynamo lifted, and calls that

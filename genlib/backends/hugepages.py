@@ -2,9 +2,8 @@
 
 A one-row decode step reads every weight once, front to back. With 4 KiB pages that is a
 new page (a TLB miss, and a stop for the hardware prefetcher, which does not cross page
-boundaries) every 4 KiB; with 2 MiB pages, one every 2 MiB. On the build machine the
-compiled step of code-target got ~3.5% faster with its fused q/k/v and gate/up weights in
-2 MiB pages (benchmarks in docs/performance.md).
+boundaries) every 4 KiB; with 2 MiB pages, one every 2 MiB, so a step streaming the
+fused q/k/v and gate/up weights from them waits less on address translation.
 
 Linux gives an anonymous mapping 2 MiB pages ("transparent huge pages") when the mapping
 is 2 MiB-aligned and `madvise(MADV_HUGEPAGE)` asks for them before the pages are first

@@ -4,9 +4,11 @@ torch.compile turns `LeanLlama._static_step` into ~100 kernels, each its own Ope
 parallel region: on code-target the thread wake-ups and barriers between them, not the
 weight reads, set the pace once the memory is quiet. The C kernel runs the same
 arithmetic in one parallel region with five barriers a layer (its header says where).
-It is built once per machine with the system's C compiler (`$CC`, else `cc`, as inductor
-needs one too), cached under the user's cache directory by a hash of its source, flags,
-compiler and CPU, and called through ctypes, which releases the GIL.
+It is built once per machine with the system's C compiler (`$CC`, split as a shell would,
+so `CC='ccache cc'` works as with make; else `cc`, as inductor needs one too), cached under
+the user's cache directory by a hash of its source, flags, compiler command and CPU, and
+called through ctypes, which releases the GIL. A cached library that will not load is
+built again once, whatever is in its way (`Build.notice` says so).
 
     step = NativeStep.of(lean, threads)    # None where it does not apply (`applies` says why)
     logits = step(token_id, cache)         # (1, vocab) float32; writes the cache's next slot
@@ -35,6 +37,7 @@ import ctypes
 import functools
 import hashlib
 import os
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -74,10 +77,30 @@ class Build:
 
     library: ctypes.CDLL | None
     reason: str = ""
+    notice: str = ""  # worth a line on stderr: a cache rebuilt, a $CC that names nothing
 
 
-def _compiler() -> str | None:
-    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+def _compiler() -> tuple[str, ...] | None:
+    """The compiler command: $CC split as a shell would (make takes `CC='ccache cc'` and
+    `CC='cc -O2'`), else cc or gcc; None if there is none."""
+    given = os.environ.get("CC", "").strip()
+    if given:
+        try:
+            return tuple(shlex.split(given))
+        except ValueError:  # unbalanced quotes: one word, which names no program
+            return (given,)
+    found = shutil.which("cc") or shutil.which("gcc")
+    return (found,) if found else None
+
+
+def _no_program(compiler: tuple[str, ...]) -> str | None:
+    """Why $CC cannot run, in one line, or None when its first word is a program."""
+    if shutil.which(compiler[0]) is not None:
+        return None
+    given = os.environ.get("CC", shlex.join(compiler))
+    return (f"could not build {SOURCE.name}: CC={given!r} names no program "
+            f"({compiler[0]!r} is not found), so the native kernel is off; set CC to a C "
+            f"compiler, or unset it to use cc")
 
 
 def _cpu_flags() -> str:
@@ -94,16 +117,16 @@ def _cache_dir() -> Path:
 
 
 @functools.cache
-def _version(compiler: str) -> str:
-    return subprocess.run([compiler, "--version"], capture_output=True, text=True,
+def _version(compiler: tuple[str, ...]) -> str:
+    return subprocess.run([*compiler, "--version"], capture_output=True, text=True,
                           timeout=30).stdout
 
 
-def _library_path(compiler: str, flags: tuple[str, ...], source: Path) -> Path:
-    """Where the library built from `source` with `compiler` and `flags` for this CPU is
-    cached: named by a hash of all four."""
+def _library_path(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path) -> Path:
+    """Where the library built from `source` with `compiler` (the whole command, its
+    arguments included) and `flags` for this CPU is cached: named by a hash of all four."""
     version = _version(compiler)
-    key = hashlib.sha256("\0".join([source.read_text(), compiler, version, *flags,
+    key = hashlib.sha256("\0".join([source.read_text(), *compiler, version, *flags,
                                     _cpu_flags()]).encode()).hexdigest()[:24]
     return _cache_dir() / f"{source.stem}-{key}.so"
 
@@ -126,8 +149,10 @@ def _will_compile(flags: tuple[str, ...], source: Path = SOURCE) -> bool:
     """Whether `build` would compile: there is a compiler that runs and no intact
     library in the cache."""
     compiler = _compiler()
+    if compiler is None or _no_program(compiler):
+        return False
     try:
-        return compiler is not None and not _intact(_library_path(compiler, flags, source))
+        return not _intact(_library_path(compiler, flags, source))
     except (OSError, subprocess.SubprocessError):
         return False  # no compiler that runs: build gives the reason, compiles nothing
 
@@ -151,32 +176,72 @@ def build_for(weights: str, flags: tuple[str, ...] = FLAGS) -> Build:
 @functools.cache
 def build(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Build:
     """Compile (or find in the cache) and load the kernel; once per process and flags.
-    A cached file that is not what a build wrote (truncated, overwritten) is rebuilt."""
+    A cached file that is not what a build wrote (truncated, overwritten) is rebuilt;
+    so, once, is one that will not load (`_reload`)."""
     compiler = _compiler()
     if compiler is None:
         return Build(None, "no C compiler found (set $CC)")
+    missing = _no_program(compiler)
+    if missing:
+        return Build(None, missing, notice=missing)
     try:
         library = _library_path(compiler, flags, source)
         if not _intact(library):
             _compile(compiler, flags, source, library)
-        return Build(ctypes.CDLL(str(library)))
+            return Build(ctypes.CDLL(str(library)))
     except (OSError, subprocess.SubprocessError) as error:
-        return Build(None, f"could not build {source.name} with {compiler}: {error}")
+        return Build(None, f"could not build {source.name} with {shlex.join(compiler)}: "
+                           f"{error}")
+    try:
+        return Build(ctypes.CDLL(str(library)))
+    except OSError as error:
+        return _reload(compiler, flags, source, library, error)
 
 
-def _compile(compiler: str, flags: tuple[str, ...], source: Path, library: Path) -> None:
+def _reload(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path, library: Path,
+            error: OSError) -> Build:
+    """The cached library matches its checksum yet will not load (its bytes damaged
+    since, or written by a foreign build): build it again in its place, once."""
+    try:
+        _compile(compiler, flags, source, library)
+        return Build(ctypes.CDLL(str(library)),
+                     notice=f"the cached native kernel would not load ({error}); rebuilt it")
+    except (OSError, subprocess.SubprocessError) as again:
+        reason = f"could not load or rebuild the cached native kernel {library}: {again}"
+        return Build(None, reason, notice=reason)
+
+
+def _compile(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path,
+             library: Path) -> None:
+    """Build `library` in a scratch folder beside it and rename it (and its checksum)
+    into place, clearing the way first: a file where the cache folder should be, and
+    a folder where the library or its checksum should be."""
+    _clear(library.parent, keep_folder=True)
     library.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=library.parent) as scratch:
         target = Path(scratch) / library.name  # renamed into place: readers never see half
-        done = subprocess.run([compiler, *flags, "-o", str(target), str(source), "-lm"],
+        done = subprocess.run([*compiler, *flags, "-o", str(target), str(source), "-lm"],
                               capture_output=True, text=True, timeout=300)
         if done.returncode != 0:
             last = (done.stderr.strip().splitlines() or ["no message"])[-1]
-            raise OSError(f"{compiler} failed: {last}")
+            raise OSError(f"{shlex.join(compiler)} failed: {last}")
         digest = Path(scratch) / _digest_file(library).name
         digest.write_text(hashlib.sha256(target.read_bytes()).hexdigest())
+        for path in (library, _digest_file(library)):
+            _clear(path, keep_folder=False)
         os.replace(target, library)  # a reader between the two renames rebuilds: harmless
         os.replace(digest, _digest_file(library))
+
+
+def _clear(path: Path, keep_folder: bool) -> None:
+    """Remove what is at `path` if it is in the way: a folder where a file goes (unless
+    `keep_folder`), or anything but a folder where a folder goes (`keep_folder`)."""
+    if not os.path.lexists(path):
+        return
+    if keep_folder and not path.is_dir():  # a link to a folder is a folder here
+        path.unlink()
+    elif not keep_folder and path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
 
 
 def _pointer(tensor: torch.Tensor | None) -> _float_p:
