@@ -123,7 +123,6 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     if doc["greedy"] is not None:
         sink.json_line(output.line(doc, doc["greedy"], role="greedy"))
     sink.json_document(doc)
-    sink.texts([h.text for h in result.hypotheses])
     if not sink.machine:
         show_results(result, greedy, prompt, settings, interrupted,
                      tree=tree, live=live, tree_steps=tree_steps, tree_width=tree_width)

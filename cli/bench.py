@@ -204,7 +204,7 @@ def bench(
     seed: Annotated[int, typer.Option("--seed", help="Seed for sampling strategies.")] = 0,
     as_json: opt.Json = False,
     as_jsonl: opt.Jsonl = False,
-    output: opt.MachineOutputFile = None,
+    output: opt.OutputFile = None,
     wide: Annotated[bool, typer.Option(
         "--wide", rich_help_panel=opt.OUTPUT_PANEL, help="Show every column of the table "
         "(spreads, latency percentiles, memory, token identity), however wide.")] = False,
@@ -245,9 +245,6 @@ def bench(
         check_output_path(Path(plot), "--plot")
     if target.machine and target.to_stdout and csv_path == "-":
         raise fail(f"--{target.mode} and --csv - both write to stdout; send the CSV to a file")
-    if not target.machine and output is not None:
-        raise fail("-o/--output writes the --json or --jsonl output of bench; add one of "
-                   "them, or use --csv FILE")
     if csv_path is not None and csv_path != "-":
         check_output_path(Path(csv_path), "--csv")
     check_threads(threads)

@@ -645,7 +645,7 @@ def compare(
     quantize: Quantizations = "none",
     as_json: opt.Json = False,
     as_jsonl: opt.Jsonl = False,
-    output: opt.MachineOutputFile = None,
+    output: opt.OutputFile = None,
     markdown_path: MarkdownPath = None,
     logprobs: opt.Logprobs = None,
     device: opt.Device = "auto",
@@ -711,9 +711,6 @@ def compare(
 
 def check_outputs(target: Sink, markdown_path: str | None) -> None:
     """Refuse outputs that collide or that -o cannot write."""
-    if not target.machine and target.path is not None:
-        raise fail("-o/--output writes the --json or --jsonl output of compare; add one of "
-                   "them, or use --markdown FILE for a readable export")
     if target.machine and target.to_stdout and markdown_path == "-":
         raise fail(f"--{target.mode} and --markdown - both want stdout; write one of them to "
                    f"a file (-o FILE or --markdown FILE)")

@@ -88,6 +88,17 @@ def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
     return record
 
 
+def step_lines(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The --jsonl lines: each run's steps in order (the original's, then a branch's),
+    each the --json document's step with `run` and the run's facts beside it."""
+    shared = {key: record[key] for key in ("schema_version", "genlab_version", "command",
+                                           "model", "prompt", "prompt_tokens", "settings",
+                                           "sampler")}
+    return [shared | {"run": run} | step
+            for run in ("original", "branch") if run in record
+            for step in record[run]["steps"]]
+
+
 @user_errors
 @opt.sampler_options(before="json_schema")
 def explain(
@@ -129,7 +140,11 @@ def explain(
         "STEP and continue with the same random draws; shows both runs and where they "
         "diverge.")] = None,
     as_json: opt.Json = False,
-    output_file: opt.JsonOutputFile = None,
+    as_jsonl: Annotated[bool, typer.Option(
+        "--jsonl", rich_help_panel=opt.OUTPUT_PANEL,
+        help="Print one JSON object per step (the --json document's steps, with the run "
+             "and its facts beside each), for pipes.")] = False,
+    output_file: opt.OutputFile = None,
     html_file: Annotated[Path | None, typer.Option(
         "--html", rich_help_panel=opt.OUTPUT_PANEL,
         help="Write one self-contained page: tokens coloured by probability, click one "
@@ -156,13 +171,10 @@ def explain(
     from genlib.explain import runs_of
 
     flags = opt.decoding_flags(locals() | sampler_flags)
-    target = output.sink(as_json, False, output_file)
-    if not target.machine and not target.to_stdout:
-        raise fail("-o/--output writes the --json output of explain; add --json, or use "
-                   "--html FILE for a readable export")
+    target = output.sink(as_json, as_jsonl, output_file)
     if steps and target.machine and html_file is None:
-        raise fail("--steps selects the steps of the terminal view or the --html page; "
-                   "--json writes every step (drop --steps, or add --html FILE)")
+        raise fail(f"--steps selects the steps of the terminal view or the --html page; "
+                   f"--{target.mode} writes every step (drop --steps, or add --html FILE)")
     if html_file is not None:
         from cli.paths import check_output_path
 
@@ -191,12 +203,14 @@ def explain(
 
         html_file.write_text(page(record, first, last), encoding="utf-8")
         render.info(f"wrote {html_file}")
-    if target.machine:
-        with output.opened(target):
+    with output.opened(target):
+        if target.machine:
             target.json_document(record)
-    elif html_file is None:
-        render_explain.show_steps(record["original"]["steps"], first, last)
-        if "branch" in record:
-            render_explain.show_branch(record["original"], record["branch"])
+            for line in step_lines(record):
+                target.json_line(line)
+        elif html_file is None:
+            render_explain.show_steps(record["original"]["steps"], first, last)
+            if "branch" in record:
+                render_explain.show_branch(record["original"], record["branch"])
     if invalid:  # as generate: the output is not valid under its grammar
         raise typer.Exit(1)

@@ -109,7 +109,6 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     doc = run_document(lm, prompt, ids, settings, prefill)
     doc["outputs"] = [result_json(lm, f, prefill, tokens.get(f.row, ())) for f in ordered]
     sink.json_document(doc)
-    sink.plain("".join(text_block(f.row, f.text) for f in ordered))
     for finish in ordered:
         if not sink.machine:
             if not live:
@@ -171,8 +170,9 @@ def generate(
     as_jsonl: Jsonl = False,
     output: Annotated[str | None, typer.Option(
         "--output", "-o", rich_help_panel=opt.OUTPUT_PANEL, metavar="FILE",
-        help="Write the text, --json or --jsonl to FILE instead of stdout; with --input, "
-        "the JSONL results file (`-` = stdout; rerunning resumes it).")] = None,
+        help="Write what would go to stdout (the text, or the JSON with --json/--jsonl) to "
+        "FILE instead; stderr is unchanged. With --input, the JSONL results (what `-` "
+        "sends to stdout; rerunning resumes the file).")] = None,
     logprobs: opt.Logprobs = None,
     color_by: opt.ColorBy = None,
     show_settings: opt.ShowSettings = False,

@@ -41,12 +41,25 @@ Backend = Annotated[str, typer.Option(
          "is refused).")]
 RetiredCompile = Annotated[bool, typer.Option(
     "--compile", hidden=True, help="Replaced by --backend compiled / --backend native.")]
+
+
+def complete_preset(incomplete: str) -> list[str]:
+    """Shell completion of a preset name: the built-in and user presets (your presets
+    folder) whose names start with what is typed; after a comma, the next name of a
+    comma list."""
+    from genlib.presets import available_names
+
+    done, _, typed = incomplete.rpartition(",")
+    head = done + "," if done else ""
+    return [head + name for name in available_names() if name.startswith(typed)]
+
+
 Preset = Annotated[str | None, typer.Option(
-    "--preset", "-p", rich_help_panel=DECODING_PANEL,
+    "--preset", "-p", rich_help_panel=DECODING_PANEL, autocompletion=complete_preset,
     help="Preset name (see `genlab presets list`) or path to a .yaml file.")]
 # Commands that run several presets side by side (compare, bench); `preset_refs` reads it.
 Presets = Annotated[list[str] | None, typer.Option(
-    "--preset", "-p", rich_help_panel=DECODING_PANEL,
+    "--preset", "-p", rich_help_panel=DECODING_PANEL, autocompletion=complete_preset,
     help="Preset name (see `genlab presets list`) or path to a .yaml file; repeatable, or "
          "a comma list.")]
 
@@ -184,7 +197,6 @@ ShowSettings = Annotated[bool, typer.Option(
     help="List every effective setting and where it came from (stderr).")]
 # The output flags live with the output contract (cli/output.py); here for one import.
 Json, Jsonl, OutputFile = output.Json, output.Jsonl, output.OutputFile
-JsonOutputFile, MachineOutputFile = output.JsonOutputFile, output.MachineOutputFile
 
 
 def refuse_compile(given: bool) -> None:

@@ -1,6 +1,7 @@
 """The machine-readable output every command shares (docs/output.md,
 docs/output.schema.json): `--json` writes one JSON document, `--jsonl` one object per
-output as each is ready, `-o/--output FILE` sends either (or the text) to a file.
+output as each is ready, `-o/--output FILE` writes what would go to stdout (the text,
+or either JSON) to FILE instead.
 
 The shared parts are built here only, so every command names the same thing alike:
 `model`, `settings`, `prompt`, `prompt_tokens`, and per output `index` (from 1, as the
@@ -9,10 +10,11 @@ tables count), `text`, `token_ids`, `finish_reason`, `new_tokens` and `timings`.
 
 from __future__ import annotations
 
+import io
 import json
 import sys
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, TYPE_CHECKING, Annotated, Any
@@ -34,13 +36,8 @@ Jsonl = Annotated[bool, typer.Option(
     help="Print one JSON object per output, each as soon as it is ready (for pipes).")]
 OutputFile = Annotated[str | None, typer.Option(
     "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
-    help="Write what would go to stdout (the text, --json or --jsonl) to FILE instead.")]
-MachineOutputFile = Annotated[str | None, typer.Option(
-    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
-    help="Write the --json or --jsonl output to FILE instead of stdout.")]
-JsonOutputFile = Annotated[str | None, typer.Option(
-    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
-    help="Write the --json document to FILE instead of stdout.")]
+    help="Write what would go to stdout (the text, or the JSON with --json/--jsonl) to "
+         "FILE instead; stderr is unchanged.")]
 
 
 def version() -> str:
@@ -162,16 +159,6 @@ class Sink:
         encoding = (getattr(sys.stdout, "encoding", None) or "").lower().replace("-", "")
         return encoding != "utf8"
 
-    def texts(self, texts: list[str]) -> None:
-        """Without JSON, -o FILE gets the plain output texts, one after the other."""
-        self.plain("".join(text + "\n" for text in texts))
-
-    def plain(self, text: str) -> None:
-        """Without JSON, -o FILE gets `text`: the output texts as the command lays them
-        out on stdout."""
-        if self.mode == "text" and not self.to_stdout:
-            self.write(text)
-
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
@@ -193,15 +180,35 @@ def sink(as_json: bool, as_jsonl: bool, path: str | None) -> Sink:
     return Sink("json" if as_json else "jsonl" if as_jsonl else "text", path)
 
 
+class _FileAsStdout(io.TextIOBase):
+    """stdout while -o FILE is in force: writes go to the sink's file, opened at the
+    first write, so that a run which fails before writing anything leaves no file."""
+
+    encoding = "utf-8"
+
+    def __init__(self, target: Sink) -> None:
+        self._target = target
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        self._target.write(text)
+        return len(text)
+
+
 @contextmanager
 def opened(target: Sink) -> Iterator[Sink]:
-    """Close the sink's file at the end, whatever happens. While -o FILE takes the
-    plain texts, the view that would have shown them (the streamed text, beam's table)
-    goes to stderr: stdout stays empty, as with any tool's -o."""
+    """While the command runs, -o FILE is its stdout: FILE gets what stdout would have
+    got (the text and tables as a pipe gets them, or the JSON), and nothing of it goes
+    to the terminal. The file is closed at the end, whatever happens."""
     from cli import render
 
-    with render.view_on_stderr(target.mode == "text" and not target.to_stdout):
-        try:
+    try:
+        if target.to_stdout:
             yield target
-        finally:
-            target.close()
+        else:
+            with redirect_stdout(_FileAsStdout(target)), render.uncoloured():
+                yield target
+    finally:
+        target.close()

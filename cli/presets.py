@@ -10,17 +10,15 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 
 from cli import output
-from cli.errors import fail, user_errors
-from cli.output import OUTPUT_PANEL, Json, JsonOutputFile, Sink, opened, sink
+from cli.errors import user_errors
+from cli.options import complete_preset
+from cli.output import Json, OutputFile, opened, sink
 
 if TYPE_CHECKING:
     from genlib.errors import PresetError
     from genlib.presets import Preset
 
 app = typer.Typer(help="List and inspect decoding presets.", no_args_is_help=True)
-ShowOutputFile = Annotated[str | None, typer.Option(
-    "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
-    help="Write the YAML (or the --json document) to FILE instead of stdout.")]
 
 
 def source_of(path: Path) -> str:
@@ -33,12 +31,6 @@ def source_of(path: Path) -> str:
     if path.parent == user_dir().expanduser().resolve():
         return "user"
     return "file"
-
-
-def refuse_table_file(target: Sink, command: str) -> None:
-    """-o FILE carries the --json document; the tables are for the terminal."""
-    if not target.machine and not target.to_stdout:
-        raise fail(f"-o/--output writes the --json output of presets {command}; add --json")
 
 
 # --- list -------------------------------------------------------------------------------
@@ -89,18 +81,17 @@ def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
 
 @app.command("list")
 @user_errors
-def list_(as_json: Json = False, output_file: JsonOutputFile = None) -> None:
+def list_(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Name, strategy and description of every preset (built-in and yours)."""
     from genlib.presets import list_presets
 
     target = sink(as_json, False, output_file)
-    refuse_table_file(target, "list")
     presets = list_presets()
-    if not target.machine:
-        show_list(presets)
-        return
     with opened(target):
-        target.json_document(list_document(presets))
+        if target.machine:
+            target.json_document(list_document(presets))
+        else:
+            show_list(presets)
 
 
 # --- show -------------------------------------------------------------------------------
@@ -118,22 +109,38 @@ def show_document(preset: Preset) -> dict[str, Any]:
         set_by={key: str(path) for key, path in preset.set_by.items()})
 
 
+def has_control(text: str) -> bool:
+    """Whether `text` holds a control character (a newline, a tab, ...)."""
+    return any(ord(c) < 32 or ord(c) == 127 for c in text)
+
+
 def show_yaml(preset: Preset) -> str:
+    """The resolved preset as YAML; a string with a control character (DRY's "\\n"
+    sequence breaker) double-quoted with escapes, not a block of blank lines."""
     import yaml
 
     from genlib.presets import resolve_alone
 
+    class Dumper(yaml.SafeDumper):
+        pass
+
+    def string(dumper: yaml.SafeDumper, text: str) -> yaml.ScalarNode:
+        style = '"' if has_control(text) else None
+        return dumper.represent_scalar("tag:yaml.org,2002:str", text, style=style)
+
+    Dumper.add_representer(str, string)
     resolved = {"name": preset.name, "description": preset.description}
     if preset.model:
         resolved["model"] = preset.model
     resolved.update(resolve_alone(preset).to_dict())
-    return yaml.safe_dump(resolved, sort_keys=False, allow_unicode=True)
+    return yaml.dump(resolved, Dumper=Dumper, sort_keys=False, allow_unicode=True)
 
 
 @app.command("show")
 @user_errors
-def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yaml file.")],
-         as_json: Json = False, output_file: ShowOutputFile = None) -> None:
+def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yaml file.",
+                                             autocompletion=complete_preset)],
+         as_json: Json = False, output_file: OutputFile = None) -> None:
     """The fully resolved settings of a preset (defaults filled in), as YAML."""
     from genlib.presets import load_preset, resolve_alone
 
@@ -143,10 +150,8 @@ def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yam
     with opened(target):
         if target.machine:
             target.json_document(show_document(preset))
-        elif target.to_stdout:
-            typer.echo(show_yaml(preset), nl=False)
         else:
-            target.write(show_yaml(preset))
+            typer.echo(show_yaml(preset), nl=False)
 
 
 # --- keys -------------------------------------------------------------------------------
@@ -183,12 +188,11 @@ def show_keys() -> None:
 
 @app.command("keys")
 @user_errors
-def keys(as_json: Json = False, output_file: JsonOutputFile = None) -> None:
+def keys(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Every setting a preset (or a flag, a JSONL line, /set) may hold."""
     target = sink(as_json, False, output_file)
-    refuse_table_file(target, "keys")
-    if not target.machine:
-        show_keys()
-        return
     with opened(target):
-        target.json_document(keys_document())
+        if target.machine:
+            target.json_document(keys_document())
+        else:
+            show_keys()

@@ -134,19 +134,15 @@ def _escape(text: str) -> str:
 
 
 @contextmanager
-def view_on_stderr(active: bool = True) -> Iterator[None]:
-    """Send the view that goes to stdout (streamed text, tables) to stderr for a while
-    (`out` follows sys.stdout or sys.stderr as they are when it writes)."""
-    if not active:
-        yield
-        return
-    # Rich settles a console's colours when it is made, from its stream: take stderr's.
-    saved = out.stderr, out._color_system
-    out.stderr, out._color_system = True, err._color_system
+def uncoloured() -> Iterator[None]:
+    """The stdout view without colour codes for a while (-o FILE is stdout then): Rich
+    settles a console's colours when it is made, from the stream it had then."""
+    saved = out._color_system
+    out._color_system = None
     try:
         yield
     finally:
-        out.stderr, out._color_system = saved
+        out._color_system = saved
 
 
 def stream_text(text: str, style: str = TEXT_STYLE) -> None:

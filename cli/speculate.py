@@ -4,6 +4,7 @@ and timing report (and, by default, the same prompt decoded plainly for the spee
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -25,7 +26,6 @@ from cli.output import Sink, opened, sink
 from genlib.config import with_seed
 
 if TYPE_CHECKING:
-    from genlib.backends.choose import Request
     from genlib.config import GenerationSettings
     from genlib.events import Event, Finish, Token
     from genlib.models import LoadedModel
@@ -60,26 +60,44 @@ def drafter_name(draft: LoadedModel | None, prompt_lookup: int | None) -> str:
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
                        drafting: Drafting, live: bool, logprobs: int = 0
-                       ) -> tuple[list[Event], bool]:
+                       ) -> tuple[list[Event], bool, float]:
+    """Run speculation, streaming its text when `live`: (events, whether Ctrl-C cut it
+    short, seconds spent printing), the last to keep printing out of its timing, as the
+    baseline prints nothing."""
     from cli import render
     from genlib.events import Finish, Token
     from genlib.generate import stream
     from genlib.step import collect
     from genlib.stepdetail import Detail
 
+    printing = 0.0
+
     def handle(event: Any) -> None:
+        nonlocal printing
         if not live:
             return
-        if isinstance(event, Token):
+        if isinstance(event, Token):  # within the run's clock, which Finish stops
+            start = time.perf_counter()
             render.stream_text(event.text, render.DRAFT_STYLE if event.draft
                                else render.TARGET_STYLE)
+            printing += time.perf_counter() - start
         elif isinstance(event, Finish):
             render.stream_text(event.tail)
             render.end_line()
 
     detail = Detail(logprobs=logprobs) if logprobs else None
     events = stream(target, [ids], settings, drafter=drafting, detail=detail)
-    return collect(events, handle)
+    seen, interrupted = collect(events, handle)
+    return seen, interrupted, printing
+
+
+def without_printing(summary: Summary, printing: float) -> Summary:
+    """The run's summary with the seconds spent printing its stream taken out of its
+    decode time, so that it is timed as the baseline is (which prints nothing)."""
+    import dataclasses
+
+    return dataclasses.replace(summary, decode_seconds=max(summary.decode_seconds - printing,
+                                                           0.0))
 
 
 def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettings
@@ -339,7 +357,7 @@ def speculate(
     if truncate_prompt and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)
-    # before the warm-up, which feeds both models the prompt's first tokens
+    # before the rehearsal, which feeds both models the prompt
     check_request(target, ids, settings, draft, draft_length(num_draft_tokens, draft is not None))
     drafting = Drafting(draft_lm=draft, prompt_lookup=prompt_lookup,
                         num_draft_tokens=num_draft_tokens, adaptive=adaptive,
@@ -350,19 +368,25 @@ def speculate(
         raise typer.Exit(code)
 
 
-def warm_up(lm: LoadedModel, ids: list[int], request: Request) -> None:
-    """A short prefill, a two-token extension and a step on the backend the runs use
-    (`request`'s), so first-call costs (allocation, lazy init, a kernel build) fall on
-    neither the speculative run nor the baseline."""
-    import torch
+REHEARSAL_TOKENS = 8
 
-    from genlib.backends.choose import choose_backend
 
-    backend = choose_backend(lm, request)
-    head = torch.tensor([ids[:2]], dtype=torch.long, device=lm.device)
-    backend.prefill([ids[:2]], 8)
-    backend.extend(head)
-    backend.step(head[:, 0])
+def rehearse(target: LoadedModel, ids: list[int], settings: GenerationSettings,
+             drafting: Drafting, baseline: bool) -> None:
+    """An untimed short run of each side the report compares (speculation, and plain
+    decoding where it runs), so that first-call costs (a backend's allocations and lazy
+    set-up, the draft kernel's first call, code the speculative path imports on first
+    use) fall on neither timed run."""
+    from genlib.generate import stream
+
+    tokens = min(REHEARSAL_TOKENS, settings.max_new_tokens)
+    short = settings.replace(max_new_tokens=tokens,
+                             min_new_tokens=min(settings.min_new_tokens, tokens))
+    for _ in stream(target, [ids], short, drafter=drafting):
+        pass
+    if baseline:
+        for _ in stream(target, [ids], short):
+            pass
 
 
 def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
@@ -370,20 +394,18 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
            ) -> int:
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output
-    from genlib.backends.choose import Request, architecture, draft_request
+    from genlib.backends.choose import architecture
     from genlib.events import Finish, Token
     from genlib.speculative import adapts, draft_length, summarize
 
     draft = drafting.draft_lm
-    warm_up(target, ids, Request(rows=1, crop=True, backend=target.backend))
-    if draft is not None:
-        warm_up(draft, ids, draft_request(draft, draft.backend, drafting.draft_weights))
+    rehearse(target, ids, settings, drafting, baseline)
     drafter = drafter_name(draft, drafting.prompt_lookup)
-    events, interrupted = stream_speculation(target, ids, settings, drafting,
-                                             live=not sink.machine, logprobs=logprobs)
+    events, interrupted, printing = stream_speculation(
+        target, ids, settings, drafting, live=not sink.machine, logprobs=logprobs)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
-    summary = summarize(events)
+    summary = without_printing(summarize(events), printing)
     plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
     if plain is not None and plain[0].reason == "interrupted":
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
@@ -398,7 +420,6 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
                       tokens)
     sink.json_document(doc)
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
-    sink.texts([finish.text])
     if not sink.machine:
         if logprobs:
             render_tokens.logprobs_table(target, tokens)

@@ -4,15 +4,37 @@ several architectures (built in memory, with the stories260K tokenizer)."""
 from __future__ import annotations
 
 import gc
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
-import genlib  # noqa: F401  (first: keeps triton away from a CPU torch, see genlib/__init__)
-
 ROOT = Path(__file__).resolve().parents[1]
+WITHOUT_EXTRAS = ROOT / "tests" / "without_extras"
+
+
+def _without_extras() -> None:
+    """GENLAB_TEST_WITHOUT=xgrammar,ray,matplotlib: the suite as on an install without
+    those extras, in this process and in the CLI subprocesses the tests start
+    (tests/without_extras/sitecustomize.py)."""
+    if not os.environ.get("GENLAB_TEST_WITHOUT"):
+        return
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_genlab_without_extras", WITHOUT_EXTRAS / "sitecustomize.py")
+    assert spec is not None and spec.loader is not None
+    spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    paths = [str(WITHOUT_EXTRAS), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+
+
+_without_extras()
+
+import genlib  # noqa: E402, F401  (before torch: keeps triton away from a CPU torch)
+
 SHARED_MODELS = ROOT.parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K"
 LLAMA2XS = SHARED_MODELS / "llama2xs"

@@ -200,7 +200,6 @@ def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread, 
     (("--strategy", "beam"), "beam search is not supported"),
     (("--strategy", "creative"), "'creative' is not a strategy; use greedy, sample, or give "
                                  "a preset with -p creative"),
-    (("-o", "out.json"), "-o/--output writes the --json or --jsonl output of bench"),
     (("--prompt-len", "500", "--new-tokens", "100"), "exceeds the model's 512 positions"),
 ])
 def test_bad_input_is_one_line_and_exit_2(args, message):

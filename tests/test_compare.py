@@ -494,7 +494,6 @@ def test_cli_ctrl_c_in_a_model_comparison_marks_the_cut_run(ctrl_c_at, tmp_path)
     (["-p", "no-such-preset"], "no-such-preset"),
     (["--json", "--markdown", "-"], "both want stdout"),
     (["--jsonl", "--markdown", "-"], "both want stdout"),
-    (["-o", "out.json"], "-o/--output writes the --json or --jsonl output"),
     (["-m", str(STORIES), "--models", "a,b"], "-m/--model and --models exclude each other"),
     (["--models", "a,b", "-p", "greedy", "-p", "creative"], "one strategy"),
     (["-n", "0"], "error: command line: max_new_tokens must be >= 1, got 0"),

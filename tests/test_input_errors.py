@@ -155,9 +155,14 @@ def test_two_inputs_from_stdin_are_refused_before_either_reads_it(tmp_path: Path
             assert_clear(invoke(command, *prompt, *MODEL, "--grammar", "-",
                                 input='root ::= "a"'), 2,
                          "--grammar - and the prompt would both read stdin")
+
+
+def test_a_schema_on_stdin_beside_a_prompt_argument_is_read():
+    """The prompt is an argument: stdin has one reader, the schema's."""
+    pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlab[grammar]'")
     result = invoke("generate", "Num:", *MODEL, "-n", "2", "--json-schema", "-",
                     input='{"type": "integer"}')
-    assert result.exit_code == 0, result.output  # the prompt is an argument: one reader
+    assert result.exit_code == 0, result.output
 
 
 def test_a_crlf_line_end_on_stdin_is_not_part_of_the_prompt():

@@ -30,7 +30,7 @@ COMMANDS = {
     "bench": ["bench", *M, "--runs", "1", "--warmup", "0", "--prompt-len", "4",
               "--new-tokens", "3", "--no-bandwidth", "-p", "creative"],
 }
-# Commands with --json only (one document; no --jsonl).
+# Commands whose documents these tests check (explain's --jsonl has a test of its own).
 DOCUMENTS = {
     **COMMANDS,
     "explain": ["explain", PROMPT, *M, "-n", "4", "-t", "0.8", "--seed", "1", "--top", "3",
@@ -168,23 +168,54 @@ def test_output_file_gets_the_document_and_stdout_stays_empty(tmp_path):
     assert errors(doc) == [] and doc["outputs"][0]["text"].startswith(", there")
 
 
-@pytest.mark.parametrize(("command", "extra", "texts"), [
-    ("generate", [], [", there was a little"]),
-    ("beam", ["-k", "2"], [", there was a little", ", there was a big"]),
-    ("speculate", ["--prompt-lookup", "2", "--no-baseline"], [", there was a little"]),
-])
-def test_output_file_gets_the_texts_and_stdout_stays_empty(tmp_path, command, extra, texts):
-    """-o FILE without --json: the plain texts go to FILE, the view that showed them to
-    stderr, and nothing to stdout (it would be the texts a second time); then stdout
-    is stdout again."""
+# -o FILE: what stdout would get, in FILE; (command line, whether two runs print the same)
+TO_FILE = {
+    "generate": (["generate", PROMPT, *M, "-n", "5"], True),
+    "beam": (["beam", PROMPT, *M, "-n", "5", "-k", "2"], True),
+    "speculate": (["speculate", PROMPT, *M, "-n", "5", "--prompt-lookup", "2",
+                   "--no-baseline"], True),
+    "explain": (["explain", PROMPT, *M, "-n", "3", "-t", "0.8", "--seed", "1"], True),
+    "compare": (["compare", PROMPT, *M, "-n", "5", "-p", "greedy"], False),  # timings
+    "bench": ([*COMMANDS["bench"]], False),
+    "presets list": (["presets", "list"], True),
+    "presets show": (["presets", "show", "creative"], True),
+    "presets keys": (["presets", "keys"], True),
+}
+
+
+@pytest.mark.parametrize("name", list(TO_FILE))
+def test_output_file_gets_what_stdout_would_and_nothing_else_moves(tmp_path, name):
+    """-o FILE means one thing on every command: FILE gets what stdout would have got
+    (here the text view, as a pipe gets it), stdout gets nothing, and stderr only its
+    usual lines: the text is not echoed there."""
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
+    args, same = TO_FILE[name]
+    plain = run(*args)
     target = tmp_path / "out.txt"
-    result = run(command, PROMPT, *M, "-n", "5", *extra, "-o", str(target))
-    assert result.stdout == ""
-    assert target.read_text().splitlines() == texts
-    assert texts[0] in result.stderr
-    assert run("generate", PROMPT, *M, "-n", "5").stdout == texts[0] + "\n"
+    filed = run(*args, "-o", str(target))
+    assert filed.stdout == ""
+    written = target.read_text()
+    assert written.strip()
+    if same:
+        assert written == plain.stdout
+        assert len(filed.stderr.splitlines()) == len(plain.stderr.splitlines())  # timings vary
+    else:
+        assert written.splitlines()[0] == plain.stdout.splitlines()[0]
+    for line in written.splitlines():
+        assert line.strip() == "" or line not in filed.stderr
+
+
+@pytest.mark.parametrize("form", ["--json", "--jsonl"])
+def test_output_file_gets_the_json_stdout_would(tmp_path, form):
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    args = ["compare", PROMPT, *M, "-n", "4", "-p", "greedy", form]
+    target = tmp_path / "out.json"
+    assert run(*args, "-o", str(target)).stdout == ""
+    docs = [json.loads(line) for line in target.read_text().splitlines()] \
+        if form == "--jsonl" else [json.loads(target.read_text())]
+    assert docs and all(errors(doc) == [] for doc in docs)
 
 
 def test_output_file_lays_several_outputs_out_as_stdout_does(tmp_path):
@@ -239,11 +270,24 @@ def test_the_schema_rejects_a_broken_explain_document(documents):
     assert errors(doc)
 
 
-def test_explain_output_file_needs_json(tmp_path):
-    result = CliRunner().invoke(app, ["explain", PROMPT, "-o", str(tmp_path / "x.json")])
-    assert result.exit_code == 2
-    assert "-o/--output writes the --json output of explain" in result.stderr
-    assert not (tmp_path / "x.json").exists()
+def test_explain_jsonl_is_the_documents_steps_one_a_line(documents):
+    """explain --jsonl: the original's steps, then the branch's, each the document's step
+    object with `run` and the run's facts beside it; every line validates."""
+    doc = documents["explain"]
+    lines = [json.loads(line)
+             for line in run(*DOCUMENTS["explain"], "--jsonl").stdout.splitlines()]
+    assert [errors(line) for line in lines] == [[]] * len(lines)
+    steps = [("original", s) for s in doc["original"]["steps"]] + \
+        [("branch", s) for s in doc["branch"]["steps"]]
+    assert len(lines) == len(steps) == 8
+    for line, (name, step) in zip(lines, steps, strict=True):
+        assert line["run"] == name
+        assert {key: line[key] for key in step} == step
+        assert line["prompt"] == PROMPT and line["settings"] == doc["settings"]
+    broken = dict(lines[0], run="other")
+    assert errors(broken)
+    del broken["run"]
+    assert errors(broken)
 
 
 # --- presets ----------------------------------------------------------------------------
@@ -356,10 +400,9 @@ def test_presets_output_file(user_presets, tmp_path):
     shown = tmp_path / "creative.yaml"  # without --json, show writes its YAML there
     assert run("presets", "show", "creative", "-o", str(shown)).stdout == ""
     assert "top_p: 0.92" in shown.read_text().splitlines()
-    for command in ("list", "keys"):  # the tables are for the terminal
-        result = CliRunner().invoke(app, ["presets", command, "-o", str(tmp_path / "t")])
-        assert result.exit_code == 2
-        assert f"-o/--output writes the --json output of presets {command}" in result.stderr
+    listed = tmp_path / "list.txt"  # and list its table, as a pipe gets it
+    assert run("presets", "list", "-o", str(listed)).stdout == ""
+    assert "warm" in listed.read_text() and "\x1b[" not in listed.read_text()
 
 
 # --- every command --------------------------------------------------------------------
@@ -389,24 +432,33 @@ def test_speculate_reports_the_schedule_that_ran(documents):
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs a pseudo-terminal")
-def test_the_view_sent_to_stderr_takes_stderrs_colours(tmp_path):
-    """stdout a terminal, stderr a file, -o FILE: beam's table goes to the file without
-    the escape codes the terminal would have had."""
+def test_output_file_takes_the_view_without_the_terminals_colours(tmp_path):
+    """stdout and stderr terminals, -o FILE: beam's table goes to the file without the
+    escape codes the terminal would have had, and neither terminal shows it."""
     import pty
     import subprocess
 
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
     leader, follower = pty.openpty()
-    log = tmp_path / "err.log"
-    with log.open("w") as err:
-        done = subprocess.run([sys.executable, "-m", "cli", "beam", PROMPT, *M, "-n", "3",
-                               "-k", "2", "-o", str(tmp_path / "b.txt")], stdout=follower,
-                              stderr=err, cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    table = tmp_path / "b.txt"
+    done = subprocess.run([sys.executable, "-m", "cli", "beam", PROMPT, *M, "-n", "3",
+                           "-k", "2", "-o", str(table)], stdout=follower, stderr=follower,
+                          cwd=ROOT, env={**os.environ, "HF_HUB_OFFLINE": "1"})
     os.close(follower)
+    shown = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        shown += chunk
     os.close(leader)
     assert done.returncode == 0
-    assert "beam search" in log.read_text() and "\x1b[" not in log.read_text()
+    assert ", there was" in table.read_text() and "\x1b[" not in table.read_text()
+    assert b", there was" not in shown
 
 
 def test_a_run_stopped_before_any_backend_ran_is_still_a_valid_document(monkeypatch):

@@ -224,3 +224,57 @@ def test_a_preset_without_a_description_says_whose_it_shows(user_presets):
         f"(extends creative) {load_preset('creative').description}"
     assert load_preset("bare").description == f"(extends {user_presets / 'plain.yaml'})"
     assert load_preset("plain").description == ""
+
+
+def test_show_prints_a_control_character_as_a_quoted_escape(user_presets):
+    """DRY's newline sequence breaker was a block of blank lines (`- '` then an empty
+    line); it reads "\\n", and the YAML still loads back to the same settings."""
+    import yaml
+
+    (user_presets / "tabbed.yaml").write_text(
+        'extends: creative\nstop_strings: ["a\\tb", "plain"]\n')
+    result = CliRunner().invoke(app, ["presets", "show", "tabbed"])
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    breakers = lines.index("dry_sequence_breakers:")
+    assert lines[breakers + 1] == '- "\\n"'
+    assert '- "a\\tb"' in lines and "- plain" in lines
+    shown = yaml.safe_load(result.stdout)
+    settings = resolve_alone(load_preset("tabbed")).to_dict()
+    assert shown["dry_sequence_breakers"] == list(settings["dry_sequence_breakers"])
+    assert shown["stop_strings"] == ["a\tb", "plain"]
+
+
+def test_preset_names_complete_built_in_and_user_presets(user_presets):
+    from cli.options import complete_preset
+
+    (user_presets / "crisp.yaml").write_text("temperature: 0.3\n")
+    assert complete_preset("cr") == ["creative", "crisp"]
+    assert complete_preset("") == available_names()
+    assert complete_preset("greedy,pr") == ["greedy,precise"]  # compare's comma list
+    assert complete_preset("nothing-like-it") == []
+
+
+@pytest.mark.parametrize(("words", "expected"), [
+    ("genlab generate x -p cr", ["creative", "crisp"]),
+    ("genlab compare x --preset greedy,cri", ["greedy,crisp"]),
+    ("genlab presets show cr", ["creative", "crisp"]),
+])
+def test_the_shell_completion_protocol_offers_preset_names(user_presets, words, expected):
+    """What bash's completion script asks (`_GENLAB_COMPLETE=complete_bash` with
+    COMP_WORDS and COMP_CWORD) gets the preset names back, one a line."""
+    import os
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    (user_presets / "crisp.yaml").write_text("temperature: 0.3\n")
+    env = {**os.environ, "_GENLAB_COMPLETE": "complete_bash", "COMP_WORDS": words,
+           "COMP_CWORD": str(len(words.split()) - 1)}
+    done = subprocess.run(  # as the genlab script runs (argv[0] names the program)
+        [sys.executable, "-c", "import sys; sys.argv[0] = 'genlab'; "
+                               "from cli.main import run; run()"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == expected
