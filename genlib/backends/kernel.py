@@ -45,12 +45,16 @@ from typing import Any
 
 import torch
 
+from genlib.backends import quant
+
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 BUILDING = "building genlab's native kernel, once"
-# How the products store the weight matrices (torch's dtype names), and the build flags
-# that make them read so.
-WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",)}
+# How the products store the weight matrices (torch's dtype names, or a quantized format
+# of genlib.backends.quant), and the build flags that make them read so.
+WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
+           "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
+           "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 
 _float_p = ctypes.POINTER(ctypes.c_float)
@@ -198,6 +202,15 @@ def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return weight.reshape(padded // panel, panel, columns).transpose(1, 2).contiguous()
 
 
+def pack_matrix(weight: torch.Tensor, panel: int, weights: str) -> torch.Tensor:
+    """`weight` (out, in) float32 as the kernel that reads `weights` (a `WEIGHTS` key)
+    reads it: float32 or bfloat16 panels (`pack`), or a quantized format's bytes
+    (`quant.pack`). One tensor a matrix, a copy; pure."""
+    if weights in quant.FORMATS:
+        return quant.pack(weight, panel, weights)
+    return pack(weight, panel).to(getattr(torch, weights))
+
+
 def applies(lean: Any, weights: str = "float32") -> str | None:
     """Why the kernel does not apply to `lean`, or None when it does."""
     if lean.device.type != "cpu" or lean.dtype != torch.float32:
@@ -226,13 +239,13 @@ class NativeStep:
                              f"{weights}")
         self.weights = weights
         library = library or build_for(weights).library
-        dtype = getattr(torch, weights)
-        if library.genlab_weight_bytes() != dtype.itemsize:  # type: ignore[union-attr]
+        library.genlab_weight_format.restype = ctypes.c_char_p  # type: ignore[union-attr]
+        if library.genlab_weight_format().decode() != weights:  # type: ignore[union-attr]
             raise ValueError(f"this build of the kernel does not read {weights} matrices")
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
 
         def matrix(w: torch.Tensor) -> torch.Tensor:  # w: (in, out), as the lean forward's
-            return self._keep(pack(w.t(), panel).to(dtype))
+            return self._keep(pack_matrix(w.t(), panel, weights))
 
         def halves(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # [gate | up]
             gate, up = w.chunk(2, dim=1)
