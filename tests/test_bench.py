@@ -196,7 +196,7 @@ def test_json_bound_comes_from_the_bandwidth_sampled_between_rounds(one_thread, 
     (("--new-tokens", "0"), "--new-tokens: '0' is not a positive integer"),
     (("--new-tokens", "4,1"), "--new-tokens: 1 token has no decode step to time"),
     (("--baseline", "vllm"), "--baseline must be one of none, transformers, got 'vllm'"),
-    (("--quantize", "3bit"), "--quantize must be one of none, 8bit, 4bit, got '3bit'"),
+    (("--quantize", "3bit"), "--quantize must be one of none, 8bit, 4bit, q8_0, nf4, q4_0, got '3bit'"),
     (("--strategy", "beam"), "beam search is not supported"),
     (("--strategy", "creative"), "'creative' is not a strategy; use greedy, sample, or give "
                                  "a preset with -p creative"),

@@ -87,7 +87,7 @@ def test_unavailable_device_and_bad_names():
                                              "bfloat16, float16, got 'float8'"):
         load_model(ModelSpec(str(STORIES), dtype="float8"))
     with pytest.raises(ModelLoadError,
-                       match="--quantize must be one of none, 8bit, 4bit, got '3bit'"):
+                       match="--quantize must be one of none, 8bit, 4bit, q8_0, nf4, q4_0, got '3bit'"):
         load_model(ModelSpec(str(STORIES), quantize="3bit"))
 
 
