@@ -187,3 +187,133 @@ def test_greedy_tokens_on_real_models_are_the_dequantized_forwards(name, stories
         step = kernel.NativeStep(lean, 2, library, weights=name)
         want = greedy_lean(LeanLlama.from_model(dequantized(model, name)), ids, 48)
         assert greedy_native(step, lean, ids, 48) == want
+
+
+# --- where --quantize runs, and every mode on quantized weights -----------------------------
+
+@pytest.fixture(scope="module")
+def stories_q8():
+    from genlib.models import ModelSpec, load_model
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K is not present")
+    quantized_build("q8_0")
+    return load_model(ModelSpec(str(STORIES), quantize="8bit"), quick=True)
+
+
+def test_8bit_on_a_cpu_runs_q8_0_on_the_native_backend(stories_q8):
+    from genlib.backends.choose import Request, choose_backend
+
+    assert (stories_q8.quantize, stories_q8.weights, stories_q8.dtype_name) == (
+        "8bit", "q8_0", "float32")
+    backend = choose_backend(stories_q8, Request(rows=3, reorder=True))
+    assert backend.name == "native" and backend.weights == "q8_0"
+    assert backend.reason == "--quantize 8bit: weights q8_0"
+    asked = choose_backend(stories_q8, Request(backend="native"))
+    assert asked.reason == "asked for with --backend, weights q8_0"
+
+
+@pytest.mark.parametrize("backend", ["lean", "compiled", "transformers"])
+def test_other_backends_refuse_the_kernels_quantized_weights(stories_q8, backend):
+    from genlib.backends.choose import Request, choose_backend
+    from genlib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=f"the {backend} backend does not read the native "
+                                          f"kernel's q8_0 weights .*use --backend native"):
+        choose_backend(stories_q8, Request(backend=backend))
+
+
+def test_where_the_native_kernel_quantizes_and_where_bitsandbytes_does():
+    from genlib.backends.choose import native_quantization
+    from genlib.errors import ConfigError
+
+    assert native_quantization("4bit", "cpu", "auto", "auto", True) == "nf4"
+    assert native_quantization("q4_0", "cpu", "float32", "native", True) == "q4_0"
+    assert native_quantization("none", "cpu", "auto", "auto", True) is None
+    for device, dtype, backend, llama in (("cuda", "auto", "auto", True),
+                                          ("cpu", "auto", "transformers", True),
+                                          ("cpu", "auto", "auto", False),
+                                          ("cpu", "bfloat16", "auto", True)):
+        assert native_quantization("8bit", device, dtype, backend, llama) is None
+    with pytest.raises(ConfigError, match=r"--quantize 8bit on the native backend quantizes "
+                                          r"plain Llama-style models .*; use --quantize 8bit or "
+                                          r"4bit with --backend transformers \(bitsandbytes\)"):
+        native_quantization("8bit", "cpu", "auto", "native", False)
+    with pytest.raises(ConfigError, match="--quantize nf4 on the native backend quantizes a "
+                                          "float32 Llama-style model on the CPU"):
+        native_quantization("nf4", "cuda", "auto", "auto", True)
+
+
+PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went"]
+
+
+def test_a_quantized_batch_gives_each_row_its_tokens_alone(stories_q8):
+    from genlib.config import GenerationSettings
+    from genlib.generate import generate, stream
+
+    settings = GenerationSettings(max_new_tokens=40)
+    rows = [stories_q8.encode(p) for p in PROMPTS]
+    alone = [generate(stories_q8, [ids], settings)[0].token_ids for ids in rows]
+    events = list(stream(stories_q8, rows, settings))
+    assert (events[0].backend, events[0].backend_reason) == ("native",
+                                                             "--quantize 8bit: weights q8_0")
+    together = sorted((e for e in events if type(e).__name__ == "Finish"),
+                      key=lambda f: f.row)
+    assert [f.token_ids for f in together] == alone
+
+
+def test_one_beam_on_quantized_weights_is_their_greedy_search(stories_q8):
+    from genlib.beam import beam_search
+    from genlib.config import GenerationSettings
+    from genlib.generate import generate
+
+    ids = stories_q8.encode(PROMPTS[0])
+    greedy = generate(stories_q8, [ids], GenerationSettings(max_new_tokens=40))[0]
+    settings = GenerationSettings(strategy="beam", num_beams=1, max_new_tokens=40)
+    hyp = beam_search(stories_q8, [ids], settings)[0].hypotheses[0]
+    assert hyp.token_ids == greedy.token_ids
+    wide = GenerationSettings(strategy="beam", num_beams=3, max_new_tokens=20)
+    assert beam_search(stories_q8, [ids], wide)[0].hypotheses[0].token_ids
+
+
+def test_a_quantized_draft_of_the_quantized_target_accepts_every_token(stories_q8):
+    from genlib.config import resolve_settings
+    from genlib.events import Finish, Verify
+    from genlib.generate import generate
+    from genlib.speculative import speculative_stream
+
+    settings = resolve_settings({"max_new_tokens": 40})
+    ids = stories_q8.encode(PROMPTS[1])
+    plain = generate(stories_q8, [ids], settings)[0]
+    events = list(speculative_stream(stories_q8, ids, settings, draft_lm=stories_q8,
+                                     num_draft_tokens=4))
+    finish = next(e for e in events if isinstance(e, Finish))
+    assert finish.token_ids == plain.token_ids
+    verifies = [e for e in events if isinstance(e, Verify)]
+    assert verifies and all(v.accepted == v.proposed for v in verifies)
+    assert events[0].draft_weights == "q8_0"
+
+
+def test_fidelity_compares_each_format_with_float32_position_by_position():
+    """Perplexity from the lean forward's own log-softmax, windows from empty caches;
+    float32 agrees with itself; a format's KL is positive and its agreement below 1 on
+    a random model's flat distributions."""
+    from genlib.fidelity import fidelity
+
+    lean = LeanLlama.from_model(tiny("llama"))
+    torch.manual_seed(5)
+    tokens = torch.randint(3, 500, (21,)).tolist()
+    report = fidelity(lean, tokens, ["q4_0"], window=8, threads=1)
+    nll = 0.0
+    for start in range(0, 21, 8):  # windows 8, 8, 5: 7 + 7 + 4 predictions
+        piece = tokens[start:start + 8]
+        cache = lean.new_cache(8)
+        logits = torch.stack([lean.step(torch.tensor([[t]]), cache)[0] for t in piece[:-1]])
+        logprobs = torch.log_softmax(logits.double(), -1)
+        nll -= float(logprobs[torch.arange(len(piece) - 1), piece[1:]].sum())
+    exact = report["float32"]
+    assert exact.positions == 18 and (exact.top1_agreement, exact.mean_kl) == (1.0, 0.0)
+    assert exact.perplexity == pytest.approx(float(np.exp(nll / 18)), rel=1e-4)
+    four = report["q4_0"]
+    assert four.mean_kl > 1e-4 and four.perplexity != pytest.approx(exact.perplexity, rel=1e-4)
