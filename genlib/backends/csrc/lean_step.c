@@ -362,9 +362,21 @@ ALWAYS_INLINE void panel_tile(const weight_t *p, int n, const float *x, long ldx
 #define CODE_BYTES PANEL
 #define FORMAT "q8_0"
 typedef signed char codes_t __attribute__((vector_size(LANES), aligned(1)));
-static inline void unpack(const weight_t *c, vec *v0, vec *v1) {  /* int8 -> float */
+/* int8 -> float32: sign-extend, convert (GCC scalarizes a char vector's conversion,
+ * which ran q8_0 at half float32's speed, hence the intrinsics). */
+static inline void unpack(const weight_t *c, vec *v0, vec *v1) {
+#if defined(__AVX512F__)
+    *v0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    *v1 = (vec)_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + LANES))));
+#elif defined(__AVX2__)
+    *v0 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+    *v1 = (vec)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + LANES))));
+#else
     *v0 = __builtin_convertvector(*(const codes_t *)c, vec);
     *v1 = __builtin_convertvector(*(const codes_t *)(c + LANES), vec);
+#endif
 }
 #else
 #define CODE_BYTES LANES
