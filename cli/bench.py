@@ -21,6 +21,7 @@ from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
 from genlib.config import with_seed
 from genlib.errors import not_one_of
+from genlib.models import QUANTIZATIONS
 
 if TYPE_CHECKING:
     from genlib.bench import Case, Group, Result
@@ -130,7 +131,9 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "quantize": quantize, "prompt_len": case.prompt_len, "new_tokens_requested":
         case.new_tokens, "batch_size": case.batch_size,
         "architecture": architecture(lm),
-        "backend": engine_result.backend, "backend_requested":
+        "backend": engine_result.backend,
+        "weights": lm.weights or lm.dtype_name if engine_result.backend == "native" else None,
+        "backend_requested":
         case.backend if engine_result.engine == "genlab" else None,
         "runs": runs, "warmup": warmup, "settings": case.settings.to_dict(), **metrics,
         "speedup": group.speedup(engine_result),
@@ -182,7 +185,8 @@ def bench(
     dtype: Annotated[str, typer.Option(
         "--dtype", help="Comma list of dtypes: auto, float32, bfloat16, float16.")] = "auto",
     quantize: Annotated[str, typer.Option(
-        "--quantize", help="Comma list: none, 8bit, 4bit.")] = "none",
+        "--quantize", help="Comma list: none, 8bit, 4bit, q8_0, nf4, q4_0 (see generate's "
+        "--quantize).")] = "none",
     runs: Annotated[int, typer.Option("--runs", min=1, help="Counted runs per "
                                       "configuration (medians reported).")] = 3,
     warmup: Annotated[int, typer.Option("--warmup", min=0, help="Uncounted warm-up runs "
@@ -236,7 +240,7 @@ def bench(
     check_decode_steps(counts)
     batches = int_list("--batch-size", batch_size)
     dtypes = str_list("--dtype", dtype, ("auto", "float32", "bfloat16", "float16"))
-    quants = str_list("--quantize", quantize, ("none", "8bit", "4bit"))
+    quants = str_list("--quantize", quantize, QUANTIZATIONS)
     backends = str_list("--backend", backend, BACKENDS)
     if baseline not in BASELINES:
         raise fail(not_one_of("--baseline", baseline, BASELINES))

@@ -86,7 +86,9 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     from genlib.backends import kernel
     from genlib.backends.choose import native_allowed
 
-    if lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
+    if lm.weights is not None:  # --quantize on the native kernel: the format's build
+        weights = (lm.weights,)
+    elif lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
             or lm.dtype != torch.float32 or lm.quantize != "none":
         return
     if lm.backend == "auto" and not native_allowed():

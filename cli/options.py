@@ -30,7 +30,10 @@ Dtype = Annotated[str, typer.Option(
     "--dtype", rich_help_panel=MODEL_PANEL,
     help="auto, float32, bfloat16 or float16 (auto: float32 on CPU, bfloat16 on GPU).")]
 Quantize = Annotated[str, typer.Option(
-    "--quantize", rich_help_panel=MODEL_PANEL, help="none, 8bit or 4bit (bitsandbytes NF4).")]
+    "--quantize", rich_help_panel=MODEL_PANEL,
+    help="none, 8bit or 4bit. On a CPU a Llama-style model runs them on the native "
+         "kernel (8bit: q8_0; 4bit: nf4), which also takes q8_0, nf4 or q4_0 by name; on "
+         "a GPU or with --backend transformers, bitsandbytes (4bit: NF4).")]
 TrustRemoteCode = Annotated[bool, typer.Option(
     "--trust-remote-code", rich_help_panel=MODEL_PANEL,
     help="Allow model code from the hub to run.")]

@@ -58,6 +58,9 @@ class LoadedModel:
     max_positions: int | None
     quantize: str = "none"
     backend: str = "auto"  # the user's --backend, which genlib.backends.choose honours
+    # The native kernel's quantized format (genlib.backends.quant) where --quantize on a
+    # CPU runs there (the model itself stays float32); None: the model's own weights.
+    weights: str | None = None
     lean: Any = None  # a LeanLlama built without transformers (genlib.quickload)
     deferred: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
 

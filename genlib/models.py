@@ -31,7 +31,9 @@ from genlib.modelinfo import (  # noqa: F401  (LoadedModel, ModelSpec: the loadi
 if TYPE_CHECKING:
     import torch
 
-QUANTIZATIONS = ("none", "8bit", "4bit")
+# 8bit and 4bit: the native kernel's q8_0 and 4-bit format on a CPU, else bitsandbytes'
+# (genlib.backends.choose.native_quantization); q8_0, nf4, q4_0: the native kernel's.
+QUANTIZATIONS = ("none", "8bit", "4bit", "q8_0", "nf4", "q4_0")
 ASSETS = Path(__file__).resolve().parent / "assets"
 DEFAULT_MODEL = ASSETS / "code-small"
 DEFAULT_DRAFT = ASSETS / "code-tiny"
@@ -334,6 +336,8 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     files_only = not _is_local_ref(spec.ref) and hub_files_only(ref)
     device = pick_device(spec.device)
     spec = replace(spec, ref=display_name(spec.ref))
+    if spec.quantize not in QUANTIZATIONS:
+        raise ModelLoadError(not_one_of("--quantize", spec.quantize, QUANTIZATIONS))
     if quick and _is_local_ref(spec.ref) and Path(ref).is_dir():
         from genlib.quickload import quick_load
 
@@ -346,9 +350,14 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     config = _load_config(ref, spec, files_only)
     if _is_local_ref(spec.ref):
         checkpoint.check_weights(spec.ref, Path(ref), config, spec.trust_remote_code)
-    quant = _quantization_config(spec.quantize, device)
-    _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
-    dtype = torch.bfloat16 if spec.quantize == "4bit" and spec.dtype == "auto" else \
+    native = _native_format(spec, device, config)
+    if native is not None:  # the native kernel quantizes the float32 model it packs
+        spec = replace(spec, dtype="float32")
+    quant = None if native is not None else _quantization_config(spec.quantize, device)
+    if quant is not None:
+        _check_quantizable(config, spec.quantize, device, spec.trust_remote_code)
+    dtype = torch.bfloat16 if quant is not None and spec.quantize == "4bit" \
+        and spec.dtype == "auto" else \
         pick_dtype(spec.dtype, device)
     kwargs: dict[str, Any] = {"dtype": dtype, "trust_remote_code": spec.trust_remote_code,
                               "local_files_only": files_only}
@@ -366,7 +375,21 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
         eos_ids=eos_ids_of(model, tokenizer),
         pad_id=pad_id_of(model, tokenizer),
         max_positions=max_positions_of(config), quantize=spec.quantize, backend=spec.backend,
-    )
+        weights=native)
+
+
+def _native_format(spec: ModelSpec, device: torch.device, config: Any) -> str | None:
+    """The native kernel's format that runs spec.quantize (None: bitsandbytes does);
+    its refusal as a ModelLoadError."""
+    from genlib.backends.choose import native_quantization
+    from genlib.backends.llama import eligible_config
+    from genlib.errors import ConfigError
+
+    try:
+        return native_quantization(spec.quantize, device.type, spec.dtype, spec.backend,
+                                   eligible_config(config))
+    except ConfigError as error:
+        raise ModelLoadError(str(error)) from None
 
 
 def wrap_model(model: Any, tokenizer: Any, ref: str = "<in memory>") -> LoadedModel:

@@ -9,7 +9,8 @@ than everything else `genlab generate` does for a small model).
 Only what is known to load exactly as transformers loads it qualifies: a plain `llama`
 config (`lean.eligible_config`) holding only keys in CONFIG_KEYS, each of a type and
 range LlamaConfig accepts; one unsharded safetensors file holding exactly the tensors the
-config implies; a CPU device, no quantization, no adapter; and a tokenizer config that
+config implies; a CPU device, no quantization but the native kernel's (`--quantize` on a
+CPU: the model loads in float32), no adapter; and a tokenizer config that
 AutoTokenizer would resolve to `LlamaTokenizer` or `TokenizersBackend` without remote
 code. Anything else (or any error on the way) returns None and the caller loads the model
 through transformers, which also reports whatever is wrong with the checkpoint.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import replace
 from fnmatch import fnmatch
 from pathlib import Path
 from types import SimpleNamespace
@@ -58,17 +60,29 @@ def quick_load(spec: ModelSpec, folder: str, device: torch.device,
     when it does not qualify (see the module doc). `full()` loads the transformers
     model, on the first read of `LoadedModel.model`."""
     path = Path(folder)
-    from genlib.backends.choose import lean_allowed
+    from genlib.backends.choose import lean_allowed, native_quantization
+    from genlib.errors import ConfigError
 
-    if (not lean_allowed() or device.type != "cpu"
-            or spec.quantize != "none" or spec.trust_remote_code):
+    if not lean_allowed() or device.type != "cpu" or spec.trust_remote_code:
         return None
+    try:  # a model this loads is Llama-style: the native kernel quantizes, or none does
+        native = native_quantization(spec.quantize, device.type, spec.dtype, spec.backend,
+                                     llama_style=True)
+    except ConfigError:
+        return None  # the full load says why
+    if spec.quantize != "none" and native is None:
+        return None  # bitsandbytes: transformers' load
+    if native is not None:
+        spec = replace(spec, dtype="float32")
     if (path / "adapter_config.json").exists():
         return None  # transformers would apply the adapter
     try:
-        return _quick_load(spec, path, device, full)
+        lm = _quick_load(spec, path, device, full)
     except Exception:  # noqa: BLE001  (whatever it is, transformers' load reports it)
         return None
+    if lm is not None:
+        lm.weights = native
+    return lm
 
 
 def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callable[[], Any]
@@ -93,7 +107,8 @@ def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callabl
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
                        pad_id=pad_id_of(facts, tokenizer),
                        max_positions=model_config.max_position_embeddings,
-                       backend=spec.backend, lean=lean, deferred=full)
+                       quantize=spec.quantize, backend=spec.backend, lean=lean,
+                       deferred=full)
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

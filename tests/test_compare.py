@@ -553,7 +553,8 @@ def test_cli_presets_naming_different_models_are_refused(tmp_path):
 
 def test_cli_quantize_comparison_keeps_a_failed_run_in_its_column(stories):
     result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "-n", "6",
-                                 "--quantize", "none,4bit", "--json"])
+                                 "--quantize", "none,4bit", "--backend", "transformers",
+                                 "--json"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["kind"] == "models"

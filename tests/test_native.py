@@ -156,7 +156,7 @@ def test_a_build_that_reads_other_matrices_is_refused(library):
         pytest.skip(kernel.build_for("bfloat16").reason)
     with pytest.raises(ValueError, match="does not read float32 matrices"):
         kernel.NativeStep(lean, 1, bfloat16, weights="float32")
-    with pytest.raises(ValueError, match="as float32, bfloat16, not float16"):
+    with pytest.raises(ValueError, match="as float32, bfloat16, q8_0, nf4, q4_0, not float16"):
         kernel.NativeStep(lean, 1, bfloat16, weights="float16")
 
 

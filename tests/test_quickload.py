@@ -322,10 +322,17 @@ def test_other_architectures_load_through_transformers(tmp_path):
     assert quick_load(ModelSpec(str(folder)), str(folder), torch.device("cpu")) is None
 
 
-@pytest.mark.parametrize("spec", [ModelSpec(str(STORIES), quantize="8bit"),
-                                  ModelSpec(str(STORIES), trust_remote_code=True)])
-def test_quantized_or_remote_code_specs_do_not_qualify(spec):
+@pytest.mark.parametrize("spec", [
+    ModelSpec(str(STORIES), quantize="8bit", backend="transformers"),
+    ModelSpec(str(STORIES), trust_remote_code=True)])
+def test_bitsandbytes_or_remote_code_specs_do_not_qualify(spec):
     assert quick_load(spec, spec.ref, torch.device("cpu")) is None
+
+
+def test_the_native_kernels_quantization_starts_quickly_in_float32():
+    spec = ModelSpec(str(STORIES), quantize="8bit")
+    lm = quick_load(spec, spec.ref, torch.device("cpu"))
+    assert (lm.weights, lm.quantize, lm.dtype) == ("q8_0", "8bit", torch.float32)
 
 
 def test_repr_and_equality_do_not_load_the_deferred_model():

@@ -10,7 +10,8 @@ token-identical to transformers' `generate()`):
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
 | one row of an unquantized float32 model on a GPU | compiled |
-| several rows otherwise, a quantized model, or any other model | transformers |
+| `--quantize` on a CPU, a Llama-style model (any rows) | native, its matrices quantized |
+| several rows otherwise, a bitsandbytes model, or any other model | transformers |
 | speculation on a GPU without the lean forward | transformers |
 
 On a GPU a step's kernel launches and casts, not its arithmetic, set the pace, which a
@@ -25,6 +26,12 @@ would work, never replaced by another.
 
 Environment: GENLAB_LEAN=0 keeps auto (and the quick start-up) off the lean forward,
 GENLAB_NATIVE=0 keeps auto off the native kernel.
+
+`--quantize 8bit` and `--quantize 4bit` on a CPU quantize a Llama-style model's matrices
+for the native kernel (`NATIVE_FORMATS`, `native_quantization`: the model loads in
+float32 and the kernel packs its own quantized copy); on a GPU, with `--backend
+transformers`, or for another architecture, bitsandbytes quantizes it and transformers'
+forward runs it.
 
 A draft model (speculative decoding) asks for its matrices in bfloat16 where it runs on
 the native kernel (`draft_request`): the target checks every proposal, so the draft's
@@ -46,6 +53,11 @@ if TYPE_CHECKING:
     from genlib.modelinfo import LoadedModel
 
 BACKENDS = ("auto", "transformers", "lean", "compiled", "native")
+# The native kernel's format for each --quantize on a CPU (genlib.backends.quant): 4bit
+# is the faster of nf4 and q4_0 as measured (docs/performance.md); the formats by name
+# run on the native kernel alone.
+NATIVE_FORMATS = {"8bit": "q8_0", "4bit": "nf4", "q8_0": "q8_0", "nf4": "nf4",
+                  "q4_0": "q4_0"}
 
 
 @dataclass(frozen=True)
@@ -61,11 +73,11 @@ class Request:
     backend: str = "auto"
     weights: str | None = None
 
-    @property
-    def kernel_weights(self) -> str:
-        """The matrices the native kernel reads for this request: the model's own
-        (float32, all it runs) unless `weights` asks for others."""
-        return self.weights or "float32"
+    def kernel_weights(self, lm: LoadedModel) -> str:
+        """The matrices the native kernel reads for this request on `lm`: the ones
+        `weights` asks for, else the model's quantized format (`lm.weights`), else its
+        float32 matrices."""
+        return self.weights or lm.weights or "float32"
 
 
 # The backends that run one row per forward (no batches, no beam search).
@@ -93,7 +105,7 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     """A fresh backend for one generation on `lm` (see the module doc); its `reason`
     says why it was picked."""
     name, reason = _pick(lm, request)
-    backend = _build(name, lm, request.kernel_weights)
+    backend = _build(name, lm, request.kernel_weights(lm))
     backend.reason = reason
     return backend
 
@@ -102,6 +114,31 @@ def backend_name(lm: LoadedModel, request: Request) -> str:
     """The name of the backend `choose_backend` gives `request`, without building it; the
     same ConfigError for an explicit backend that cannot serve it."""
     return _pick(lm, request)[0]
+
+
+def native_quantization(quantize: str, device_type: str, dtype: str, backend: str,
+                        llama_style: bool) -> str | None:
+    """The native kernel's format (`NATIVE_FORMATS`) that runs `--quantize quantize` for a
+    model loaded on `device_type` in `dtype` (a flag's value) to run on `backend`, or None
+    where bitsandbytes quantizes it (a GPU, --backend transformers, another architecture,
+    GENLAB_NATIVE=0). A request neither can serve is refused with a ConfigError naming
+    what would."""
+    if quantize == "none":
+        return None
+    bitsandbytes = quantize in ("8bit", "4bit")
+    fits = device_type == "cpu" and dtype in ("auto", "float32") and llama_style \
+        and lean_allowed()
+    if backend == "native" or not bitsandbytes:
+        if not fits:
+            why = ("a float32 Llama-style model on the CPU" if llama_style
+                   else "plain Llama-style models (llama, mistral, qwen2)")
+            instead = "--quantize 8bit or 4bit with --backend transformers (bitsandbytes)"
+            raise ConfigError(f"--quantize {quantize} on the native backend quantizes "
+                              f"{why}; use {instead}")
+        return NATIVE_FORMATS[quantize]
+    if backend == "auto" and fits and native_allowed():
+        return NATIVE_FORMATS[quantize]
+    return None
 
 
 def check_draft_weights(weights: str, draft_model: bool = True) -> str:
@@ -130,8 +167,8 @@ def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Reque
                               f"the draft's matrices, and the draft runs on {name} "
                               f"({reason}); use --draft-weights auto{other}")
         return asked
-    if backend_name(lm, request) != "native":
-        return request
+    if backend_name(lm, request) != "native" or lm.weights is not None:
+        return request  # a quantized draft reads its own format
     lean = _lean(lm)
     assert lean is not None  # the native backend runs it
     bfloat16 = _kernel_missing(lean, "bfloat16") is None
@@ -149,14 +186,18 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
         if refusal is not None:
             raise ConfigError(refusal)
         reason = "asked for with --backend"
+        if lm.weights is not None:
+            reason += f", weights {request.kernel_weights(lm)}"
     return name, reason
 
 
 def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     one_row = request.rows == 1 and not request.reorder
     many = "beam search" if request.reorder else f"{request.rows} rows"
+    if lm.weights is not None:
+        return _quantized(lm, request)
     if lm.quantize != "none":
-        return "transformers", "a quantized model runs on transformers' forward"
+        return "transformers", "a bitsandbytes model runs on transformers' forward"
     if lm.device.type != "cpu" or lm.dtype != torch_float32():
         if not one_row:
             return "transformers", f"{many} in {lm.dtype_name} on {lm.device.type}"
@@ -174,7 +215,7 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
     if lean is None:
         return "transformers", f"no lean forward: {lean_refusal(lm)}"
     why_not = "GENLAB_NATIVE=0" if not native_allowed() \
-        else _kernel_missing(lean, request.kernel_weights)
+        else _kernel_missing(lean, request.kernel_weights(lm))
     if why_not is None:
         return "native", f"a float32 {lean.arch.name} model on the CPU"
     if one_row:
@@ -182,6 +223,15 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
             f"no native kernel: {why_not}"
     return "transformers", f"{many}, and no native kernel ({why_not}): the lean forward " \
                            f"runs one row"
+
+
+def _quantized(lm: LoadedModel, request: Request) -> tuple[str, str]:
+    """A model whose matrices the native kernel quantizes: native, the one backend that
+    reads them (refused with one line where its kernel cannot run)."""
+    refusal = _refusal("native", lm, request)
+    if refusal is not None:
+        raise ConfigError(refusal)
+    return "native", f"--quantize {lm.quantize}: weights {request.kernel_weights(lm)}"
 
 
 def _low_precision(lm: LoadedModel) -> tuple[str, str]:
@@ -256,6 +306,11 @@ def _static_cache_must_crop(lm: LoadedModel, request: Request) -> bool:
 def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     """Why the named backend cannot serve `request` on `lm`, naming only backends that
     can; None when it can."""
+    if lm.weights is not None and name != "native":
+        return (f"the {name} backend does not read the native kernel's {lm.weights} "
+                f"weights (--quantize {lm.quantize} on a CPU); use --backend native (or "
+                f"auto), or --quantize 8bit or 4bit with --backend transformers for "
+                f"bitsandbytes")
     if name == "transformers":
         return None
     if name in ONE_ROW and (request.rows > 1 or request.reorder):
@@ -263,7 +318,7 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
         native = "native or " if _refusal("native", lm, request) is None else ""
         return (f"the {name} backend runs one row, and this generation needs {what}; use "
                 f"--backend {native}transformers (or auto)")
-    if lm.quantize != "none":
+    if lm.quantize != "none" and lm.weights is None:
         how = " (torch.compile cannot trace bitsandbytes' layers)" if name == "compiled" else ""
         return (f"the {name} backend does not run quantized models{how}; use --backend "
                 f"transformers (or auto)")
@@ -277,9 +332,11 @@ def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
     if lean is None:
         return (f"the {name} backend runs {', '.join(ARCHITECTURES)} models, and cannot "
                 f"run {lm.ref}: {lean_refusal(lm)}; use --backend transformers (or auto)")
-    why_not = _kernel_missing(lean, request.kernel_weights) if name == "native" else None
+    why_not = _kernel_missing(lean, request.kernel_weights(lm)) if name == "native" else None
     if why_not is not None:
         instead = "lean" if request.rows == 1 and not request.reorder else "transformers"
+        if lm.weights is not None:
+            instead = "transformers with --quantize 8bit or 4bit (bitsandbytes)"
         return f"the native backend cannot run here: {why_not}; use --backend {instead} " \
                f"(or auto)"
     return None

@@ -51,12 +51,16 @@ from typing import Any
 
 import torch
 
+from genlib.backends import quant
+
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
 BUILDING = "building genlab's native kernel, once"
-# How the products store the weight matrices (torch's dtype names), and the build flags
-# that make them read so.
-WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",)}
+# How the products store the weight matrices (torch's dtype names, or a quantized format
+# of genlib.backends.quant), and the build flags that make them read so.
+WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
+           "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
+           "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
@@ -271,6 +275,15 @@ def pack(weight: torch.Tensor, panel: int) -> torch.Tensor:
     return weight.reshape(padded // panel, panel, columns).transpose(1, 2).contiguous()
 
 
+def pack_matrix(weight: torch.Tensor, panel: int, weights: str) -> torch.Tensor:
+    """`weight` (out, in) float32 as the kernel that reads `weights` (a `WEIGHTS` key)
+    reads it: float32 or bfloat16 panels (`pack`), or a quantized format's bytes
+    (`quant.pack`). One tensor a matrix, a copy; pure."""
+    if weights in quant.FORMATS:
+        return quant.pack(weight, panel, weights)
+    return pack(weight, panel).to(getattr(torch, weights))
+
+
 def qkv_bias(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor | None:
     """Layer `prefix`'s q/k/v biases as one vector (zeros for a projection without one),
     as the fused q/k/v product adds them; None when it has none."""
@@ -290,11 +303,9 @@ def pack_weights(tensor: Callable[[str], torch.Tensor], layers: int, head: str, 
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
     `.gate`, `.up`, `.down`. `tensor(name)` gives a float matrix (out, in) by its
     state-dict name; `head` is the output projection's (the embeddings' when tied)."""
-    dtype = getattr(torch, weights)
-
     def matrix(*names: str) -> torch.Tensor:
         rows = [tensor(name) for name in names]
-        return pack(torch.cat(rows) if len(rows) > 1 else rows[0], panel).to(dtype)
+        return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, weights)
 
     packed = {"lm_head": matrix(head)}
     for i in range(layers):
@@ -378,8 +389,8 @@ class NativeStep:
                              f"{weights}")
         self.weights = weights
         library = library or build_for(weights).library
-        dtype = getattr(torch, weights)
-        if library.genlab_weight_bytes() != dtype.itemsize:  # type: ignore[union-attr]
+        library.genlab_weight_format.restype = ctypes.c_char_p  # type: ignore[union-attr]
+        if library.genlab_weight_format().decode() != weights:  # type: ignore[union-attr]
             raise ValueError(f"this build of the kernel does not read {weights} matrices")
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
         packed = packed_weights(lean, panel, weights, notify)

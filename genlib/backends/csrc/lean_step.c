@@ -65,8 +65,13 @@
 typedef float vec __attribute__((vector_size(LANES * 4)));
 typedef float vec_u __attribute__((vector_size(LANES * 4), aligned(4)));  /* unaligned */
 
-/* A matrix weight as the products read it, and LANES of them as a vector of floats. */
-#ifdef GENLAB_BF16_WEIGHTS
+/* A matrix weight as the products read it, and LANES of them as a vector of floats.
+ * The quantized formats (-DGENLAB_Q8_0_WEIGHTS, _NF4_, _Q4_0_) read bytes: blocks of
+ * BLOCK columns, each with one float32 scale a row (see `panel_tile`). */
+#if defined(GENLAB_Q8_0_WEIGHTS) || defined(GENLAB_NF4_WEIGHTS) || defined(GENLAB_Q4_0_WEIGHTS)
+#define QUANTIZED 1
+typedef unsigned char weight_t;
+#elif defined(GENLAB_BF16_WEIGHTS)
 typedef unsigned short weight_t;
 typedef unsigned short weights_16 __attribute__((vector_size(LANES * 2)));
 typedef unsigned int weights_32 __attribute__((vector_size(LANES * 4)));
@@ -289,15 +294,47 @@ static void rows_times(const float *rows, int n, const float *x, long count, flo
  * k one-slot calls. */
 #define PANEL (2 * LANES)
 /* Slots per pass over a panel: 2 x TILE accumulators, the panel's two vectors and a
- * broadcast input fit the registers (AVX2's 16, AVX-512's 32). */
-#ifdef __AVX512F__
+ * broadcast input fit the registers (AVX2's 16, AVX-512's 32); the quantized formats
+ * hold a block's sums beside the totals, twice the accumulators. */
+#if defined(__AVX512F__) && !defined(QUANTIZED)
 #define TILE 12
-#else
+#elif defined(__AVX512F__) || !defined(QUANTIZED)
 #define TILE 6
+#else
+#define TILE 3
 #endif
 
 int genlab_panel_rows(void) { return PANEL; }
 int genlab_weight_bytes(void) { return (int)sizeof(weight_t); }
+
+/* The m slots' sums a[i] of one panel into out[i * ldo + j] (set or accumulated), for
+ * the `valid` real rows of the panel. */
+ALWAYS_INLINE void store_tile(vec (*a)[2], int m, float *out, long ldo, int valid,
+                              int accumulate) {
+    for (int i = 0; i < m; i++) {
+        float *o = out + i * ldo;
+        if (valid == PANEL) {
+            vec_u *o0 = (vec_u *)o, *o1 = (vec_u *)(o + LANES);
+            *o0 = accumulate ? *o0 + a[i][0] : a[i][0];
+            *o1 = accumulate ? *o1 + a[i][1] : a[i][1];
+        } else {
+            float sums[PANEL];
+            *(vec_u *)sums = a[i][0];
+            *(vec_u *)(sums + LANES) = a[i][1];
+            for (int j = 0; j < valid; j++) put(o + j, sums[j], accumulate);
+        }
+    }
+}
+
+#ifndef QUANTIZED
+const char *genlab_weight_format(void) {
+    return sizeof(weight_t) == 4 ? "float32" : "bfloat16";
+}
+
+/* Panel r / PANEL of a packed matrix of n columns. */
+static inline const weight_t *panel_at(const weight_t *w, int r, int n) {
+    return w + (long)r * n;
+}
 
 /* One panel (`valid` of its rows real) times m <= TILE slots' inputs x (row stride ldx):
  * out[i * ldo + j] set or accumulated. While it reads the panel, it prefetches the next
@@ -317,20 +354,116 @@ ALWAYS_INLINE void panel_tile(const weight_t *p, int n, const float *x, long ldx
             a[i][1] += v1 * xi;
         }
     }
-    for (int i = 0; i < m; i++) {
-        float *o = out + i * ldo;
-        if (valid == PANEL) {
-            vec_u *o0 = (vec_u *)o, *o1 = (vec_u *)(o + LANES);
-            *o0 = accumulate ? *o0 + a[i][0] : a[i][0];
-            *o1 = accumulate ? *o1 + a[i][1] : a[i][1];
-        } else {
-            float sums[PANEL];
-            *(vec_u *)sums = a[i][0];
-            *(vec_u *)(sums + LANES) = a[i][1];
-            for (int j = 0; j < valid; j++) put(o + j, sums[j], accumulate);
-        }
-    }
+    store_tile(a, m, out, ldo, valid, accumulate);
 }
+#else
+/* Quantized panels (genlib/backends/quant.py packs them): a panel is its blocks of
+ * BLOCK columns in order, each block PANEL float32 scales (one a row) and then its
+ * codes column by column, CODE_BYTES a column: q8_0 one int8 a row; nf4 and q4_0 a
+ * nibble a row, byte j holding row j (low) and row j + LANES (high), looked up in a
+ * 16-level table. A block's products sum code * input in float32, the sum then times
+ * the row's scale: the float products of the dequantized weights, summed in another
+ * order (the tests bound the difference). */
+#if defined(GENLAB_Q8_0_WEIGHTS)
+#define BLOCK 32
+#define CODE_BYTES PANEL
+#define FORMAT "q8_0"
+typedef signed char codes_t __attribute__((vector_size(LANES), aligned(1)));
+/* int8 -> float32: sign-extend, convert (GCC scalarizes a char vector's conversion,
+ * which ran q8_0 at half float32's speed, hence the intrinsics). */
+static inline void unpack(const weight_t *c, vec *v0, vec *v1) {
+#if defined(__AVX512F__)
+    *v0 = (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+    *v1 = (vec)_mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + LANES))));
+#elif defined(__AVX2__)
+    *v0 = (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)c)));
+    *v1 = (vec)_mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(c + LANES))));
+#else
+    *v0 = __builtin_convertvector(*(const codes_t *)c, vec);
+    *v1 = __builtin_convertvector(*(const codes_t *)(c + LANES), vec);
+#endif
+}
+#else
+#define CODE_BYTES LANES
+#ifdef GENLAB_NF4_WEIGHTS
+#define BLOCK 64
+#define FORMAT "nf4"
+/* bitsandbytes' NF4 levels (genlib/backends/quant.py). */
+static const float LEVELS[16] = {
+    -1.0f, -0.6961928009986877f, -0.5250730514526367f, -0.39491748809814453f,
+    -0.28444138169288635f, -0.18477343022823334f, -0.09105003625154495f, 0.0f,
+    0.07958029955625534f, 0.16093020141124725f, 0.24611230194568634f, 0.33791524171829224f,
+    0.44070982933044434f, 0.5626170039176941f, 0.7229568362236023f, 1.0f};
+#else
+#define BLOCK 32
+#define FORMAT "q4_0"
+static const float LEVELS[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+#endif
+typedef unsigned char nibbles_t __attribute__((vector_size(LANES), aligned(1)));
+/* A column's 2 * LANES nibbles as two vectors of their levels: with AVX-512 one
+ * register holds the 16-level table, and one permute looks up 16 nibbles. */
+static inline void unpack(const weight_t *c, vec *v0, vec *v1) {
+#ifdef __AVX512F__
+    __m512 table = _mm512_loadu_ps(LEVELS);
+    __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)c));
+    *v0 = (vec)_mm512_permutexvar_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)), table);
+    *v1 = (vec)_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table);
+#else
+    nibbles_t b = *(const nibbles_t *)c;
+    for (int l = 0; l < LANES; l++) {
+        (*v0)[l] = LEVELS[b[l] & 15];
+        (*v1)[l] = LEVELS[b[l] >> 4];
+    }
+#endif
+}
+#endif
+
+const char *genlab_weight_format(void) { return FORMAT; }
+
+/* The bytes of a panel of n columns. */
+static inline long panel_bytes(int n) {
+    return (long)(n + BLOCK - 1) / BLOCK * PANEL * 4 + (long)n * CODE_BYTES;
+}
+
+static inline const weight_t *panel_at(const weight_t *w, int r, int n) {
+    return w + (long)(r / PANEL) * panel_bytes(n);
+}
+
+/* One quantized panel times m <= TILE slots, as the float panel_tile: each block's sums
+ * times its scales into the totals. Prefetches the next panel as it reads this one. */
+ALWAYS_INLINE void panel_tile(const weight_t *p, int n, const float *x, long ldx, float *out,
+                              long ldo, int m, int valid, int accumulate) {
+    vec a[TILE][2], b[TILE][2];
+    long ahead = panel_bytes(n);
+    for (int i = 0; i < m; i++) a[i][0] = a[i][1] = (vec){0};
+    for (int k0 = 0; k0 < n; k0 += BLOCK) {
+        int columns = n - k0 < BLOCK ? n - k0 : BLOCK;
+        vec s0 = *(const vec_u *)p, s1 = *(const vec_u *)(p + LANES * 4);
+        for (int line = 0; line < PANEL * 4; line += 64)
+            __builtin_prefetch(p + ahead + line, 0, 3);
+        const weight_t *c = p + PANEL * 4;
+        for (int i = 0; i < m; i++) b[i][0] = b[i][1] = (vec){0};
+        for (int k = 0; k < columns; k++, c += CODE_BYTES) {
+            if (k % (64 / CODE_BYTES) == 0) __builtin_prefetch(c + ahead, 0, 3);
+            vec v0, v1;
+            unpack(c, &v0, &v1);
+            for (int i = 0; i < m; i++) {
+                float xi = x[i * ldx + k0 + k];
+                b[i][0] += v0 * xi;
+                b[i][1] += v1 * xi;
+            }
+        }
+        for (int i = 0; i < m; i++) {
+            a[i][0] += b[i][0] * s0;
+            a[i][1] += b[i][1] * s1;
+        }
+        p = c;
+    }
+    store_tile(a, m, out, ldo, valid, accumulate);
+}
+#endif
 
 /* A panel times m slots, TILE slots at a time. */
 ALWAYS_INLINE void panel_pass(const weight_t *p, int n, const float *x, long ldx, float *out,
@@ -348,9 +481,11 @@ ALWAYS_INLINE void panel_pass(const weight_t *p, int n, const float *x, long ldx
     REST(7)
     REST(6)
 #endif
+#if TILE > 3
     REST(5)
     REST(4)
     REST(3)
+#endif
     REST(2)
     REST(1)
     default: break;
@@ -365,7 +500,7 @@ static void matmul(const weight_t *w, int n, const float *x, long ldx, float *ou
                    int r0, int r1, int m, int accumulate) {
     for (int r = r0; r < r1; r += PANEL) {
         int valid = r1 - r < PANEL ? r1 - r : PANEL;
-        const weight_t *p = w + (long)r * n;
+        const weight_t *p = panel_at(w, r, n);
         if (m == 1)
             panel_tile(p, n, x, ldx, out + r, ldo, 1, valid, accumulate);
         else

@@ -1,0 +1,136 @@
+"""Weight quantization for the native kernel: blocks of weights along a matrix's input
+dimension, each block one float32 scale and a small integer code per weight.
+
+- q8_0 (llama.cpp's Q8_0): blocks of 32, int8 codes; a weight is code * scale,
+  scale = absmax / 127, code = round(w / scale).
+- nf4 (bitsandbytes' NF4): blocks of 64, 4-bit codes; a weight is NF4[code] * absmax,
+  code the nearest of the 16 NF4 levels to w / absmax.
+- q4_0 (llama.cpp's Q4_0): blocks of 32, 4-bit codes; a weight is (code - 8) * scale,
+  scale = max / -8 where max is the block's weight of largest magnitude (its sign too).
+
+Scales are float32 (llama.cpp stores float16): the kernel multiplies a block's sum by
+its scale as a float32 vector load, with no conversion, and a dequantized weight is
+exactly code times scale in float32, which the tests' reference forward runs. It costs
+2 bytes a block more than float16: 6% of q8_0's reads, 3% of nf4's.
+
+    codes, scales = quantize(weight, "q8_0")      # (out, in) int8/uint8, (out, blocks) float32
+    weight_q = dequantize(codes, scales, "q8_0")  # (out, in) float32
+    packed = pack(weight, panel, "q8_0")          # the kernel's layout (`kernel.pack_matrix`)
+
+`pack` lays a matrix out as the kernel reads it (csrc/lean_step.c, `panel_tile`): panels
+of `panel` rows, each panel its blocks in order, each block `panel` float32 scales (one a
+row) then the codes column by column: q8_0 `panel` int8 a column; nf4 and q4_0 `panel/2`
+bytes a column, byte j holding row j in its low nibble and row j + panel/2 in its high.
+A last block shorter than the block size holds the columns there are.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# bitsandbytes' NF4 levels (Dettmers et al. 2023, QLoRA, appendix E): quantiles of a
+# normal distribution, scaled to [-1, 1], with an exact zero.
+NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+       -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+       0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+       0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+
+
+@dataclass(frozen=True)
+class Format:
+    """A quantized format: weights a block, bits a code."""
+
+    name: str
+    block: int
+    bits: int
+
+
+FORMATS = {f.name: f for f in (Format("q8_0", 32, 8), Format("nf4", 64, 4),
+                               Format("q4_0", 32, 4))}
+
+
+def format_of(name: str) -> Format:
+    if name not in FORMATS:
+        raise ValueError(f"the quantized formats are {', '.join(FORMATS)}, not {name}")
+    return FORMATS[name]
+
+
+def _blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, int]:
+    """`weight` (out, in) as (out, blocks, block), its last block padded with zeros (which
+    change no block's absmax); and `in`."""
+    rows, columns = weight.shape
+    padded = -(-columns // block) * block
+    if padded != columns:
+        weight = torch.cat([weight, weight.new_zeros(rows, padded - columns)], dim=1)
+    return weight.reshape(rows, padded // block, block), columns
+
+
+def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """`weight` (out, in), as float32, in format `name`: its codes (out, in) (int8 for
+    q8_0, uint8 0-15 for nf4 and q4_0) and scales (out, blocks) float32."""
+    fmt = format_of(name)
+    blocks, columns = _blocks(weight.detach().to(torch.float32), fmt.block)
+    if name == "q8_0":
+        scales = blocks.abs().amax(dim=2) / 127
+        inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+        codes = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
+    elif name == "nf4":
+        scales = blocks.abs().amax(dim=2)
+        inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
+        levels = torch.tensor(NF4, dtype=torch.float32)
+        middles = (levels[1:] + levels[:-1]) / 2  # the nearest level: between which middles
+        codes = torch.bucketize(blocks * inverse[..., None], middles).to(torch.uint8)
+    else:  # q4_0, as llama.cpp's quantize_row_q4_0_ref
+        at = blocks.abs().argmax(dim=2, keepdim=True)
+        scales = blocks.gather(2, at)[..., 0] / -8
+        inverse = torch.where(scales != 0, 1 / scales, torch.zeros_like(scales))
+        codes = (blocks * inverse[..., None] + 8.5).to(torch.int8).clamp(max=15)
+        codes = codes.to(torch.uint8)
+    return codes.reshape(codes.shape[0], -1)[:, :columns].contiguous(), scales.contiguous()
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Tensor:
+    """The float32 weights (out, in) that `codes` and `scales` stand for."""
+    fmt = format_of(name)
+    if name == "q8_0":
+        values = codes.to(torch.float32)
+    elif name == "nf4":
+        values = torch.tensor(NF4, dtype=torch.float32)[codes.long()]
+    else:
+        values = codes.to(torch.float32) - 8
+    blocks, columns = _blocks(values, fmt.block)
+    return (blocks * scales[..., None]).reshape(codes.shape[0], -1)[:, :columns]
+
+
+def packed_bytes(rows: int, columns: int, panel: int, name: str) -> int:
+    """The bytes `pack` gives a (rows, columns) matrix."""
+    fmt = format_of(name)
+    panels = -(-rows // panel)
+    blocks = -(-columns // fmt.block)
+    return panels * panel * (4 * blocks + columns * fmt.bits // 8)
+
+
+def pack(weight: torch.Tensor, panel: int, name: str) -> torch.Tensor:
+    """`weight` (out, in) float32, quantized to `name` and laid out as the kernel reads it
+    (the module doc): one 1-D uint8 tensor."""
+    fmt = format_of(name)
+    codes, scales = quantize(weight, name)
+    rows, columns = codes.shape
+    padded = -(-rows // panel) * panel
+    if padded != rows:  # the last panel's missing rows: zero codes and scales
+        codes = torch.cat([codes, codes.new_zeros(padded - rows, columns)])
+        scales = torch.cat([scales, scales.new_zeros(padded - rows, scales.shape[1])])
+    panels = padded // panel
+    codes = codes.view(torch.uint8).reshape(panels, panel, columns)
+    scales = scales.reshape(panels, panel, -1)
+    if fmt.bits == 4:  # row j low nibble, row j + panel/2 high
+        codes = codes[:, :panel // 2] | (codes[:, panel // 2:] << 4)
+    parts = []
+    for b, start in enumerate(range(0, columns, fmt.block)):
+        block = codes[:, :, start:start + fmt.block].transpose(1, 2).reshape(panels, -1)
+        parts += [scales[:, :, b].contiguous().view(torch.uint8), block]
+    packed = torch.cat(parts, dim=1).reshape(-1).contiguous()
+    assert packed.numel() == packed_bytes(rows, columns, panel, name)
+    return packed
