@@ -5,11 +5,13 @@ with sizes; and `clear` to free it. Both start at once: no torch, no model."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
-from cli.errors import fail
+from cli import output
+from cli.errors import fail, user_errors
+from cli.output import Json, OutputFile, opened, sink
 
 app = typer.Typer(help="Show and free genlab's cache: packed weights and kernel builds.",
                   no_args_is_help=True)
@@ -24,34 +26,57 @@ def size_text(size: int) -> str:
     return f"{size} B"
 
 
+def _rows() -> list[dict[str, Any]]:
+    """What the cache holds, a row a file: packed weights (with their model file, format
+    and whether that file changed since) and the kernel's builds."""
+    from genlib import cachedirs
+    from genlib.backends import weightcache
+
+    rows = [{"kind": "weights", "name": str(e.key.get("file", e.path.name)),
+             "format": e.key.get("weights"), "size": e.size,
+             "stale": weightcache.stale(e)} for e in weightcache.entries()]
+    rows += [{"kind": "kernel", "name": p.name, "format": None,
+              "size": _size(p) + _size(p.with_name(p.name + ".sha256")), "stale": None}
+             for p in cachedirs.files(cachedirs.native()) if p.suffix == ".so"]
+    return rows
+
+
 @app.command("list")
-def list_cache() -> None:
+@user_errors
+def list_cache(as_json: Json = False, output_file: OutputFile = None) -> None:
     """List the packed weights and the kernel's builds, with their sizes and the total."""
+    from genlib import cachedirs
+
+    target = sink(as_json, False, output_file)
+    rows, root = _rows(), str(cachedirs.root())
+    with opened(target):
+        if target.machine:
+            target.json_document(output.document(
+                "cache list", None, root=root, entries=rows,
+                total_bytes=sum(row["size"] for row in rows)))
+        else:
+            show_list(rows, root)
+
+
+def show_list(rows: list[dict[str, Any]], root: str) -> None:
     from rich.markup import escape
     from rich.table import Table
 
     from cli.render import out
-    from genlib import cachedirs
-    from genlib.backends import weightcache
 
-    entries = weightcache.entries()
-    builds = [(p, _size(p) + _size(p.with_name(p.name + ".sha256")))
-              for p in cachedirs.files(cachedirs.native()) if p.suffix == ".so"]
-    if not entries and not builds:
-        out.print(f"the cache is empty ({escape(str(cachedirs.root()))})")
+    if not rows:
+        out.print(f"the cache is empty ({escape(root)})")
         return
     table = Table(show_edge=False)
     for column in ("what", "model file or build", "format", "size", "state"):
         table.add_column(column, overflow="fold")
-    for entry in entries:
-        state = "stale: the model file changed" if weightcache.stale(entry) else "current"
-        table.add_row("weights", escape(str(entry.key.get("file", entry.path.name))),
-                      escape(str(entry.key.get("weights", "?"))), size_text(entry.size), state)
-    for build, size in builds:
-        table.add_row("kernel", escape(build.name), "", size_text(size), "")
+    for row in rows:
+        state = "" if row["stale"] is None else \
+            "stale: the model file changed" if row["stale"] else "current"
+        table.add_row(row["kind"], escape(row["name"]), escape(row["format"] or ""),
+                      size_text(row["size"]), state)
     out.print(table)
-    total = sum(e.size for e in entries) + sum(size for _, size in builds)
-    out.print(f"total {size_text(total)} in {escape(str(cachedirs.root()))}")
+    out.print(f"total {size_text(sum(row['size'] for row in rows))} in {escape(root)}")
 
 
 KernelsToo = Annotated[bool, typer.Option(
@@ -61,19 +86,26 @@ KernelsToo = Annotated[bool, typer.Option(
 
 
 @app.command("clear")
-def clear(kernels: KernelsToo = True) -> None:
+@user_errors
+def clear(kernels: KernelsToo = True, as_json: Json = False,
+          output_file: OutputFile = None) -> None:
     """Delete the packed weights and the kernel's builds, and say how much was freed."""
     from cli.render import out
     from genlib import cachedirs
     from genlib.backends import weightcache
 
+    target = sink(as_json, False, output_file)
     doomed = [e.path for e in weightcache.entries()] + weightcache.leftovers()
     if kernels:
         doomed += cachedirs.files(cachedirs.native())
-    freed = 0
-    for path in doomed:
-        freed += _remove(path)
-    out.print(f"freed {size_text(freed)} ({len(doomed)} files) from {cachedirs.root()}")
+    with opened(target):
+        freed = sum(_remove(path) for path in doomed)
+        root = str(cachedirs.root())
+        if target.machine:
+            target.json_document(output.document("cache clear", None, root=root,
+                                                 freed_bytes=freed, files=len(doomed)))
+        else:
+            out.print(f"freed {size_text(freed)} ({len(doomed)} files) from {root}")
 
 
 def _size(path: Path) -> int:

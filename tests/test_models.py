@@ -111,12 +111,14 @@ def test_bfloat16_loads_and_generates():
 
 
 @pytest.mark.slow
-def test_8bit_and_4bit_quantization_generate_on_cpu():
+def test_8bit_and_4bit_bitsandbytes_quantization_generate_on_cpu():
+    """--backend transformers keeps bitsandbytes' layers (auto gives a CPU the native
+    kernel's formats: tests/test_quantized.py)."""
     if not CODE_DRAFT.is_dir():
         pytest.skip("code-draft not present")
     prompt = "import os\nimport sys\n\n\ndef main(argv):\n    "
     for mode, layer in (("8bit", "Linear8bitLt"), ("4bit", "Linear4bit")):
-        lm = load_model(ModelSpec(str(CODE_DRAFT), quantize=mode))
+        lm = load_model(ModelSpec(str(CODE_DRAFT), quantize=mode, backend="transformers"))
         assert type(lm.model.model.layers[0].mlp.gate_proj).__name__ == layer
         [out] = generate.generate(lm, [lm.encode(prompt)], resolve_settings({"max_new_tokens": 12}))
         assert out.new_tokens >= 1 and out.text.strip()

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+import torch
 from jsonschema import Draft202012Validator
 from typer.testing import CliRunner
 
@@ -422,7 +423,7 @@ def test_every_command_takes_json_and_its_document_is_validated_here():
     commands = dict(leaf_commands(typer.main.get_command(app)))
     assert {name for name, opts in commands.items() if "--json" not in opts} == set()
     assert {name for name, opts in commands.items() if "-o" not in opts} == set()
-    validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS)
+    validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS) | set(CACHE)
     assert set(commands) == validated
 
 
@@ -476,3 +477,40 @@ def test_a_run_stopped_before_any_backend_ran_is_still_a_valid_document(monkeypa
     doc = json.loads(result.stdout)
     assert "backend" not in doc
     VALIDATOR.validate(doc)
+
+
+# --- cache -------------------------------------------------------------------------------
+
+CACHE = {"cache list": ["cache", "list"], "cache clear": ["cache", "clear"]}
+
+
+def test_cache_documents_validate_and_say_what_the_cache_held(tmp_path, monkeypatch):
+    """`cache list --json` lists each packed-weights entry and kernel build with its size,
+    and `cache clear --json` says what it freed; both validate against the schema, and
+    -o FILE gets the document instead of stdout."""
+    from genlib.backends import weightcache
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    model = tmp_path / "model.safetensors"
+    model.write_bytes(b"weights")
+    stat = model.stat()
+    key = {"file": str(model), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
+           "weights": "q8_0"}
+    weightcache.cached("m-q8_0", key, lambda: {"codes": torch.zeros(100, dtype=torch.uint8)})
+    native = tmp_path / "genlab" / "native"
+    native.mkdir()
+    (native / "lean_step-abc.so").write_bytes(bytes(1000))
+    listed = json.loads(run(*CACHE["cache list"], "--json").stdout)
+    assert errors(listed) == [] and listed["command"] == "cache list"
+    entry = (tmp_path / "genlab" / "weights" / "m-q8_0.weights").stat().st_size
+    assert [(e["kind"], e["name"], e["format"], e["size"], e["stale"])
+            for e in listed["entries"]] == [
+        ("weights", str(model), "q8_0", entry, False),
+        ("kernel", "lean_step-abc.so", None, 1000, None)]
+    assert listed["total_bytes"] == entry + 1000
+    target = tmp_path / "cleared.json"
+    assert run(*CACHE["cache clear"], "--json", "-o", str(target)).stdout == ""
+    cleared = json.loads(target.read_text())
+    assert errors(cleared) == [] and cleared["command"] == "cache clear"
+    assert (cleared["freed_bytes"], cleared["files"]) == (entry + 1000, 2)
+    assert json.loads(run(*CACHE["cache list"], "--json").stdout)["entries"] == []
