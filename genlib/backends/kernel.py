@@ -31,7 +31,7 @@ widens them as it reads them, the arithmetic float32: half the reads, for a draf
 whose proposals the target checks. `ensure_built(notify)` tells its caller before the
 first build compiles (a second or two a build).
 
-`LeanLlama.compiled_step` uses it where it applies and torch.compile's step elsewhere.
+`LeanLlama.native_step` makes it; the native backend (genlib.backends.native) runs it.
 """
 
 from __future__ import annotations

@@ -573,10 +573,9 @@ class LeanLlama:
         `weights` (bfloat16: a draft model's), None where it does not apply
         (`kernel.applies` says why); made once for each, on torch's thread count whatever
         the model's size: unlike the compiled step's ~100 parallel regions, the kernel
-        has one a step, and a second thread made stories260K's decoding 1.34x-1.37x
-        faster and draft speculation with code-draft 1.11x-1.13x
-        (benchmarks/bench_threads.py, docs/performance.md). `notify` hears what the
-        weight cache has to say, when this call makes the step (`kernel.packed_weights`)."""
+        has one parallel region a step, so even a small model gains from a second thread
+        (benchmarks/bench_threads.py measures it). `notify` hears what the weight cache
+        has to say, when this call makes the step (`kernel.packed_weights`)."""
         if weights not in self._native:
             self._native[weights] = NativeStep.of(self, torch.get_num_threads(), weights,
                                                   notify)
