@@ -1,11 +1,12 @@
 """Decode speed of the native kernel's weight formats (float32, q8_0, nf4, q4_0) on one
 model, batch 1, interleaved: each round runs every format once (a --prompt-len prompt
-fed in one call, then --new-tokens one-token steps timed), and each figure is the median
-of the rounds, so a noisy machine slows every format alike; the time to the first
-token (the prompt's prefill and the first pick) is reported beside it. With --gguf FILE
-(repeatable; llama-cpp-python installed), llama.cpp decodes the same prompt in the same rounds
-(`bench_llamacpp.llama_cpp_timed`, a fresh context each call; its decode: the tokens
-after the first over the time after the first, in one call).
+fed in one call, then --new-tokens one-token steps timed), after --warmup untimed
+rounds, and each figure is the median of the rounds, so a noisy machine slows every
+format alike; the time to the first token (the prompt's prefill and the first pick) is
+reported beside it. With --gguf FILE (repeatable; llama-cpp-python installed),
+llama.cpp decodes the same prompt in the same rounds (`bench_llamacpp.llama_cpp_timed`,
+a fresh context each call; its decode: the tokens after the first over the time after
+the first, in one call).
 
     python ../shared/tools/make_sized.py /tmp/smol360 --shape smollm2-360m \\
         --tokenizer ../shared/models/code-target      # a 330M random Llama
@@ -58,6 +59,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds first (first-touch pages, llama.cpp's mmap)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", action="append", default=[])
     args = parser.parse_args()
@@ -85,13 +88,17 @@ def main() -> None:
             engines[f"llama.cpp {Path(gguf).name}"] = partial(
                 llama_cpp_decode, llama_cpp_timed(gguf, context, args.threads), prompt,
                 args.new_tokens)
+    for _ in range(args.warmup):
+        for engine in engines.values():
+            engine()
     figures: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, engine in engines.items():
             figures[name].append(engine())
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{now:%Y-%m-%d %H:%M} UTC; {args.model}; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new, {args.threads} threads, {args.rounds} rounds")
+          f"{args.new_tokens} new, {args.threads} threads, {args.warmup} untimed and "
+          f"{args.rounds} timed rounds")
     print(f"python benchmarks/bench_quantized.py {' '.join(sys.argv[1:])}\n")
     print("| engine | decode tok/s (median) | rounds | vs genlab float32 "
           "| first token ms (median) |")
