@@ -19,7 +19,9 @@ llama-cpp-python's source package: `pip download --no-binary :all: --no-deps
 llama-cpp-python`); its `convert_hf_to_gguf.py` writes the float32 GGUF into a temporary
 folder. That converter refuses a byte-level BPE tokenizer whose pre-tokenizer it does not
 know, as the code models' is: the script then files it as GPT-2's, which changes no
-weight and nothing it times (the engines are fed token ids). `--gguf FILE` takes a GGUF
+weight and nothing it times (the engines are fed token ids). A model with no
+`tokenizer.model` goes straight to the BPE vocabulary, so the converter does not need
+the sentencepiece package for it. `--gguf FILE` takes a GGUF
 made beforehand instead.
 """
 
@@ -39,21 +41,39 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
-def llama_cpp_runner(gguf: str, context: int, threads: int):
-    """A function (prompt ids, new tokens) -> (seconds, token ids) over llama.cpp."""
+def llama_cpp_timed(gguf: str, context: int, threads: int):
+    """A function (prompt ids, new tokens) -> (seconds to the first token, seconds in
+    all, token ids) over llama.cpp. Each call resets the context first: llama-cpp-python
+    otherwise keeps the KV cache of the last call and skips the prompt prefix it shares,
+    so a repeated prompt would run without its prefill."""
     from llama_cpp import Llama
 
     llm = Llama(model_path=gguf, n_ctx=context, n_threads=threads,
                 n_threads_batch=threads, n_batch=512, verbose=False)
 
-    def run(prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+    def run(prompt: list[int], new_tokens: int) -> tuple[float, float, list[int]]:
+        llm.reset()
         start = time.perf_counter()
+        first = 0.0
         out: list[int] = []
         for token in llm.generate(prompt, top_k=1, temp=0.0, reset=True):
             out.append(token)
+            if len(out) == 1:
+                first = time.perf_counter() - start
             if len(out) == new_tokens:
                 break
-        return time.perf_counter() - start, out
+        return first, time.perf_counter() - start, out
+
+    return run
+
+
+def llama_cpp_runner(gguf: str, context: int, threads: int):
+    """A function (prompt ids, new tokens) -> (seconds, token ids) over llama.cpp."""
+    timed = llama_cpp_timed(gguf, context, threads)
+
+    def run(prompt: list[int], new_tokens: int) -> tuple[float, list[int]]:
+        _, seconds, out = timed(prompt, new_tokens)
+        return seconds, out
 
     return run
 
@@ -73,6 +93,14 @@ def convert(model: str, source: Path, folder: Path) -> str:
             return "gpt-2"
 
     base.TextModel.get_vocab_base_pre = vocab_base_pre
+    sentencepiece = base.TextModel._create_vocab_sentencepiece
+
+    def vocab_sentencepiece(self):
+        if not (self.dir_model / "tokenizer.model").is_file():
+            raise FileNotFoundError("no tokenizer.model")  # before it imports sentencepiece
+        return sentencepiece(self)
+
+    base.TextModel._create_vocab_sentencepiece = vocab_sentencepiece
     out = folder / (Path(model).name + "-f32.gguf")
     argv, sys.argv = sys.argv, ["convert_hf_to_gguf.py", model, "--outtype", "f32",
                                 "--outfile", str(out)]

@@ -1,10 +1,12 @@
 """Decode speed of the native kernel's weight formats (float32, q8_0, nf4, q4_0) on one
 model, batch 1, interleaved: each round runs every format once (a --prompt-len prompt
-fed in one call, then --new-tokens one-token steps timed), and each figure is the median
-of the rounds, so a noisy machine slows every format alike. With --gguf FILE (repeatable;
-llama-cpp-python installed), llama.cpp decodes the same prompt in the same rounds
-(`bench_llamacpp.llama_cpp_runner`; its decode: the tokens after the first over the
-time after the first).
+fed in one call, then --new-tokens one-token steps timed), after --warmup untimed
+rounds, and each figure is the median of the rounds, so a noisy machine slows every
+format alike; the time to the first token (the prompt's prefill and the first pick) is
+reported beside it. With --gguf FILE (repeatable; llama-cpp-python installed),
+llama.cpp decodes the same prompt in the same rounds (`bench_llamacpp.llama_cpp_timed`,
+a fresh context each call; its decode: the tokens after the first over the time after
+the first, in one call).
 
     python ../shared/tools/make_sized.py /tmp/smol360 --shape smollm2-360m \\
         --tokenizer ../shared/models/code-target      # a 330M random Llama
@@ -27,23 +29,27 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-def genlab_decode(step, lean, prompt: list[int], new_tokens: int) -> float:
-    """Tokens a second over `new_tokens` greedy one-token steps after the prompt."""
+def genlab_decode(step, lean, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """(Seconds to the first token: the prompt in one call, tokens a second over
+    `new_tokens` greedy one-token steps after it)."""
     cache = lean.new_cache(len(prompt) + new_tokens + 1)
+    start = time.perf_counter()
     logits = step.extend(prompt, cache, all_logits=False)
+    int(logits.argmax())
+    first = time.perf_counter() - start
     start = time.perf_counter()
     for _ in range(new_tokens):
         logits = step(int(logits.argmax()), cache)
         cache.length += 1
-    return new_tokens / (time.perf_counter() - start)
+    return first, new_tokens / (time.perf_counter() - start)
 
 
-def llama_cpp_decode(run, prompt: list[int], new_tokens: int) -> float:
-    """llama.cpp's decode tokens a second: the tokens after the first over the time
-    after the first (`run` times the whole, so the first token's time is taken apart)."""
-    first, _ = run(prompt, 1)
-    whole, out = run(prompt, new_tokens + 1)
-    return (len(out) - 1) / max(whole - first, 1e-9)
+def llama_cpp_decode(run, prompt: list[int], new_tokens: int) -> tuple[float, float]:
+    """llama.cpp's (seconds to the first token, decode tokens a second: the tokens
+    after the first over the time after the first), in one call
+    (`bench_llamacpp.llama_cpp_timed`)."""
+    first, whole, out = run(prompt, new_tokens + 1)
+    return first, (len(out) - 1) / (whole - first)
 
 
 def main() -> None:
@@ -53,6 +59,8 @@ def main() -> None:
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds first (first-touch pages, llama.cpp's mmap)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--gguf", action="append", default=[])
     args = parser.parse_args()
@@ -73,29 +81,35 @@ def main() -> None:
                                          lean, prompt, args.new_tokens)
                for name in args.formats.split(",")}
     if args.gguf:
-        from bench_llamacpp import llama_cpp_runner
+        from bench_llamacpp import llama_cpp_timed
 
         context = args.prompt_len + args.new_tokens + 8
         for gguf in args.gguf:
             engines[f"llama.cpp {Path(gguf).name}"] = partial(
-                llama_cpp_decode, llama_cpp_runner(gguf, context, args.threads), prompt,
+                llama_cpp_decode, llama_cpp_timed(gguf, context, args.threads), prompt,
                 args.new_tokens)
-    figures: dict[str, list[float]] = {name: [] for name in engines}
+    for _ in range(args.warmup):
+        for engine in engines.values():
+            engine()
+    figures: dict[str, list[tuple[float, float]]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, engine in engines.items():
             figures[name].append(engine())
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{now:%Y-%m-%d %H:%M} UTC; {args.model}; prompt {args.prompt_len}, "
-          f"{args.new_tokens} new, {args.threads} threads, {args.rounds} rounds")
+          f"{args.new_tokens} new, {args.threads} threads, {args.warmup} untimed and "
+          f"{args.rounds} timed rounds")
     print(f"python benchmarks/bench_quantized.py {' '.join(sys.argv[1:])}\n")
-    print("| engine | decode tok/s (median) | rounds | vs genlab float32 |")
-    print("| --- | --- | --- | --- |")
-    base = statistics.median(next(iter(figures.values())))
-    for name, values in figures.items():
+    print("| engine | decode tok/s (median) | rounds | vs genlab float32 "
+          "| first token ms (median) |")
+    print("| --- | --- | --- | --- | --- |")
+    base = statistics.median(v for _, v in next(iter(figures.values())))
+    for name, pairs in figures.items():
+        values = [v for _, v in pairs]
         median = statistics.median(values)
+        first = statistics.median(f for f, _ in pairs)
         print(f"| {name} | {median:.1f} | {', '.join(f'{v:.1f}' for v in values)} | "
-              f"{median / base:.2f}x |")
-
+              f"{median / base:.2f}x | {first * 1000:.0f} |")
 
 if __name__ == "__main__":
     main()
