@@ -72,6 +72,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
     output ended before its grammar was complete)."""
     from cli import output, render
+    from genlib.backends.choose import architecture
     from genlib.events import Finish, Prefill, Token
     from genlib.generate import stream
     from genlib.step import collect
@@ -117,7 +118,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                 render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
-                         backend_note(prefill, lm))
+                         backend_note(prefill), architecture(lm) if prefill else "")
     return exit_code([f.reason for f in finished], settings.max_new_tokens, interrupted)
 
 
@@ -127,14 +128,11 @@ def text_block(row: int, text: str) -> str:
     return ("\n" if row else "") + text + "\n"
 
 
-def backend_note(prefill: Prefill | None, lm: LoadedModel) -> str:
-    """--stats' words on the backend that ran and why it was chosen, then the model's
-    architecture: parts the stats line may break between."""
-    from genlib.backends.choose import architecture
-
+def backend_note(prefill: Prefill | None) -> str:
+    """--stats' words on the backend that ran, and why it was chosen."""
     if prefill is None or not prefill.backend:
         return ""
-    return f"{prefill.backend} ({prefill.backend_reason}) · {architecture(lm)}"
+    return f"{prefill.backend} ({prefill.backend_reason})"
 
 
 @user_errors

@@ -161,16 +161,18 @@ def end_line() -> None:
 
 
 def stats(new_tokens: int, ttft: float | None, tps: float | None, reason: str,
-          backend: str = "") -> None:
+          backend: str = "", architecture: str = "") -> None:
     """--stats on stderr: tokens, time to the first token, decode tokens/s ("-" with one
-    token: there is no decode interval) and the finish reason; then the backend that ran,
-    on a line of its own where one line would be wider than the terminal."""
+    token: there is no decode interval) and the finish reason; then the backend that ran
+    and the model's architecture, on a line of their own where one line would be wider
+    than the terminal."""
     ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
     tps_text = f"{tps:.1f} tok/s" if tps is not None else "- tok/s"
     parts = [f"{new_tokens} tokens", f"first token {ttft_text}", tps_text, f"finish: {reason}"]
-    if backend:  # "NAME (why) · ARCHITECTURE"
-        ran, *rest = backend.split(" · ")
-        parts += [f"backend {ran}", *rest]
+    if backend:
+        parts.append(f"backend {backend}")
+    if architecture:
+        parts.append(architecture)
     print_parts(err, parts, style="dim")
 
 

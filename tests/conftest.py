@@ -197,3 +197,14 @@ def wait_for_lines(path: Path, count: int, proc, timeout: float = 120.0) -> None
         if path.exists() and path.read_bytes().count(b"\n") >= count:
             return
         time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def library():
+    """The native kernel's float32 build; the test skips where it cannot be built."""
+    from genlib.backends import kernel
+
+    build = kernel.build()
+    if build.library is None:
+        pytest.skip(f"the native step cannot be built here: {build.reason}")
+    return build.library

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from genlib import generate
-from genlib.backends import kernel
 from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama, refusal
@@ -62,14 +61,6 @@ def arch_model(arch: str, dtype: torch.dtype = torch.float32):
 
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(arch_config(arch)).eval().to(dtype)
-
-
-@pytest.fixture(scope="module")
-def library():
-    build = kernel.build()
-    if build.library is None:
-        pytest.skip(f"the native step cannot be built here: {build.reason}")
-    return build.library
 
 
 def arch_lm(arch: str, tokenizer, dtype: torch.dtype = torch.float32):

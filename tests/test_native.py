@@ -64,14 +64,6 @@ def assert_native_follows_lean(lean: LeanLlama, step: kernel.NativeStep, ids: li
                                    rtol=1e-5, atol=kv_atol)
 
 
-@pytest.fixture(scope="module")
-def library():
-    build = kernel.build()
-    if build.library is None:
-        pytest.skip(f"the native step cannot be built here: {build.reason}")
-    return build.library
-
-
 TINY = [lambda: tiny("llama"), lambda: tiny("qwen2"), odd_llama]
 TINY_IDS = ["tiny-gqa-llama", "tiny-qwen2-biases", "odd-shapes"]
 # The kernel's vector paths, by the build flags that select them on this CPU

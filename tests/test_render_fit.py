@@ -238,10 +238,10 @@ def test_stats_lines_fit_and_break_between_words(width, monkeypatch):
     console = recording(width)
     monkeypatch.setattr(render, "err", console)
     reason = "a float32 Llama-style model on the CPU, asked for with --backend native"
-    render.stats(48, 0.087, 708.93, "length", f"native ({reason})")
+    render.stats(48, 0.087, 708.93, "length", f"native ({reason})", "qwen3")
     fits_whole(console.export_text(), width,
                f"48 tokens · first token 87 ms · 708.9 tok/s · finish: length · backend "
-               f"native ({reason})")
+               f"native ({reason}) · qwen3")
 
 
 def tree_steps(depth: int):
