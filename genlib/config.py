@@ -713,8 +713,8 @@ def _check_rerank(s: Mapping[str, Any]) -> None:
     if s["strategy"] != "sample":
         raise ConfigError(f"samples draws {samples} samples and keeps one: it needs "
                           f"strategy sample, not {s['strategy']} (greedy would draw "
-                          f"{samples} identical outputs); drop --strategy or give a "
-                          f"--temperature")
+                          f"{samples} identical outputs); drop strategy {s['strategy']}: "
+                          f"samples implies sampling")
     if s["num_return_sequences"] > 1:
         raise ConfigError("samples keeps one output of its samples; num_return_sequences "
                           "asks for several: drop one of them")

@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     from genlib.models import LoadedModel
 
 METHODS = ("logprob", "mbr")
+SCORES = {  # what a score means, by method_kind (the JSON output's rerank.score)
+    "logprob": "mean token logprob (nats) under the generating model, before any processor",
+    "model": "mean token logprob (nats) under the scoring model (teacher-forced)",
+    "mbr": "mean chrF (0-100) against the other samples (minimum Bayes risk)",
+}
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 
