@@ -164,3 +164,21 @@ def test_json_lists_every_sample_and_the_text_is_the_chosen_one():
     assert text.exit_code == 0, text.output
     assert text.stdout == chosen[0]["text"] + "\n"
     assert "rerank: mbr" in text.stderr and f"{chosen[0]['score']:.4f}" in text.stderr
+
+
+def test_the_interactive_session_prints_the_kept_sample_and_scores_with_a_model(tmp_path):
+    from tests.test_repl import errors, piped
+
+    saved = tmp_path / "session.jsonl"
+    result = piped(tmp_path, ["Once upon a time", "/branch 2 #3", "/set rerank=mbr",
+                              "Once upon a time", f"/save {saved}"],
+                   "-n", "8", "--seed", "5", "--samples", "3", "--rerank", str(LLAMA2XS))
+    assert result.returncode == 0, result.stderr
+    assert errors(result.stderr) == [
+        "error: /branch replays one drawn answer, and this one was kept from samples drawn "
+        "apart; /set samples= rerank= to draw one"]
+    turns = [json.loads(line) for line in saved.read_text().splitlines()]
+    assert [(t["settings"]["samples"], t["settings"]["rerank"]) for t in turns] == [
+        (3, str(LLAMA2XS)), (3, "mbr")]
+    # the kept samples only (the session ends its last line on leaving)
+    assert result.stdout == "".join(t["output"] + "\n" for t in turns) + "\n"
