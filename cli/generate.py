@@ -185,7 +185,7 @@ def generate(
     num_return_sequences: opt.NumReturn = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
-    samples: opt.Samples = None,
+    rerank_samples: opt.Samples = None,
     rerank: opt.Rerank = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,

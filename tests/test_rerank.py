@@ -182,3 +182,41 @@ def test_the_interactive_session_prints_the_kept_sample_and_scores_with_a_model(
         (3, str(LLAMA2XS)), (3, "mbr")]
     # the kept samples only (the session ends its last line on leaving)
     assert result.stdout == "".join(t["output"] + "\n" for t in turns) + "\n"
+
+
+def test_batch_lines_rerank_as_generate_does_and_never_name_a_model(tmp_path):
+    lines = [{"id": "x", "prompt": PROMPT, "samples": 3, "rerank": "mbr", "seed": 5},
+             {"id": "y", "prompt": "The dog", "samples": 3, "rerank": "mbr", "seed": 6},
+             {"id": "z", "prompt": PROMPT, "samples": 3, "rerank": str(LLAMA2XS)}]
+    source, results = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    done = runner.invoke(app, ["generate", "-m", str(STORIES), "-n", "12", "--input",
+                               str(source), "-o", str(results)])
+    assert done.exit_code == 1, done.output  # a line failed
+    by_id = {r["id"]: r for r in map(json.loads, results.read_text().splitlines())}
+    assert by_id["z"]["error"] == (f"line 3: rerank {str(LLAMA2XS)!r} is not logprob or mbr; "
+                                   f"a batch reranks by those two (a scoring model reranks "
+                                   f"one-off prompts and the interactive session)")
+    alone = json.loads(invoke("--samples", "3", "--rerank", "mbr", "--seed", "5",
+                              "--json").stdout)["outputs"][0]
+    assert (by_id["x"]["text"], by_id["x"]["score"]) == (alone["text"], alone["score"])
+    assert by_id["y"]["settings"]["samples"] == 3 and by_id["y"]["score"] is not None
+
+
+def test_compare_runs_rerank_beside_the_samples_it_chooses_from(stories):
+    """Under common random numbers the rerank preset's 8 samples are the 8 samples of
+    plain sampling at its temperature: it keeps the one of best mean logprob."""
+    from genlib import compare, metrics
+
+    strategies = compare.build_strategies(["rerank"], ["temperature=1.0"],
+                                          {"max_new_tokens": 12}, samples=8)
+    result = compare.compare(stories, stories.encode(PROMPT),
+                             compare.with_seed(strategies, 4), seed=4)
+    reranked, plain = result.results
+    assert reranked.error is None and plain.error is None
+    assert len(reranked.samples) == 1 and len(plain.samples) == 8
+    means = [metrics.mean_logprob(s.logprobs) for s in plain.samples]
+    assert len(set(means)) > 1
+    (kept,) = reranked.samples
+    assert kept.token_ids == plain.samples[rerank.choose(means)].token_ids
+    assert kept.score == pytest.approx(max(means))
