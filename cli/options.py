@@ -106,7 +106,7 @@ Samples = Annotated[int | None, typer.Option(
     help="Draw N samples as one batch and print the one --rerank prefers (implies "
          "sampling; samples are not streamed).")]
 Rerank = Annotated[str | None, typer.Option(
-    "--rerank", rich_help_panel=DECODING_PANEL, metavar="logprob|mbr|MODEL",
+    "--rerank", rich_help_panel=DECODING_PANEL, metavar="METHOD",
     help="How --samples picks: logprob (best mean token logprob under the model, the "
          "default), mbr (most like the others, chrF) or a model of the same tokenizer to "
          "score with.")]

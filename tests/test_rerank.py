@@ -16,6 +16,7 @@ from genlib.errors import ConfigError
 from genlib.events import Finish, Rerank, Token
 from genlib.generate import stream
 from tests.conftest import CODE_TARGET, LLAMA2XS, STORIES
+from tests.test_output import errors as schema_errors
 
 runner = CliRunner()
 PROMPT = "Once upon a time"
@@ -152,6 +153,7 @@ def test_json_lists_every_sample_and_the_text_is_the_chosen_one():
     result = invoke("--samples", "4", "--rerank", "mbr", "--seed", "5", "--json")
     assert result.exit_code == 0, result.output
     doc = json.loads(result.stdout)
+    assert schema_errors(doc) == []
     block = doc["rerank"]
     assert block["method"] == "mbr" and "chrF" in block["score"]
     assert [s["index"] for s in block["samples"]] == [1, 2, 3, 4]
