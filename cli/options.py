@@ -304,7 +304,6 @@ DECODING_PARAMS = {
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
-    "rerank_samples": "samples", "rerank": "rerank",
 }
 
 
