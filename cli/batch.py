@@ -159,6 +159,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     run_settings = resolve_settings(flags, preset.settings if preset else None)
     gb.check_one_result(run_settings.num_return_sequences,
                         "--num-return-sequences (or --preset)")
+    gb.check_line_rerank(run_settings, "--rerank (or --preset)")
     model_ref = resolve_model_ref(model_flags.model, preset.model if preset else None)
     run_defaults = gb.RunDefaults(
         preset_settings=preset.settings if preset else {},

@@ -217,3 +217,16 @@ def loading(ref: str) -> Iterator[None]:
         yield
     finally:
         status.stop()
+
+
+def load_scorer(flags: ModelFlags, settings: GenerationSettings) -> LoadedModel | None:
+    """The model a `--rerank MODEL` scores with, loaded as the generating model is (device,
+    dtype); None for logprob, mbr or no rerank. An unknown rerank name fails here, before
+    any model loads."""
+    from dataclasses import replace
+
+    from genlib.rerank import method_kind
+
+    if settings.rerank is None or method_kind(settings.rerank) != "model":
+        return None
+    return load(replace(flags, model=settings.rerank, quantize="none", backend="auto"))

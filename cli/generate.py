@@ -14,6 +14,7 @@ from cli.context import (
     ModelFlags,
     encode_prompt,
     load,
+    load_scorer,
     prepare_grammar,
     read_prompt,
     settings_for,
@@ -25,7 +26,7 @@ from genlib.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.config import GenerationSettings
-    from genlib.events import Finish, Prefill, Token
+    from genlib.events import Finish, Prefill, Rerank, Token
     from genlib.models import LoadedModel
     from genlib.stepdetail import Detail
 
@@ -57,6 +58,20 @@ def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,
     return output.finish_output(finish, finish.row + 1, prefill_s, **extra)
 
 
+def rerank_json(event: Rerank, prefill: Prefill | None) -> dict[str, Any]:
+    """Sample and rerank in the JSON document (docs/output.md): the method, what its
+    score means, the chosen sample's number and every sample with its score."""
+    from cli import output
+    from genlib.rerank import SCORES, method_kind
+
+    prefill_s = prefill.seconds if prefill is not None else 0.0
+    samples = [output.finish_output(f, i + 1, prefill_s, score=score, chosen=i == event.chosen)
+               for i, (f, score) in enumerate(zip(event.samples, event.scores))]
+    return {"method": event.method, "score": SCORES[method_kind(event.method)],
+            "chosen": event.chosen + 1, "seconds": round(event.seconds, 6),
+            "samples": samples}
+
+
 def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
     """The per-step record --logprobs / --color-by ask for (None: none, at no cost)."""
     from genlib.stepdetail import Detail
@@ -68,26 +83,31 @@ def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
 
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                    settings: GenerationSettings, sink: Sink, show_stats: bool,
-                   logprobs: int | None = None, color_by: str | None = None) -> int:
+                   logprobs: int | None = None, color_by: str | None = None,
+                   scorer: LoadedModel | None = None) -> int:
     """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
-    output ended before its grammar was complete)."""
+    output ended before its grammar was complete). With `settings.samples`, the chosen
+    sample streams once chosen, and the document lists every sample (`rerank_json`)."""
     from cli import output, render
     from genlib.backends.choose import architecture
-    from genlib.events import Finish, Prefill, Token
+    from genlib.events import Finish, Prefill, Rerank, Token
     from genlib.generate import stream
     from genlib.step import collect
 
     live = not sink.machine and settings.num_return_sequences == 1
     prefill: Prefill | None = None
+    reranked: Rerank | None = None
     finished: list[Finish] = []
     tokens: dict[int, list[Token]] = {}
     if color_by is not None and live:
         render_tokens.legend(color_by)
 
     def handle(event: Any) -> None:
-        nonlocal prefill
+        nonlocal prefill, reranked
         if isinstance(event, Prefill):
             prefill = event
+        elif isinstance(event, Rerank):
+            reranked = event
         elif isinstance(event, Token):
             if event.detail is not None:
                 tokens.setdefault(event.row, []).append(event)
@@ -97,19 +117,27 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             finished.append(event)
             if live:
                 render.stream_text(event.tail)
+            extra = {"rerank": rerank_json(reranked, prefill)} if reranked else {}
             sink.json_line(output.line(run_document(lm, prompt, ids, settings, prefill),
                                        result_json(lm, event, prefill,
-                                                   tokens.get(event.row, ()))))
+                                                   tokens.get(event.row, ())), **extra))
 
     detail = detail_for(logprobs, color_by)
-    _, interrupted = collect(stream(lm, [ids], settings, detail=detail), handle)
+    _, interrupted = collect(stream(lm, [ids], settings, detail=detail, scorer=scorer),
+                             handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
     ordered = sorted(finished, key=lambda f: f.row)
     doc = run_document(lm, prompt, ids, settings, prefill)
     doc["outputs"] = [result_json(lm, f, prefill, tokens.get(f.row, ())) for f in ordered]
+    if reranked is not None:
+        doc["rerank"] = rerank_json(reranked, prefill)
     sink.json_document(doc)
+    if show_stats and reranked is not None:
+        from cli import render_rerank
+
+        render_rerank.scores(reranked)
     for finish in ordered:
         if not sink.machine:
             if not live:
@@ -157,6 +185,8 @@ def generate(
     num_return_sequences: opt.NumReturn = None,
     max_time: opt.MaxTime = None,
     ignore_eos: opt.IgnoreEos = None,
+    rerank_samples: opt.Samples = None,
+    rerank: opt.Rerank = None,
     json_schema: opt.JsonSchema = None,
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
@@ -250,12 +280,14 @@ def generate(
     settings, loaded_preset = settings_for(preset, flags)
     settings = with_seed(settings)
     text = read_prompt(prompt)
+    scorer = load_scorer(model_flags, settings)  # an unknown --rerank fails before loading
     lm = load(model_flags, loaded_preset, quick=True)
     if show_settings:
         show_settings_table(settings, flags, loaded_preset, lm)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     prepare_grammar(lm, settings)
     with opened(sink(as_json, as_jsonl, output)) as target:
-        code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by)
+        code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by,
+                              scorer)
     if code:
         raise typer.Exit(code)

@@ -100,6 +100,16 @@ MaxTime = Annotated[float | None, typer.Option(
     "--max-time", rich_help_panel=DECODING_PANEL, help="Stop after this many seconds.")]
 IgnoreEos = Annotated[bool | None, typer.Option(
     "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
+# Sample and rerank (genlib.rerank).
+Samples = Annotated[int | None, typer.Option(
+    "--samples", rich_help_panel=DECODING_PANEL, metavar="N",
+    help="Draw N samples as one batch and print the one --rerank prefers (implies "
+         "sampling; samples are not streamed).")]
+Rerank = Annotated[str | None, typer.Option(
+    "--rerank", rich_help_panel=DECODING_PANEL, metavar="METHOD",
+    help="How --samples picks: logprob (best mean token logprob under the model, the "
+         "default), mbr (most like the others, chrF) or a model of the same tokenizer to "
+         "score with.")]
 
 # Samplers from other tools; each help names the tool whose semantics it follows.
 LogitBias = Annotated[list[str] | None, typer.Option(
@@ -294,6 +304,7 @@ DECODING_PARAMS = {
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
+    "rerank_samples": "samples", "rerank": "rerank",
 }
 
 

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from cli import render
-from cli.context import ModelFlags, load, settings_for
+from cli.context import ModelFlags, load, load_scorer, settings_for
 from cli.errors import fail
 from genlib.config import SPECS, GenerationSettings, parse_assignments, resolve_settings
 from genlib.errors import GenlabError, unexpected
@@ -88,6 +88,7 @@ class Session:
     turns: list[dict[str, Any]] = field(default_factory=list)
     logprobs: int = 0  # /set logprobs=N (a view option, not a generation setting)
     last: tuple[list[int], GenerationSettings] | None = None  # for /branch
+    scorer: LoadedModel | None = None  # the model --rerank MODEL scores with
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
@@ -96,9 +97,10 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     settings, preset = settings_for(preset_ref, flags)
     if system and not chat:
         raise fail("--system needs --chat")
+    scorer = load_scorer(model_flags, settings)
     lm = load(model_flags, preset, quick=True)
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
-                      system=system)
+                      system=system, scorer=scorer)
     if chat:
         probe_chat(lm)  # without a template: ChatTemplateError, exit 2 (drop --chat)
         set_chat(session, "on")
@@ -502,6 +504,9 @@ def branch(session: Session, args: str) -> None:
         raise CommandError("/branch needs an answer first: type a prompt")
     step, _, token = args.partition(" ")
     ids, settings = session.last
+    if settings.samples is not None:
+        raise CommandError("/branch replays one drawn answer, and this one was kept from "
+                           "samples drawn apart; /set samples= rerank= to draw one")
     forced = parse_branch(session.lm, step, token, settings.max_new_tokens, name="/branch",
                           limit="the answer's max_new_tokens",
                           usage="/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) "
@@ -554,7 +559,7 @@ def turn(session: Session, text: str) -> None:
     lm.check_fits(len(ids), settings.max_new_tokens,
                   remedy="/reset to forget the conversation's earlier turns" if session.chat
                   else "shorten the prompt")
-    finish = stream_answer(lm, ids, settings, session.logprobs)
+    finish = stream_answer(lm, ids, settings, session.logprobs, session.scorer)
     session.last = (ids, settings)
     if finish is None:
         return
@@ -568,10 +573,12 @@ def turn(session: Session, text: str) -> None:
 
 
 def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
-                  logprobs: int = 0) -> Finish | None:
+                  logprobs: int = 0, scorer: LoadedModel | None = None) -> Finish | None:
     """Print the answer as it arrives; Ctrl-C ends it early ("interrupted"). Sampling
     draws by inverse CDF (one uniform per step) so /branch can replay the answer with
-    the same draws; `logprobs` > 0 prints each token's logprobs after it."""
+    the same draws; `logprobs` > 0 prints each token's logprobs after it. With
+    `samples` (sample and rerank) the kept sample prints once chosen, its scorer
+    `scorer` where `rerank` names a model."""
     from cli import render_tokens
     from genlib.events import Finish, Token
     from genlib.generate import stream
@@ -597,7 +604,7 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
             finish = event
             render.stream_text(event.tail)
 
-    collect(stream(lm, [ids], settings, detail=detail), handle)
+    collect(stream(lm, [ids], settings, detail=detail, scorer=scorer), handle)
     render.end_line()
     if logprobs and tokens and tokens[0].detail is not None:
         render_tokens.logprobs_table(lm, tokens)

@@ -359,6 +359,17 @@ def check_one_result(count: Any, where: str, name: str = "num_return_sequences")
                           f"{shown(count)}; for more outputs repeat the line with other ids")
 
 
+def check_line_rerank(settings: GenerationSettings, where: str) -> None:
+    """A batch reranks by logprob or mbr: a scoring model would be a model to load that
+    a line names (lines never load anything), or one more model in every worker."""
+    from genlib.rerank import METHODS
+
+    if settings.rerank is not None and settings.rerank not in METHODS:
+        raise ConfigError(f"{where}: rerank {shown(settings.rerank)} is not logprob or mbr; "
+                          f"a batch reranks by those two (a scoring model reranks one-off "
+                          f"prompts and the interactive session)")
+
+
 def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
                   overrides: Mapping[str, Any], job_id: str | int, where: str
                   ) -> GenerationSettings:
@@ -371,6 +382,7 @@ def line_settings(run: RunDefaults, line_preset: Mapping[str, Any],
     check_one_result({**under, **overrides}.get("num_return_sequences", 1), where)
     settings = resolve_settings(overrides, under, source=where,
                                 presets=[run.preset_settings, line_preset])
+    check_line_rerank(settings, where)
     seed = overrides.get("seed")
     if seed is None:
         seed = derive_seed(run.seed, job_id)
@@ -450,6 +462,8 @@ def result_record(job: Job, finish: Any) -> dict[str, Any]:
     logprobs = getattr(finish, "logprobs_object", None)
     if logprobs is not None:
         record["logprobs"] = logprobs
+    if job.settings.samples is not None:  # sample and rerank: the kept sample's score
+        record["score"] = finish.score
     return record | {"settings": job.settings.to_dict(), FINGERPRINT_KEY: job.fingerprint}
 
 

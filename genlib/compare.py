@@ -192,8 +192,10 @@ def _check_unique_labels(strategies: Sequence[Strategy]) -> None:
 
 
 def with_samples(strategy: Strategy, samples: int) -> Strategy:
-    """Stochastic strategies draw `samples` outputs; deterministic ones run once."""
-    if samples == 1 or not strategy.stochastic:
+    """Stochastic strategies draw `samples` outputs; deterministic ones run once, and so
+    does sample and rerank (its own `samples` setting: one kept output, its score the
+    rerank's)."""
+    if samples == 1 or not strategy.stochastic or strategy.settings.samples is not None:
         return strategy
     try:
         settings = strategy.settings.replace(num_return_sequences=samples)

@@ -169,6 +169,14 @@ SPECS: dict[str, Spec] = {
     "grammar_timeout": Spec("float", 30.0, "seconds a json_schema, regex or grammar may take "
                             "to compile before the run stops (compiled grammars are cached)",
                             "> 0", lambda v: v > 0),
+    # Sample and rerank (genlib.rerank): one batch of `samples` rows, one output kept.
+    "samples": Spec("int", None, "draw this many samples as one batch and keep the one "
+                    "rerank prefers (sampling only)", f"1 <= samples <= {MAX_ROWS}",
+                    lambda v: 1 <= v <= MAX_ROWS, optional=True),
+    "rerank": Spec("str", None, "how samples picks its output: logprob (the best mean token "
+                   "logprob under the model), mbr (minimum Bayes risk under chrF) or a "
+                   "scoring model's folder or hub id (default with samples: logprob)",
+                   optional=True),
 }
 
 
@@ -228,6 +236,8 @@ class GenerationSettings:
     regex: str | None = _default("regex")
     grammar: str | None = _default("grammar")
     grammar_timeout: float = _default("grammar_timeout")
+    samples: int | None = _default("samples")
+    rerank: str | None = _default("rerank")
     unused: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -543,7 +553,7 @@ def _infer_strategy(explicit: Mapping[str, Any]) -> str:
         return "beam"
     if "do_sample" in explicit and explicit["do_sample"] is not None:
         return "sample" if explicit["do_sample"] else "greedy"
-    if any(k in explicit for k in SAMPLING_KEYS):
+    if any(k in explicit for k in SAMPLING_KEYS) or explicit.get("samples") is not None:
         return "sample"
     return "greedy"
 
@@ -580,6 +590,8 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
             merged["num_beams"] = 4  # a sensible beam width; an explicit 1 is honoured
     else:
         merged["do_sample"] = strategy == "sample"
+    if merged["samples"] is not None and merged["rerank"] is None:
+        merged["rerank"] = "logprob"
     _check_combination(merged)
     unused = tuple(k for k in SAMPLING_KEYS if k in explicit and not merged["do_sample"])
     return GenerationSettings(**merged, unused=unused)
@@ -616,6 +628,7 @@ def _check_combination(s: Mapping[str, Any]) -> None:
     if s["min_new_tokens"] > s["max_new_tokens"]:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")
+    _check_rerank(s)
 
 
 # --- The seed policy ----------------------------------------------------------------
@@ -687,3 +700,26 @@ def _check_new_samplers(s: Mapping[str, Any]) -> None:
                           f"work with ignore_eos or min_new_tokens: drop them")
     if grammars and (s["force_words"] or s["force_any"]):
         raise ConfigError(f"{grammars[0]} cannot be combined with force_words/force_any")
+
+
+def _check_rerank(s: Mapping[str, Any]) -> None:
+    """Rules for sample and rerank (`samples`, `rerank`)."""
+    samples, rerank = s["samples"], s["rerank"]
+    if samples is None:
+        if rerank is not None:
+            raise ConfigError(f"rerank {shown(rerank)} needs samples: give --samples N "
+                              f"(samples=N) to draw N samples and keep the best one")
+        return
+    if s["strategy"] != "sample":
+        raise ConfigError(f"samples draws {samples} samples and keeps one: it needs "
+                          f"strategy sample, not {s['strategy']} (greedy would draw "
+                          f"{samples} identical outputs); drop strategy {s['strategy']}: "
+                          f"samples implies sampling")
+    if s["num_return_sequences"] > 1:
+        raise ConfigError("samples keeps one output of its samples; num_return_sequences "
+                          "asks for several: drop one of them")
+    if rerank is not None and not rerank.strip():
+        raise ConfigError("rerank is empty; give logprob, mbr or a scoring model")
+    if rerank == "mbr" and samples < 2:
+        raise ConfigError(f"rerank mbr compares samples with each other: give samples >= 2 "
+                          f"(got {samples})")

@@ -118,4 +118,21 @@ class BeamStep:
     time: float = 0.0
 
 
-Event = Prefill | Token | Finish | Verify | BeamStep
+@dataclass(frozen=True, slots=True)
+class Rerank:
+    """Sample and rerank (`genlib.rerank`) chose one of a prompt's samples: `samples` are
+    their Finish events (rows of the sampling batch), `scores` each one's score under
+    `method` (logprob, mbr, or the scoring model's name; higher is better, None for an
+    empty sample), `chosen` the index of the kept one in `samples`. The chosen sample's
+    Token events and a Finish as the prompt's output row follow."""
+
+    prompt_index: int
+    method: str
+    samples: tuple[Finish, ...]
+    scores: tuple[float | None, ...]
+    chosen: int
+    seconds: float  # scoring time
+    time: float
+
+
+Event = Prefill | Token | Finish | Verify | BeamStep | Rerank

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-from genlib import beam, decode, speculative
+from genlib import beam, decode, rerank, speculative
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
@@ -24,14 +24,22 @@ from genlib.stepdetail import Detail
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            *, drafter: Drafting | None = None, backend: str | None = None,
            seeds: Sequence[int] | None = None, record_tree: bool = False,
-           detail: Detail | None = None) -> Iterator[Event]:
+           detail: Detail | None = None, scorer: LoadedModel | None = None
+           ) -> Iterator[Event]:
     """Generate for `prompts` with `settings`; yield events. `drafter` decodes
     speculatively (one prompt); beam search runs for strategy beam (`record_tree` adds
     its tree to the BeamStep events); the plain loop otherwise. `backend` is the user's
     choice, default the model's (`LoadedModel.backend`, from --backend; auto: the fastest
     exact one). `seeds`: one per output row. `detail` (plain loop only) adds a
     per-step record to each Token event and can ask for inverse-CDF sampling with common
-    random numbers or a branch's forced tokens (`genlib.stepdetail.Detail`)."""
+    random numbers or a branch's forced tokens (`genlib.stepdetail.Detail`).
+    `settings.samples` draws that many samples per prompt as one batch and keeps one
+    (`genlib.rerank`; `seeds` then one per prompt); `scorer` is the model a `rerank`
+    that names one scores with."""
+    if settings.samples is not None:
+        yield from _reranked(lm, prompts, settings, drafter=drafter, backend=backend,
+                             seeds=seeds, detail=detail, scorer=scorer)
+        return
     if detail is not None and settings.strategy == "beam":
         raise ConfigError("per-token detail (--logprobs, explain, --crn) needs strategy "
                           "greedy or sample, not beam search")
@@ -55,10 +63,25 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                                  seeds=seeds, detail=detail)
 
 
+def _reranked(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+              *, drafter: Drafting | None, backend: str | None, seeds: Sequence[int] | None,
+              detail: Detail | None, scorer: LoadedModel | None) -> Iterator[Event]:
+    """Sample and rerank: the plain loop's batch of samples, reranked per prompt."""
+    if drafter is not None:
+        raise ConfigError("samples draws a batch of samples; speculative decoding runs one "
+                          "row: drop samples or the draft")
+    method = rerank.prepare(lm, prompts, settings, scorer)
+    events = stream(lm, prompts, rerank.sampling_settings(settings), backend=backend,
+                    seeds=rerank.sample_seeds(seeds, settings.samples or 1), detail=detail)
+    yield from rerank.stream(events, prompts, settings, method, scorer)
+
+
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
              *, drafter: Drafting | None = None, backend: str | None = None,
-             seeds: Sequence[int] | None = None) -> list[Finish]:
+             seeds: Sequence[int] | None = None, scorer: LoadedModel | None = None
+             ) -> list[Finish]:
     """Run `stream` to the end; the Finish events in row order."""
-    events = stream(lm, prompts, settings, drafter=drafter, backend=backend, seeds=seeds)
+    events = stream(lm, prompts, settings, drafter=drafter, backend=backend, seeds=seeds,
+                    scorer=scorer)
     finished = [e for e in events if isinstance(e, Finish)]
     return sorted(finished, key=lambda f: f.row)
