@@ -84,7 +84,11 @@ class Stored:
 
     def quantized(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Matrix `name`'s codes (out, in), one a byte as `quant.quantize` gives them, and
-        its scales as stored (float16)."""
+        its scales as stored (float16). A tied output head (`lm_head.weight` where
+        transformers' model names one) is the embeddings' matrix."""
+        if name == "lm_head.weight" and "lm_head" not in self.modules \
+                and self.config.get("tie_word_embeddings"):
+            name = "model.embed_tokens.weight"
         codes, scales = self._read(name + CODES), self._read(name + SCALES)
         return (unpack_nibbles(codes) if _bits(self.format) == 4 else codes), scales
 

@@ -150,6 +150,21 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
     assert greedy_native(step, lm.lean, ids, 64) == want
 
 
+def test_a_batch_after_transformers_load_packs_the_codes_as_stored(written, monkeypatch):
+    """A model loaded through transformers (batches, beam search) still runs its stored
+    codes on the native kernel, every row: nothing quantizes the dequantized weights."""
+    lm = load_model(ModelSpec(str(written(CODE_SMALL, "q8_0"))), quick=False)
+    assert lm.lean is None and lm.stored is not None
+
+    def no_quantizing(*args, **kwargs):
+        raise AssertionError("the stored codes were quantized again")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(quant, "quantize", no_quantizing)
+        backend = choose_backend(lm, Request(rows=3))
+    assert backend.name == "native" and "weights q8_0 as stored" in backend.reason
+
+
 def test_transformers_model_holds_the_dequantized_weights(written):
     folder = written(CODE_SMALL, "q8_0")
     model = load_model(ModelSpec(str(folder)), quick=False).model

@@ -11,6 +11,7 @@ token-identical to transformers' `generate()`):
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
 | one row of an unquantized float32 model on a GPU | compiled |
 | `--quantize` on a CPU, a Llama-style model (any rows) | native, its matrices quantized |
+| a quantized checkpoint (genlib.qformat) on a CPU (any rows) | native, its codes as stored |
 | several rows otherwise, a bitsandbytes model, or any other model | transformers |
 | speculation on a GPU without the lean forward | transformers |
 
