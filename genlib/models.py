@@ -31,6 +31,8 @@ from genlib.modelinfo import (  # noqa: F401  (LoadedModel, ModelSpec: the loadi
 if TYPE_CHECKING:
     import torch
 
+    from genlib.qformat import Stored
+
 # 8bit and 4bit: the native kernel's q8_0 and 4-bit format on a CPU, else bitsandbytes'
 # (genlib.backends.choose.native_quantization); q8_0, nf4, q4_0: the native kernel's.
 QUANTIZATIONS = ("none", "8bit", "4bit", "q8_0", "nf4", "q4_0")
@@ -382,7 +384,7 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     return _with_files(lm, ref, stored) if local_folder else lm
 
 
-def _stored_checkpoint(ref: str, spec: ModelSpec) -> Any:
+def _stored_checkpoint(ref: str, spec: ModelSpec) -> Stored | None:
     """The folder's genlab quantized checkpoint (genlib.qformat), checked, or None; a
     ModelLoadError for a broken one, or for --quantize on one."""
     from genlib import qformat
@@ -394,7 +396,7 @@ def _stored_checkpoint(ref: str, spec: ModelSpec) -> Any:
     return stored
 
 
-def _with_files(lm: LoadedModel, folder: str, stored: Any) -> LoadedModel:
+def _with_files(lm: LoadedModel, folder: str, stored: Stored | None) -> LoadedModel:
     """`lm` with what its folder's files hold: their format and bytes, the checkpoint."""
     from genlib import qformat
 
@@ -403,7 +405,8 @@ def _with_files(lm: LoadedModel, folder: str, stored: Any) -> LoadedModel:
     return lm
 
 
-def _load_dequantized(stored: Any, spec: ModelSpec, config: Any, dtype: torch.dtype) -> Any:
+def _load_dequantized(stored: Stored, spec: ModelSpec, config: Any, dtype: torch.dtype
+                      ) -> Any:
     """transformers' model of a genlab quantized checkpoint, over its dequantized float
     weights: transformers does not know the format, and would read the codes raw."""
     from transformers import AutoModelForCausalLM
