@@ -165,6 +165,20 @@ def test_a_batch_after_transformers_load_packs_the_codes_as_stored(written, monk
     assert backend.name == "native" and "weights q8_0 as stored" in backend.reason
 
 
+def test_the_first_token_dequantizes_no_matrix_of_the_layers(written):
+    """The native kernel runs the codes; the torch forward's float copies of the layers'
+    matrices (`LeanLlama.layers`) are never made, and the layers' matrices never
+    dequantized, for a generation on it."""
+    from genlib.config import resolve_settings
+    from genlib.generate import generate
+
+    lm = load_model(ModelSpec(str(written(CODE_SMALL, "nf4"))), quick=True)
+    generate(lm, [lm.encode("def f(")], resolve_settings({"max_new_tokens": 2}))
+    assert "layers" not in lm.lean.__dict__
+    read = set(lm.lean.tensors._done)  # the dequantized tensors, by name
+    assert not any(".self_attn." in name or ".mlp.gate" in name for name in read), read
+
+
 def test_transformers_model_holds_the_dequantized_weights(written):
     folder = written(CODE_SMALL, "q8_0")
     model = load_model(ModelSpec(str(folder)), quick=False).model
