@@ -80,27 +80,33 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     build (a few seconds, once per machine) is announced and timed apart: one line on
     stderr, with a spinner while it compiles on a terminal. `weights`: which builds
     (`kernel.WEIGHTS`). A model mapped from its file (genlib.quickload) has its float32
-    matrices packed now too, through the weight cache (`kernel.packed_weights`)."""
+    matrices packed now too, through the weight cache (`kernel.packed_weights`), and a
+    quantized checkpoint (genlib.qformat) its stored codes."""
     import torch
 
     from genlib.backends import kernel
-    from genlib.backends.choose import native_allowed
+    from genlib.backends.choose import native_allowed, stored_format
 
+    stored = stored_format(lm)
     if lm.weights is not None:  # --quantize on the native kernel: the format's build
         weights = (lm.weights,)
     elif lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
             or lm.dtype != torch.float32 or lm.quantize != "none":
         return
+    elif stored:  # a quantized checkpoint: the kernel that reads its codes
+        weights = (stored,)
     if lm.backend == "auto" and not native_allowed():
         return
     from cli.render import building, warn
 
     with building() as notify:
         kernel.ensure_built(notify, weights=weights)
-    if lm.lean is not None and lm.lean.weights_file is not None and "float32" in weights:
+    packs = stored if stored in weights else "float32"
+    if lm.lean is not None and (lm.lean.weights_file is not None or stored) \
+            and packs in weights:
         # The packed weights now, mapped from the cache (or packed and cached), so a
         # cache that cannot be written is said once, before any output.
-        lm.lean.native_step("float32", warn)
+        lm.lean.native_step(packs, warn)
     for kind in weights:  # each build ran once above; this only reads what it said
         notice = kernel.build_for(kind).notice
         if notice:

@@ -40,7 +40,16 @@ def run_document(lm: LoadedModel, prompt: str, ids: list[int],
 
     ran = {"backend": {"name": prefill.backend, "reason": prefill.backend_reason,
                        "architecture": architecture(lm)}} if prefill else {}
+    if lm.storage is not None or lm.disk_bytes is not None:
+        ran["model_files"] = {"weights": lm.storage, "bytes": lm.disk_bytes}
     return output.run_document("generate", lm.ref, settings, prompt, len(ids), [], **ran)
+
+
+def files_note(lm: LoadedModel) -> str:
+    """--stats' words on how the model's folder stores its weights, and its size."""
+    if lm.disk_bytes is None:
+        return ""
+    return f"weights {lm.storage or 'unknown'}, {lm.disk_bytes / 1e6:.1f} MB on disk"
 
 
 def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,
@@ -146,7 +155,8 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                 render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
-                         backend_note(prefill), architecture(lm) if prefill else "")
+                         backend_note(prefill), architecture(lm) if prefill else "",
+                         files_note(lm))
     return exit_code([f.reason for f in finished], settings.max_new_tokens, interrupted)
 
 
