@@ -101,11 +101,12 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     import time
 
     from cli import output, render
-    from genlib.backends.choose import architecture, choose_backend
+    from genlib.backends.choose import architecture
+    from genlib.backends.combined import for_generation
     from genlib.beam import backend_request, search
     from genlib.generate import generate
 
-    backend = choose_backend(lm, backend_request([ids], settings, lm.backend))
+    backend = for_generation(lm, [ids], settings, backend_request([ids], settings, lm.backend))
     start = time.perf_counter()
     run = search(lm, [ids], settings, record_tree=tree, backend=backend)
     live = tree and not sink.machine and render.out.is_terminal
