@@ -189,15 +189,18 @@ def test_cli_batch_lines_set_the_numbers_and_the_repl_and_stdin_agree(tmp_path) 
     expert = genlab("generate", "Once upon a time", "-m", str(STORIES), "-n", "12").stdout
     lines = [{"id": 1, "prompt": "Once upon a time", "cd_beta": 0},
              {"id": 2, "prompt": "Once upon a time", "cd_beta": 2},
-             {"id": 3, "prompt": "Once upon a time", "ensemble_mode": "mean"}]
+             {"id": 3, "prompt": "Once upon a time", "ensemble_mode": "mean"},
+             {"id": 4, "prompt": "Once upon a time", "amateur": str(CODE_DRAFT)}]
     source = tmp_path / "in.jsonl"
     source.write_text("".join(json.dumps(line) + "\n" for line in lines))
     batch = genlab("generate", "--input", str(source), "--output", "-", "-m", str(STORIES),
                    "--amateur", str(LLAMA2XS), "-n", "12")
-    assert batch.returncode == 1  # line 3 failed, the others ran
+    assert batch.returncode == 1  # lines 3 and 4 failed, the others ran
     results = {r["id"]: r for r in map(json.loads, batch.stdout.splitlines())}
     assert results[1]["text"] + "\n" == expert
-    assert "give --ensemble MODEL" in results[3]["error"]
+    assert "ensemble (ensemble_mode) or contrastive decoding (cd_beta), not both" in \
+        results[3]["error"]
+    assert "unknown setting 'amateur'" in results[4]["error"]  # a line names no model
     piped = subprocess.run([sys.executable, "-m", "cli", "generate", "-m", str(STORIES), "-n",
                             "12", "--amateur", str(LLAMA2XS), "--cd-beta", "2"], cwd=ROOT,
                            input="Once upon a time\n", capture_output=True, text=True,
