@@ -77,29 +77,42 @@ class Combination:
 
 
 def mixture(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """mean: log sum_i w_i p_i, from each model's log p_i."""
-    stacked = torch.stack([lp + math.log(w) for lp, w in zip(logprobs, weights)])
-    return torch.logsumexp(stacked, dim=0)
+    """mean: log sum_i w_i p_i, from each model's log p_i (weights summing to 1)."""
+    probs = [lp.exp() for lp in logprobs]
+    if len(probs) == 2:  # one op: lerp(p_0, p_1, w_1) = w_0 p_0 + w_1 p_1 where w_0 + w_1 = 1
+        return torch.lerp(probs[0], probs[1], weights[1]).log_()
+    total = probs[0] * weights[0]
+    for p, w in zip(probs[1:], weights[1:]):
+        total.add_(p, alpha=w)
+    return total.log_()
 
 
 def product(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """product of experts: log_softmax(sum_i w_i log p_i)."""
-    total = sum(w * lp for lp, w in zip(logprobs, weights))
-    assert isinstance(total, torch.Tensor)
+    total = logprobs[0] * weights[0]
+    for lp, w in zip(logprobs[1:], weights[1:]):
+        total.add_(lp, alpha=w)
     return total.log_softmax(-1)
 
 
 def contrastive(expert: torch.Tensor, amateur: torch.Tensor, beta: float, alpha: float
                 ) -> torch.Tensor:
     """(1 + beta) log p_e - beta log p_a where p_e >= alpha * max p_e, else -inf."""
-    return torch.where(plausible(expert, alpha), (1 + beta) * expert - beta * amateur,
-                       float("-inf"))
+    # lerp(a, e, 1 + beta) = a + (1 + beta)(e - a): the score in one op
+    scores = torch.lerp(amateur, expert, 1 + beta)
+    return scores.masked_fill_(_implausible(expert, alpha), -math.inf)
 
 
 def plausible(expert: torch.Tensor, alpha: float) -> torch.Tensor:
     """The plausibility head: p_e >= alpha * max p_e (a token the expert gives 0 never)."""
-    cutoff = expert.amax(-1, keepdim=True) + (math.log(alpha) if alpha > 0 else -math.inf)
-    return (expert >= cutoff) & (expert > float("-inf"))
+    return ~_implausible(expert, alpha)
+
+
+def _implausible(expert: torch.Tensor, alpha: float) -> torch.Tensor:
+    """p_e < alpha * max p_e, from log p_e (p_e = 0 always)."""
+    if alpha == 0:
+        return expert == -math.inf
+    return expert < expert.amax(-1, keepdim=True).add_(math.log(alpha))
 
 
 def normalised(weights: Sequence[float]) -> tuple[float, ...]:
