@@ -668,8 +668,7 @@ def compare(
       genlab compare "Once upon a time" -m ../shared/models/stories260K -n 200\n
       genlab compare "Once upon a time" -p greedy -p creative --variant "repetition_penalty=1.3"\n
       genlab compare "def add(a, b):" --samples 3 --seed 1 --json -o out.json\n
-      genlab compare "Once upon a time" --models MODEL_A,MODEL_B\n
-      genlab compare "def add(a, b):" -m MODEL -p greedy -p cd --amateur SMALLER_MODEL
+      genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
     from cli.context import presets_model, read_prompt
     from genlib.compare import build_strategies, strategy_from_variant, with_seed

@@ -172,8 +172,7 @@ def explain(
     Examples:\n
       genlab explain "Once upon a time" -t 0.8 --top-k 20 --seed 1 -n 10\n
       genlab explain "def add(a, b):" --seed 1 -t 0.8 --branch 1:pass\n
-      genlab explain "def add(a, b):" --html explain.html\n
-      genlab explain "Once upon a time" -m MODEL --ensemble OTHER_MODEL:0.5
+      genlab explain "def add(a, b):" --html explain.html
     """
     from cli import render, render_explain
     from genlib.explain import runs_of

@@ -77,7 +77,8 @@ class Combination:
 
 
 def mixture(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """mean: log sum_i w_i p_i, from each model's log p_i (weights summing to 1)."""
+    """mean: log sum_i w_i p_i, from each model's log p_i (weights summing to 1). Summed
+    as probabilities: a token every model gives p below float32's ~1e-38 gets -inf."""
     probs = [lp.exp() for lp in logprobs]
     if len(probs) == 2:  # one op: lerp(p_0, p_1, w_1) = w_0 p_0 + w_1 p_1 where w_0 + w_1 = 1
         return torch.lerp(probs[0], probs[1], weights[1]).log_()
@@ -98,7 +99,8 @@ def product(logprobs: Sequence[torch.Tensor], weights: Sequence[float]) -> torch
 def contrastive(expert: torch.Tensor, amateur: torch.Tensor, beta: float, alpha: float
                 ) -> torch.Tensor:
     """(1 + beta) log p_e - beta log p_a where p_e >= alpha * max p_e, else -inf."""
-    # lerp(a, e, 1 + beta) = a + (1 + beta)(e - a): the score in one op
+    # lerp(a, e, 1 + beta) = a + (1 + beta)(e - a): the score in one op (log p_a is finite,
+    # the log_softmax of finite logits)
     scores = torch.lerp(amateur, expert, 1 + beta)
     return scores.masked_fill_(_implausible(expert, alpha), -math.inf)
 
