@@ -12,6 +12,7 @@ from cli import options as opt
 from cli import render_tokens
 from cli.context import (
     ModelFlags,
+    combination_defaults,
     encode_prompt,
     load,
     load_scorer,
@@ -201,6 +202,11 @@ def generate(
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
     grammar_timeout: opt.GrammarTimeout = None,
+    ensemble: opt.Ensemble = None,
+    ensemble_mode: opt.EnsembleMode = None,
+    amateur: opt.Amateur = None,
+    cd_beta: opt.CdBeta = None,
+    cd_alpha: opt.CdAlpha = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -261,7 +267,9 @@ def generate(
     """
     flags = opt.decoding_flags(locals() | sampler_flags)
     opt.refuse_compile(compile)
-    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
+    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
+                             tuple(ensemble or ()), amateur)
+    combined = combination_defaults(model_flags, flags)
     from cli.batch import EngineFlags
 
     engine_flags = EngineFlags(engine, ray_address, workers, batch_format)
@@ -281,13 +289,13 @@ def generate(
         if interactive:
             from cli import repl
 
-            return repl.run(flags, preset, model_flags, chat, system)
+            return repl.run(flags, preset, model_flags, chat, system, combined)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
                              chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
-                             engine_flags, logprobs or 0)
+                             engine_flags, logprobs or 0, combined)
     render_tokens.check_color_by(color_by)
     sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
-    settings, loaded_preset = settings_for(preset, flags)
+    settings, loaded_preset = settings_for(preset, flags, combined)
     settings = with_seed(settings)
     text = read_prompt(prompt)
     scorer = load_scorer(model_flags, settings)  # an unknown --rerank fails before loading

@@ -68,6 +68,9 @@ class LoadedModel:
     disk_bytes: int | None = None
     stored: Any = None  # genlib.qformat.Stored: the folder is genlab's quantized checkpoint
     deferred: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    # The models combined with this one token by token (`genlib.combine.Partner`: an
+    # ensemble's members, contrastive decoding's amateur); the settings say which runs.
+    partners: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model is None and self.deferred is not None:
