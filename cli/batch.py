@@ -130,10 +130,12 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         input_path: Path, output: str | None, batch_size: int | None, chat: bool,
         system: str | None, resume: ResumeFlags = ResumeFlags(),
-        engine: EngineFlags | None = None, logprobs: int = 0) -> None:
+        engine: EngineFlags | None = None, logprobs: int = 0,
+        combined: dict[str, Any] | None = None) -> None:
     """Entry point from `genlab generate --input`; `logprobs` N > 0 (--logprobs) gives
     every line's result its tokens' logprobs with N alternatives (a line's own
-    `logprobs` wins)."""
+    `logprobs` wins); `combined`: the settings --ensemble/--amateur imply, under the
+    run's preset (a line may set the numbers, never the models)."""
     from genlib import batch as gb
     from genlib import openai_batch
     from genlib.config import resolve_settings
@@ -155,20 +157,25 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
 
         check_output_path(out_path, "--output")
     preset = load_preset(preset_ref) if preset_ref else None
+    preset_settings = {**(combined or {}), **(preset.settings if preset else {})}
     # bad flags: fail once, not on every line
-    run_settings = resolve_settings(flags, preset.settings if preset else None)
+    run_settings = resolve_settings(flags, preset_settings)
     gb.check_one_result(run_settings.num_return_sequences,
                         "--num-return-sequences (or --preset)")
     gb.check_line_rerank(run_settings, "--rerank (or --preset)")
     model_ref = resolve_model_ref(model_flags.model, preset.model if preset else None)
     run_defaults = gb.RunDefaults(
-        preset_settings=preset.settings if preset else {},
+        preset_settings=preset_settings,
         flags={k: v for k, v in flags.items() if k != "seed"},
         seed=flags.get("seed", (preset.settings if preset else {}).get("seed", gb.DEFAULT_SEED)),
         chat=chat, system=system,
-        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize),
+        model=gb.model_identity(model_ref, model_flags.dtype, model_flags.quantize)
+        + partners_identity(model_flags),
         logprobs=logprobs)
     engine = engine or EngineFlags()
+    if engine.engine == "ray" and model_flags.combined:
+        raise fail("--engine ray loads one model per worker; run --ensemble and --amateur "
+                   "with --engine local")
     if engine.engine == "ray":
         from genlib.ray_engine import require_ray
 
@@ -208,6 +215,18 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise typer.Exit(INTERRUPTED)
     if tally.failed or tally.failed_before:
         raise typer.Exit(1)
+
+
+def partners_identity(model_flags: ModelFlags) -> str:
+    """The combined models as a line's fingerprint names them (they change its text)."""
+    from genlib import batch as gb
+    from genlib.combine import parse_member
+
+    members = [parse_member(text) for text in model_flags.ensemble]
+    named = [f" + ensemble {gb.model_identity(ref)}:{weight:g}" for ref, weight in members]
+    if model_flags.amateur:
+        named.append(f" - amateur {gb.model_identity(model_flags.amateur)}")
+    return "".join(named)
 
 
 def _rows_per_forward(batch_size: int | None, backend: str) -> int:

@@ -10,6 +10,7 @@ import typer
 from cli import options as opt
 from cli.context import (
     ModelFlags,
+    combination_defaults,
     encode_prompt,
     load,
     prepare_grammar,
@@ -101,11 +102,12 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     import time
 
     from cli import output, render
-    from genlib.backends.choose import architecture, choose_backend
+    from genlib.backends.choose import architecture
+    from genlib.backends.combined import for_generation
     from genlib.beam import backend_request, search
     from genlib.generate import generate
 
-    backend = choose_backend(lm, backend_request([ids], settings, lm.backend))
+    backend = for_generation(lm, [ids], settings, backend_request([ids], settings, lm.backend))
     start = time.perf_counter()
     run = search(lm, [ids], settings, record_tree=tree, backend=backend)
     live = tree and not sink.machine and render.out.is_terminal
@@ -223,6 +225,11 @@ def beam(
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
     grammar_timeout: opt.GrammarTimeout = None,
+    ensemble: opt.Ensemble = None,
+    ensemble_mode: opt.EnsembleMode = None,
+    amateur: opt.Amateur = None,
+    cd_beta: opt.CdBeta = None,
+    cd_alpha: opt.CdAlpha = None,
     tree: Annotated[bool, typer.Option(
         "--tree", rich_help_panel=opt.OUTPUT_PANEL,
         help="Draw the search tree: candidates kept, finished and pruned at each step.")
@@ -265,15 +272,17 @@ def beam(
         diversity_penalty=diversity_penalty, force_words=force or None,
         force_any=force_any or None)
     target = sink(as_json, as_jsonl, output)
-    settings, loaded_preset = settings_for(preset, flags)
+    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
+                             tuple(ensemble or ()), amateur)
+    settings, loaded_preset = settings_for(preset, flags,
+                                           combination_defaults(model_flags, flags))
     settings = with_seed(settings)
     named = num_return_sequences is not None or (
         loaded_preset is not None and "num_return_sequences" in loaded_preset.settings)
     if not named:  # the whole n-best unless the flag or the preset asks for fewer
         settings = settings.replace(num_return_sequences=settings.num_beams)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
-              loaded_preset)
+    lm = load(model_flags, loaded_preset)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     prepare_grammar(lm, settings)
     with opened(target) as target:

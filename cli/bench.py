@@ -119,7 +119,7 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
            weight_bytes: int, runs: int, warmup: int) -> dict[str, Any]:
     """One JSON/CSV record: what was run, every metric, and how it compares (the bound
     from the bandwidth sampled between this configuration's rounds)."""
-    from genlib.backends.choose import architecture
+    from genlib.backends.choose import architecture, stored_format
 
     case = engine_result.case
     metrics = engine_result.metrics()
@@ -132,7 +132,8 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         case.new_tokens, "batch_size": case.batch_size,
         "architecture": architecture(lm),
         "backend": engine_result.backend,
-        "weights": lm.weights or lm.dtype_name if engine_result.backend == "native" else None,
+        "weights": lm.weights or stored_format(lm) or lm.dtype_name
+        if engine_result.backend == "native" else None,
         "backend_requested":
         case.backend if engine_result.engine == "genlab" else None,
         "runs": runs, "warmup": warmup, "settings": case.settings.to_dict(), **metrics,

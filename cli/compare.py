@@ -652,6 +652,8 @@ def compare(
     dtype: opt.Dtype = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
+    ensemble: opt.Ensemble = None,
+    amateur: opt.Amateur = None,
     crn: Annotated[bool, typer.Option(
         "--crn/--no-crn", rich_help_panel=opt.DECODING_PANEL,
         help="Common random numbers: every sampled strategy uses the same uniform draw "
@@ -685,7 +687,9 @@ def compare(
     text = read_prompt(prompt)
     if model is None and models is None:
         model = presets_model(presets, ", or compare them with --models")
-    model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend)
+    model_flags = ModelFlags(model, device, dtype, "none", trust_remote_code, backend,
+                             tuple(ensemble or ()), amateur)
+    check_combined(strategies, model_flags, models is not None)
     model_refs, quantizations = opt.comma_list(models), opt.comma_list(quantize)
     if models is not None and not model_refs:
         raise fail("--models names no model; give comma-separated hub ids or folders, e.g. "
@@ -707,6 +711,31 @@ def compare(
     with opened(target):
         run_strategies(text, strategies, model_flags, base_seed, target, markdown_path, crn,
                        logprobs or 0)
+
+
+def check_combined(strategies: list[Strategy], model_flags: ModelFlags, models: bool
+                   ) -> None:
+    """Input errors, before any model loads, where the strategies and the combined
+    models do not meet: --ensemble and --amateur serve the strategies that set
+    ensemble_mode or cd_beta (the `cd` preset), on -m's model, and those need them."""
+    from cli.context import combination_defaults
+
+    combination_defaults(model_flags, {})  # a bad weight, or both at once
+    if models and model_flags.combined:
+        raise fail("--ensemble and --amateur combine models with -m's; they do not apply "
+                   "to --models")
+    wants = {"--ensemble": [s.label for s in strategies
+                            if s.settings.ensemble_mode is not None],
+             "--amateur": [s.label for s in strategies if s.settings.cd_beta is not None]}
+    given = {"--ensemble": bool(model_flags.ensemble), "--amateur": bool(model_flags.amateur)}
+    needs = {"--ensemble": "ensemble_mode (--variant ensemble_mode=mean)",
+             "--amateur": "cd_beta (the cd preset: -p cd)"}
+    for flag, labels in wants.items():
+        if labels and not given[flag]:
+            raise fail(f"strategy {labels[0]!r} combines models: give {flag} MODEL")
+        if given[flag] and not labels:
+            raise fail(f"{flag} serves the strategies that set {needs[flag]}; no strategy "
+                       f"does")
 
 
 def check_outputs(target: Sink, markdown_path: str | None) -> None:

@@ -26,6 +26,37 @@ class ModelFlags:
     quantize: str = "none"
     trust_remote_code: bool = False
     backend: str = "auto"
+    ensemble: tuple[str, ...] = ()  # --ensemble MODEL[:WEIGHT] each
+    amateur: str | None = None  # --amateur MODEL
+
+    @property
+    def combined(self) -> bool:
+        """Whether the run loads models to combine with the main one."""
+        return bool(self.ensemble or self.amateur)
+
+
+def combination_defaults(model_flags: ModelFlags, flags: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings --ensemble and --amateur imply where neither a flag nor the preset
+    sets them (a mean ensemble; contrastive decoding at beta 0.5), to go under the
+    preset; an input error for the numbers of a combination whose models are not given,
+    or for both combinations at once."""
+    from genlib.combine import DEFAULT_CD_BETA, parse_member
+
+    for text in model_flags.ensemble:
+        parse_member(text)  # a bad weight is refused before any model loads
+    if model_flags.ensemble and model_flags.amateur:
+        raise fail("give --ensemble (an ensemble) or --amateur (contrastive decoding), "
+                   "not both")
+    if "ensemble_mode" in flags and not model_flags.ensemble:
+        raise fail("--ensemble-mode needs --ensemble MODEL[:WEIGHT], the models to combine "
+                   "with -m")
+    for flag, key in (("--cd-beta", "cd_beta"), ("--cd-alpha", "cd_alpha")):
+        if key in flags and not model_flags.amateur:
+            raise fail(f"{flag} needs --amateur MODEL, the model contrastive decoding "
+                       f"scores against")
+    if model_flags.ensemble:
+        return {"ensemble_mode": "mean"}
+    return {"cd_beta": DEFAULT_CD_BETA} if model_flags.amateur else {}
 
 
 def settings_for(preset_ref: str | None, flags: dict[str, Any],
@@ -71,8 +102,30 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
     with loading(ref):
         lm = load_model(spec, quick=quick)
     build_native_kernel(lm, weights)
+    lm.partners = load_partners(flags, lm, quick)
     freeze_heap()  # no pause of the collector's over what loading made, mid-decode
     return lm
+
+
+def load_partners(flags: ModelFlags, lm: LoadedModel, quick: bool) -> tuple[Any, ...]:
+    """The --ensemble and --amateur models, loaded as `lm` was (device, dtype, backend)
+    and checked to combine with it (one device, one tokenizer)."""
+    from genlib.combine import AMATEUR, ENSEMBLE, Partner, check_partner, parse_member
+    from genlib.models import ModelSpec, load_model
+
+    wanted = [(*parse_member(text), ENSEMBLE, "--ensemble") for text in flags.ensemble]
+    wanted += [(flags.amateur, 1.0, AMATEUR, "--amateur")] if flags.amateur else []
+    partners = []
+    for ref, weight, role, flag in wanted:
+        spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
+                         quantize=flags.quantize, trust_remote_code=flags.trust_remote_code,
+                         backend=lm.backend)
+        with loading(ref):
+            other = load_model(spec, quick=quick)
+        check_partner(lm, other, flag)
+        build_native_kernel(other)
+        partners.append(Partner(other, role, weight))
+    return tuple(partners)
 
 
 def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)) -> None:
@@ -80,27 +133,33 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     build (a few seconds, once per machine) is announced and timed apart: one line on
     stderr, with a spinner while it compiles on a terminal. `weights`: which builds
     (`kernel.WEIGHTS`). A model mapped from its file (genlib.quickload) has its float32
-    matrices packed now too, through the weight cache (`kernel.packed_weights`)."""
+    matrices packed now too, through the weight cache (`kernel.packed_weights`), and a
+    quantized checkpoint (genlib.qformat) its stored codes."""
     import torch
 
     from genlib.backends import kernel
-    from genlib.backends.choose import native_allowed
+    from genlib.backends.choose import native_allowed, stored_format
 
+    stored = stored_format(lm)
     if lm.weights is not None:  # --quantize on the native kernel: the format's build
         weights = (lm.weights,)
     elif lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
             or lm.dtype != torch.float32 or lm.quantize != "none":
         return
+    elif stored:  # a quantized checkpoint: the kernel that reads its codes
+        weights = (stored,)
     if lm.backend == "auto" and not native_allowed():
         return
     from cli.render import building, warn
 
     with building() as notify:
         kernel.ensure_built(notify, weights=weights)
-    if lm.lean is not None and lm.lean.weights_file is not None and "float32" in weights:
+    packs = stored if stored in weights else "float32"
+    if lm.lean is not None and (lm.lean.weights_file is not None or stored) \
+            and packs in weights:
         # The packed weights now, mapped from the cache (or packed and cached), so a
         # cache that cannot be written is said once, before any output.
-        lm.lean.native_step("float32", warn)
+        lm.lean.native_step(packs, warn)
     for kind in weights:  # each build ran once above; this only reads what it said
         notice = kernel.build_for(kind).notice
         if notice:

@@ -12,6 +12,7 @@ from cli import options as opt
 from cli import output
 from cli.context import (
     ModelFlags,
+    combination_defaults,
     encode_prompt,
     load,
     prepare_grammar,
@@ -73,17 +74,18 @@ def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
                    branch: tuple[int, int] | None) -> dict[str, Any]:
     """The whole `--json` document (docs/output.md): the original run and, with a
     branch, the branch and where the two diverge."""
-    from genlib.explain import divergence, explain, run_dict
+    from genlib.explain import divergence, explain, model_logprobs, run_dict
 
     original = explain(lm, ids, settings, top=top)
     record = output.document(
         "explain", lm.ref, prompt=prompt, prompt_tokens=len(ids),
         settings=settings.to_dict(),
         sampler="inverse_cdf" if settings.do_sample else "greedy",
-        original=run_dict(lm, original))
+        original=run_dict(lm, original, model_logprobs(lm, settings, ids, original)))
     if branch is not None:
         forked = explain(lm, ids, settings, top=top, force={branch[0]: branch[1]})
-        record["branch"] = {"step": branch[0], "token_id": branch[1], **run_dict(lm, forked)}
+        record["branch"] = {"step": branch[0], "token_id": branch[1],
+                            **run_dict(lm, forked, model_logprobs(lm, settings, ids, forked))}
         record["branch"]["diverges_at"] = divergence(original.ids, forked.ids)
     return record
 
@@ -125,6 +127,11 @@ def explain(
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
     grammar_timeout: opt.GrammarTimeout = None,
+    ensemble: opt.Ensemble = None,
+    ensemble_mode: opt.EnsembleMode = None,
+    amateur: opt.Amateur = None,
+    cd_beta: opt.CdBeta = None,
+    cd_alpha: opt.CdAlpha = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -180,14 +187,16 @@ def explain(
 
         check_output_path(html_file, "--html")
     first, last = parse_steps(steps)
-    settings, loaded_preset = settings_for(preset, flags, EXPLAIN_DEFAULTS)
+    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
+                             tuple(ensemble or ()), amateur)
+    settings, loaded_preset = settings_for(
+        preset, flags, EXPLAIN_DEFAULTS | combination_defaults(model_flags, flags))
     if settings.strategy == "beam":
         raise fail("explain steps through greedy or sampled decoding, not beam search "
                    "(see `genlab beam --tree`)")
     settings = with_seed(settings)
     text = read_prompt(prompt)
-    lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code, backend),
-              loaded_preset, quick=True)
+    lm = load(model_flags, loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
     prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None

@@ -12,6 +12,7 @@ from cli import options as opt
 from cli import render_tokens
 from cli.context import (
     ModelFlags,
+    combination_defaults,
     encode_prompt,
     load,
     load_scorer,
@@ -40,7 +41,16 @@ def run_document(lm: LoadedModel, prompt: str, ids: list[int],
 
     ran = {"backend": {"name": prefill.backend, "reason": prefill.backend_reason,
                        "architecture": architecture(lm)}} if prefill else {}
+    if lm.storage is not None or lm.disk_bytes is not None:
+        ran["model_files"] = {"weights": lm.storage, "bytes": lm.disk_bytes}
     return output.run_document("generate", lm.ref, settings, prompt, len(ids), [], **ran)
+
+
+def files_note(lm: LoadedModel) -> str:
+    """--stats' words on how the model's folder stores its weights, and its size."""
+    if lm.disk_bytes is None:
+        return ""
+    return f"weights {lm.storage or 'unknown'}, {lm.disk_bytes / 1e6:.1f} MB on disk"
 
 
 def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,
@@ -146,7 +156,8 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                 render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
-                         backend_note(prefill), architecture(lm) if prefill else "")
+                         backend_note(prefill), architecture(lm) if prefill else "",
+                         files_note(lm))
     return exit_code([f.reason for f in finished], settings.max_new_tokens, interrupted)
 
 
@@ -191,6 +202,11 @@ def generate(
     regex: opt.Regex = None,
     grammar: opt.Grammar = None,
     grammar_timeout: opt.GrammarTimeout = None,
+    ensemble: opt.Ensemble = None,
+    ensemble_mode: opt.EnsembleMode = None,
+    amateur: opt.Amateur = None,
+    cd_beta: opt.CdBeta = None,
+    cd_alpha: opt.CdAlpha = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -252,7 +268,9 @@ def generate(
     flags = opt.decoding_flags(locals() | sampler_flags, samples=rerank_samples,
                                rerank=rerank)
     opt.refuse_compile(compile)
-    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend)
+    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
+                             tuple(ensemble or ()), amateur)
+    combined = combination_defaults(model_flags, flags)
     from cli.batch import EngineFlags
 
     engine_flags = EngineFlags(engine, ray_address, workers, batch_format)
@@ -272,13 +290,13 @@ def generate(
         if interactive:
             from cli import repl
 
-            return repl.run(flags, preset, model_flags, chat, system)
+            return repl.run(flags, preset, model_flags, chat, system, combined)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
                              chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
-                             engine_flags, logprobs or 0)
+                             engine_flags, logprobs or 0, combined)
     render_tokens.check_color_by(color_by)
     sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
-    settings, loaded_preset = settings_for(preset, flags)
+    settings, loaded_preset = settings_for(preset, flags, combined)
     settings = with_seed(settings)
     text = read_prompt(prompt)
     scorer = load_scorer(model_flags, settings)  # an unknown --rerank fails before loading

@@ -187,6 +187,31 @@ GrammarTimeout = Annotated[float | None, typer.Option(
     help="Stop with exit status 1 when the grammar takes longer than this to compile "
          "(default 30). Compiled grammars are cached on disk.")]
 
+# Combined models (genlib.combine): the models are flags only, the numbers are settings.
+COMBINE_PANEL = "Combined models (docs/combining.md)"
+Ensemble = Annotated[list[str] | None, typer.Option(
+    "--ensemble", rich_help_panel=COMBINE_PANEL, metavar="MODEL[:WEIGHT]",
+    help="Combine this model's next-token distribution with -m's, token by token "
+         "(repeatable; WEIGHT > 0, default 1, beside -m's 1; weights are normalised to sum "
+         "to 1). The models must share a tokenizer.")]
+EnsembleMode = Annotated[str | None, typer.Option(
+    "--ensemble-mode", rich_help_panel=COMBINE_PANEL,
+    help="mean (a weighted mixture of probabilities, the default) or product (a weighted "
+         "product of experts, renormalised).")]
+Amateur = Annotated[str | None, typer.Option(
+    "--amateur", rich_help_panel=COMBINE_PANEL, metavar="MODEL",
+    help="Contrastive decoding: score tokens by (1+beta) log p(-m) - beta log p(MODEL), "
+         "among those -m finds plausible (Li et al. 2023). MODEL must share -m's "
+         "tokenizer.")]
+CdBeta = Annotated[float | None, typer.Option(
+    "--cd-beta", rich_help_panel=COMBINE_PANEL,
+    help="Contrastive decoding's weight on the amateur, >= 0 (default 0.5; 0: the expert "
+         "alone).")]
+CdAlpha = Annotated[float | None, typer.Option(
+    "--cd-alpha", rich_help_panel=COMBINE_PANEL,
+    help="Contrastive decoding's plausibility cutoff: keep tokens with p >= alpha * max p "
+         "under -m, 0..1 (default 0.1).")]
+
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
 System = Annotated[str | None, typer.Option(
@@ -304,6 +329,7 @@ DECODING_PARAMS = {
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
+    "ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta", "cd_alpha": "cd_alpha",
 }
 
 

@@ -99,7 +99,8 @@ def run_document(command: str, model: str, settings: GenerationSettings, prompt:
 def line(doc: dict[str, Any], out: dict[str, Any], **fields: Any) -> dict[str, Any]:
     """A --jsonl line: an output with the run facts of its document beside it."""
     shared = {key: doc[key] for key in ("schema_version", "genlab_version", "command", "model",
-                                        "backend", "prompt", "prompt_tokens") if key in doc}
+                                        "backend", "model_files", "prompt", "prompt_tokens")
+              if key in doc}
     if "settings" in doc:
         shared["settings"] = doc["settings"]
     return shared | fields | out

@@ -161,11 +161,11 @@ def end_line() -> None:
 
 
 def stats(new_tokens: int, ttft: float | None, tps: float | None, reason: str,
-          backend: str = "", architecture: str = "") -> None:
+          backend: str = "", architecture: str = "", files: str = "") -> None:
     """--stats on stderr: tokens, time to the first token, decode tokens/s ("-" with one
     token: there is no decode interval) and the finish reason; then the backend that ran
-    and the model's architecture, on a line of their own where one line would be wider
-    than the terminal."""
+    and the model's architecture, and how its files store the weights (`files`), on a
+    line of their own where one line would be wider than the terminal."""
     ttft_text = f"{ttft * 1000:.0f} ms" if ttft is not None else "-"
     tps_text = f"{tps:.1f} tok/s" if tps is not None else "- tok/s"
     parts = [f"{new_tokens} tokens", f"first token {ttft_text}", tps_text, f"finish: {reason}"]
@@ -173,6 +173,8 @@ def stats(new_tokens: int, ttft: float | None, tps: float | None, reason: str,
         parts.append(f"backend {backend}")
     if architecture:
         parts.append(architecture)
+    if files:
+        parts.append(files)
     print_parts(err, parts, style="dim")
 
 

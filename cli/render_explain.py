@@ -53,8 +53,12 @@ def step_table(step: dict[str, Any], names: Sequence[str] | None = None,
     table = Table(title=title if first else None, title_justify="left", show_edge=False)
     table.add_column("token")
     table.add_column("id", justify="right", no_wrap=True)
+    models = list(step["chosen"].get("model_probs", {})) if first else []
+    for ref in models:  # combined models: each one's own probability, then the stages
+        table.add_column(model_label(ref), justify="right", no_wrap=True)
+    label = {"raw": "combined"} if step["chosen"].get("model_probs") else {}
     for name in names:
-        table.add_column(name, justify="right", no_wrap=True)
+        table.add_column(label.get(name, name), justify="right", no_wrap=True)
     if last:
         table.add_column("removed by", no_wrap=True)
     removed_by = [""] if last else []
@@ -66,18 +70,28 @@ def step_table(step: dict[str, Any], names: Sequence[str] | None = None,
         style = CHOSEN_STYLE if c["id"] == chosen_id else (
             REMOVED_STYLE if c.get("removed_by") else None)
         probs = [_pct(c["stage_probs"][n]) for n in names]
-        table.add_row(repr(c["token"]), str(c["id"]), *probs,
-                      *([c.get("removed_by") or ""] if last else []), style=style)
-    table.add_row("mass removed", "", *[_pct(s["removed_mass"]) if s["removed_mass"] else ""
+        own = [_pct(c["model_probs"][ref]) for ref in models]
+        table.add_row(repr(c["token"]), str(c["id"]), *own, *probs,
+                      *([label.get(c.get("removed_by") or "", c.get("removed_by") or "")]
+                        if last else []), style=style)
+    blank = [""] * len(models)
+    table.add_row("mass removed", "", *blank, *[_pct(s["removed_mass"]) if s["removed_mass"] else ""
                                        for s in stages], *removed_by, style="dim")
-    table.add_row("entropy (nats)", "", *[f"{s['entropy']:.2f}" for s in stages],
+    table.add_row("entropy (nats)", "", *blank, *[f"{s['entropy']:.2f}" for s in stages],
                   *removed_by, style="dim")
-    table.add_row("tokens left", "", *[str(s["kept"]) for s in stages], *removed_by,
+    table.add_row("tokens left", "", *blank, *[str(s["kept"]) for s in stages], *removed_by,
                   style="dim")
     if last:
         table.caption = draw_caption(step)
         table.caption_justify = "left"
     return table
+
+
+def model_label(ref: str) -> str:
+    """A combined model's column: its folder's name (`raw` is the combined one)."""
+    from pathlib import PurePath
+
+    return PurePath(ref).name or ref
 
 
 def draw_caption(step: dict[str, Any]) -> str:

@@ -89,18 +89,20 @@ class Session:
     logprobs: int = 0  # /set logprobs=N (a view option, not a generation setting)
     last: tuple[list[int], GenerationSettings] | None = None  # for /branch
     scorer: LoadedModel | None = None  # the model --rerank MODEL scores with
+    combined: dict[str, Any] = field(default_factory=dict)  # what --ensemble/--amateur imply
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
-        system: str | None) -> None:
-    """Entry point from `genlab generate --interactive`."""
-    settings, preset = settings_for(preset_ref, flags)
+        system: str | None, combined: dict[str, Any] | None = None) -> None:
+    """Entry point from `genlab generate --interactive`; `combined`: the settings
+    --ensemble/--amateur imply, under every preset the session takes."""
+    settings, preset = settings_for(preset_ref, flags, combined)
     if system and not chat:
         raise fail("--system needs --chat")
     scorer = load_scorer(model_flags, settings)
     lm = load(model_flags, preset, quick=True)
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
-                      system=system, scorer=scorer)
+                      system=system, scorer=scorer, combined=dict(combined or {}))
     if chat:
         probe_chat(lm)  # without a template: ChatTemplateError, exit 2 (drop --chat)
         set_chat(session, "on")
@@ -376,7 +378,9 @@ def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
     """Resolve the new flags over the new preset; only a valid result replaces the old."""
     from genlib.processors import check_for_model
 
-    settings = resolve_settings(flags, preset.settings if preset else None, source=source)
+    own = preset.settings if preset else {}
+    settings = resolve_settings(flags, {**session.combined, **own}, source=source,
+                                presets=[own])
     check_for_model(settings, session.lm.tokenizer, session.lm.vocab_size)
     session.flags, session.preset, session.settings = flags, preset, settings
     render.warn_unused(settings)

@@ -34,7 +34,8 @@ import torch
 from genlib import constraints as cons
 from genlib import grammar, processors, sampling
 from genlib.backends.base import Backend
-from genlib.backends.choose import Request, choose_backend
+from genlib.backends.choose import Request
+from genlib.backends.combined import for_generation
 from genlib.config import GenerationSettings
 from genlib.detok import IncrementalDecoder, token_text
 from genlib.events import BeamStep, Event, Prefill
@@ -202,7 +203,8 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     far, marked interrupted."""
     check_prompts(lm, prompts_ids, settings)
     if backend is None:
-        backend = choose_backend(lm, backend_request(prompts_ids, settings, lm.backend))
+        backend = for_generation(lm, prompts_ids, settings,
+                                 backend_request(prompts_ids, settings, lm.backend))
     return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
 
 

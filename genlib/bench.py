@@ -19,19 +19,19 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from genlib.backends.transformers import TransformersBackend
+from genlib import decode
+from genlib.backends.nocache import NoCacheBackend
 from genlib.config import GenerationSettings
 from genlib.events import Event, Finish, Prefill, Token
 from genlib.generate import stream
 from genlib.memory import check_memory, rows_of
 from genlib.models import LoadedModel
-from genlib.step import choose_tokens, make_plan
 
 PERCENTILES = (50, 90, 99)
 FILLER = ("Once upon a time, there was a little girl named Lily. She loved to play outside "
@@ -198,42 +198,9 @@ def genlab_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
     start = time.perf_counter()
     if case.cache:
         events = stream(lm, prompts, settings, backend=case.backend)
-    else:
-        events = no_cache_stream(lm, prompts, settings)
+    else:  # the naive decoder: the same loop over a backend that keeps no cache
+        events = decode.stream(lm, prompts, settings, NoCacheBackend(lm))
     return run_from_events(events, start)
-
-
-def no_cache_stream(lm: LoadedModel, prompts: list[list[int]], settings: GenerationSettings
-                    ) -> Iterator[Event]:
-    """The naive decoder (seed note 004): every step runs the whole sequence so far
-    through the model again, with no KV cache. Step t costs O(prompt + t) forward
-    positions, so the whole generation is quadratic where the cached loop is linear.
-    Kept only to measure that difference; it yields the same events as
-    `genlib.generate.stream` for equal-length prompts."""
-    plan = make_plan(lm, settings, len(prompts), prompt_width=len(prompts[0]))
-    forward = TransformersBackend(lm)
-    start = time.perf_counter()
-    ids = torch.tensor(prompts, dtype=torch.long, device=lm.device)
-    logits = forward.prefill_ids(ids, torch.ones_like(ids))[:, -1]
-    yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
-                  time.perf_counter(), forward.name, "the naive loop runs transformers' forward")
-    first = None
-    out: list[list[int]] = [[] for _ in prompts]
-    for step in range(settings.max_new_tokens):
-        context = ids if plan.needs_context else None
-        tokens, logprobs = choose_tokens(plan, context, logits, step)
-        now = time.perf_counter()
-        first = first or now
-        for row, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist())):
-            out[row].append(tok)
-            yield Token(row, tok, "", lp, step, now)
-        ids = torch.cat([ids, tokens[:, None]], dim=1)
-        if step + 1 < settings.max_new_tokens:
-            logits = forward.prefill_ids(ids, torch.ones_like(ids))[:, -1]  # no cache kept
-    for row, tokens_out in enumerate(out):
-        yield Finish(row=row, prompt_index=row, reason="length", token_ids=tuple(tokens_out),
-                     text="", prompt_tokens=len(prompts[row]), start=start, first_token=first,
-                     end=time.perf_counter())
 
 
 # --- The transformers baseline --------------------------------------------------------

@@ -177,6 +177,18 @@ SPECS: dict[str, Spec] = {
                    "logprob under the model), mbr (minimum Bayes risk under chrF) or a "
                    "scoring model's folder or hub id (default with samples: logprob)",
                    optional=True),
+    # Combined models (genlib.combine): the settings say which combination runs, the
+    # models come from --ensemble / --amateur, never from a setting.
+    "ensemble_mode": Spec("choice", None, "combine the --ensemble models' next-token "
+                          "distributions: mean (a weighted mixture) or product (a weighted "
+                          "product of experts, renormalised); default mean with --ensemble",
+                          choices=("mean", "product"), optional=True),
+    "cd_beta": Spec("float", None, "contrastive decoding: score (1+beta) log p_expert - beta "
+                    "log p_amateur against the --amateur model (default 0.5 with "
+                    "--amateur; 0 = the expert alone)", ">= 0", lambda v: v >= 0,
+                    optional=True),
+    "cd_alpha": Spec("float", 0.1, "contrastive decoding: keep only tokens with p_expert >= "
+                     "alpha * max p_expert", "0 <= cd_alpha <= 1", lambda v: 0 <= v <= 1),
 }
 
 
@@ -238,6 +250,9 @@ class GenerationSettings:
     grammar_timeout: float = _default("grammar_timeout")
     samples: int | None = _default("samples")
     rerank: str | None = _default("rerank")
+    ensemble_mode: str | None = _default("ensemble_mode")
+    cd_beta: float | None = _default("cd_beta")
+    cd_alpha: float = _default("cd_alpha")
     unused: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -625,6 +640,9 @@ def _check_combination(s: Mapping[str, Any]) -> None:
     if (s["force_words"] or s["force_any"]) and s["strategy"] != "beam":
         raise ConfigError("force_words/force_any need beam search (strategy beam, num_beams > 1)")
     _check_new_samplers(s)
+    if s["ensemble_mode"] is not None and s["cd_beta"] is not None:
+        raise ConfigError("give an ensemble (ensemble_mode) or contrastive decoding "
+                          "(cd_beta), not both")
     if s["min_new_tokens"] > s["max_new_tokens"]:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")

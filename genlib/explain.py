@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from genlib.config import GenerationSettings
 from genlib.detok import token_bytes, token_text
@@ -20,6 +20,9 @@ from genlib.events import Finish, Token
 from genlib.models import LoadedModel
 from genlib.processors import GRAMMAR_STAGE
 from genlib.stepdetail import Candidate, Detail, StepDetail
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -174,9 +177,43 @@ def step_dict(lm: LoadedModel, t: Token) -> dict[str, Any]:
     }
 
 
-def run_dict(lm: LoadedModel, run: Run) -> dict[str, Any]:
-    """A Run as the `explain --json` record's `steps` plus its text and finish."""
+# (model ref, its log-probabilities (steps, vocab)) per combined model, the main one first
+ModelLogprobs = list[tuple[str, "torch.Tensor"]]
+
+
+def run_dict(lm: LoadedModel, run: Run, per_model: ModelLogprobs | None = None
+             ) -> dict[str, Any]:
+    """A Run as the `explain --json` record's `steps` plus its text and finish; with
+    `per_model` (combined models), each candidate's probability under each model."""
     f = run.finish
+    steps = [step_dict(lm, t) for t in run.tokens]
+    for i, step in enumerate(steps if per_model else []):
+        for candidate in [step["chosen"], *step["candidates"]]:
+            candidate["model_probs"] = {
+                ref: _prob(math.exp(float(logprobs[i, candidate["id"]])))
+                for ref, logprobs in per_model or ()}
     return {"text": f.text if f else "".join(t.text for t in run.tokens),
-            "token_ids": run.ids, "finish_reason": f.reason if f else None,
-            "steps": [step_dict(lm, t) for t in run.tokens]}
+            "token_ids": run.ids, "finish_reason": f.reason if f else None, "steps": steps}
+
+
+def model_logprobs(lm: LoadedModel, settings: GenerationSettings,
+                   prompt_ids: Sequence[int], run: Run) -> ModelLogprobs | None:
+    """Each combined model's own log-probabilities at every step of `run` ((steps,
+    vocab) each, the main model first), fed the run's tokens on its own backend; None
+    where `settings` combine no models."""
+    import torch
+
+    from genlib.backends.choose import Request, choose_backend
+    from genlib.combine import combination_of
+
+    combination = combination_of(lm, settings)
+    if combination is None or not run.ids:
+        return None
+    out: ModelLogprobs = []
+    for model in combination.models:
+        backend = choose_backend(model, Request(backend=model.backend))
+        rows = [backend.prefill([list(prompt_ids)], len(prompt_ids) + len(run.ids))]
+        rows += [backend.step(torch.tensor([token])) for token in run.ids[:-1]]
+        assert rows[0] is not None  # a prompt has at least one token
+        out.append((model.ref, torch.cat(rows).float().log_softmax(-1)))
+    return out

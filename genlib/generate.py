@@ -11,7 +11,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 
 from genlib import beam, decode, rerank, speculative
-from genlib.backends.choose import Request, choose_backend
+from genlib.backends.choose import Request
+from genlib.backends.combined import for_generation
+from genlib.combine import combination_of
 from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish
@@ -47,19 +49,24 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                                                        or detail.stages):
         raise ConfigError("speculative decoding records --logprobs only: its tokens come "
                           "from the accept/reject step, not one draw per step")
+    if drafter is not None and combination_of(lm, settings) is not None:
+        raise ConfigError("speculative decoding runs one target model; an ensemble or "
+                          "contrastive decoding cannot be its target: drop one of them")
     if drafter is not None:
         yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
                                       detail)
     elif settings.strategy == "beam":
         request = beam.backend_request(prompts, settings, backend or lm.backend)
         check_prompts(lm, prompts, settings)
-        yield from beam.stream(lm, prompts, settings, choose_backend(lm, request),
+        yield from beam.stream(lm, prompts, settings,
+                               for_generation(lm, prompts, settings, request),
                                seeds=seeds, record_tree=record_tree)
     else:
         check_prompts(lm, prompts, settings)
         request = Request(rows=len(prompts) * settings.num_return_sequences,
                           backend=backend or lm.backend)
-        yield from decode.stream(lm, prompts, settings, choose_backend(lm, request),
+        yield from decode.stream(lm, prompts, settings,
+                                 for_generation(lm, prompts, settings, request),
                                  seeds=seeds, detail=detail)
 
 

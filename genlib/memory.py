@@ -58,7 +58,9 @@ def kv_shape(lm: LoadedModel) -> tuple[int, int, int] | None:
     """(layers, KV heads, head dim) of the model, without loading a deferred one; None
     for a configuration that does not say."""
     if lm.lean is not None:
-        return len(lm.lean.layers), lm.lean.kv_heads, lm.lean.head_dim
+        # num_layers, not len(layers): the torch forward's layers are made on first use,
+        # copies of the matrices the native kernel never needs
+        return lm.lean.num_layers, lm.lean.kv_heads, lm.lean.head_dim
     config: Any = getattr(getattr(lm, "model", None), "config", None)
     layers = getattr(config, "num_hidden_layers", None)
     heads = getattr(config, "num_attention_heads", None)

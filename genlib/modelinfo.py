@@ -62,7 +62,15 @@ class LoadedModel:
     # CPU runs there (the model itself stays float32); None: the model's own weights.
     weights: str | None = None
     lean: Any = None  # a LeanLlama built without transformers (genlib.quickload)
+    # A local folder's files: how they store the weights (a quantized checkpoint's format,
+    # genlib.qformat, else the matrices' dtype) and their bytes; None for a hub model.
+    storage: str | None = None
+    disk_bytes: int | None = None
+    stored: Any = None  # genlib.qformat.Stored: the folder is genlab's quantized checkpoint
     deferred: Callable[[], Any] | None = field(default=None, repr=False, compare=False)
+    # The models combined with this one token by token (`genlib.combine.Partner`: an
+    # ensemble's members, contrastive decoding's amateur); the settings say which runs.
+    partners: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.model is None and self.deferred is not None:

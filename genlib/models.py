@@ -31,6 +31,8 @@ from genlib.modelinfo import (  # noqa: F401  (LoadedModel, ModelSpec: the loadi
 if TYPE_CHECKING:
     import torch
 
+    from genlib.qformat import Stored
+
 # 8bit and 4bit: the native kernel's q8_0 and 4-bit format on a CPU, else bitsandbytes'
 # (genlib.backends.choose.native_quantization); q8_0, nf4, q4_0: the native kernel's.
 QUANTIZATIONS = ("none", "8bit", "4bit", "q8_0", "nf4", "q4_0")
@@ -338,17 +340,19 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     spec = replace(spec, ref=display_name(spec.ref))
     if spec.quantize not in QUANTIZATIONS:
         raise ModelLoadError(not_one_of("--quantize", spec.quantize, QUANTIZATIONS))
-    if quick and _is_local_ref(spec.ref) and Path(ref).is_dir():
+    local_folder = _is_local_ref(spec.ref) and Path(ref).is_dir()
+    stored = _stored_checkpoint(ref, spec) if local_folder else None
+    if quick and local_folder:
         from genlib.quickload import quick_load
 
-        lm = quick_load(spec, ref, device, lambda: load_model(spec).model)
+        lm = quick_load(spec, ref, device, lambda: load_model(spec).model, stored)
         if lm is not None:
-            return lm
+            return _with_files(lm, ref, stored)
     import torch
 
     quiet_transformers()
     config = _load_config(ref, spec, files_only)
-    if _is_local_ref(spec.ref):
+    if _is_local_ref(spec.ref) and stored is None:
         checkpoint.check_weights(spec.ref, Path(ref), config, spec.trust_remote_code)
     native = _native_format(spec, device, config)
     if native is not None:  # the native kernel quantizes the float32 model it packs
@@ -366,16 +370,63 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
         if device.type != "cpu":
             kwargs["device_map"] = {"": str(device)}
     tokenizer = _load_tokenizer(ref, spec, files_only)
-    model = _load_weights(ref, spec, kwargs)
+    model = _load_weights(ref, spec, kwargs) if stored is None else \
+        _load_dequantized(stored, spec, config, dtype)
     if quant is None:
         model.to(device)
     model.eval()
-    return LoadedModel(
+    lm = LoadedModel(
         model=model, tokenizer=tokenizer, ref=spec.ref, device=device, dtype=dtype,
         eos_ids=eos_ids_of(model, tokenizer),
         pad_id=pad_id_of(model, tokenizer),
         max_positions=max_positions_of(config), quantize=spec.quantize, backend=spec.backend,
         weights=native)
+    return _with_files(lm, ref, stored) if local_folder else lm
+
+
+def _stored_checkpoint(ref: str, spec: ModelSpec) -> Stored | None:
+    """The folder's genlab quantized checkpoint (genlib.qformat), checked, or None; a
+    ModelLoadError for a broken one, or for --quantize on one."""
+    from genlib import qformat
+
+    stored = qformat.open_folder(ref)
+    if stored is not None and spec.quantize != "none":
+        raise ModelLoadError(f"{spec.ref} is stored quantized already ({stored.format}); "
+                             f"drop --quantize {spec.quantize}")
+    return stored
+
+
+def _with_files(lm: LoadedModel, folder: str, stored: Stored | None) -> LoadedModel:
+    """`lm` with what its folder's files hold: their format and bytes, the checkpoint."""
+    from genlib import qformat
+
+    lm.storage, lm.disk_bytes = qformat.describe_folder(folder)
+    lm.stored = stored
+    return lm
+
+
+def _load_dequantized(stored: Stored, spec: ModelSpec, config: Any, dtype: torch.dtype
+                      ) -> Any:
+    """transformers' model of a genlab quantized checkpoint, over its dequantized float
+    weights: transformers does not know the format, and would read the codes raw."""
+    from transformers import AutoModelForCausalLM
+
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # a float model now: no quantizer to look for
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype,
+                                             trust_remote_code=spec.trust_remote_code)
+    tied = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    try:
+        missing, unexpected = model.load_state_dict(stored.state_dict(dtype), strict=False)
+    except RuntimeError as exc:  # a shape that is not the config's
+        raise ModelLoadError(f"cannot load {spec.ref}: its weights do not fit config.json "
+                             f"({_first_line(exc)}); {checkpoint.FIX_CONFIG}") from None
+    if set(missing) - tied or unexpected:
+        names = sorted(set(missing) - tied) or sorted(unexpected)
+        raise ModelLoadError(f"cannot load {spec.ref}: its weights do not fit config.json "
+                             f"({'missing' if set(missing) - tied else 'unexpected'} "
+                             f"{names[0]}); {checkpoint.FIX_CONFIG}")
+    return model
 
 
 def _native_format(spec: ModelSpec, device: torch.device, config: Any) -> str | None:

@@ -21,7 +21,7 @@ search, ...), so every feature keeps working, and exactly as before.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import replace
 from fnmatch import fnmatch
 from pathlib import Path
@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     import torch
 
     from genlib.modelinfo import LoadedModel, ModelSpec
+    from genlib.qformat import Stored
 
 WEIGHTS = "model.safetensors"
 TOKENIZER_CLASSES = ("LlamaTokenizer", "LlamaTokenizerFast", "TokenizersBackend",
@@ -55,10 +56,12 @@ MAX_ROTARY_ELEMENTS = 1 << 26  # the lean forward's cos/sin tables: positions x 
 
 
 def quick_load(spec: ModelSpec, folder: str, device: torch.device,
-               full: Callable[[], Any]) -> LoadedModel | None:
+               full: Callable[[], Any], stored: Stored | None = None) -> LoadedModel | None:
     """The model in `folder` with a lean forward and transformers' tokenizer, or None
     when it does not qualify (see the module doc). `full()` loads the transformers
-    model, on the first read of `LoadedModel.model`."""
+    model, on the first read of `LoadedModel.model`. `stored`: the folder is genlab's
+    quantized checkpoint (genlib.qformat, checked): its matrices dequantize on first
+    read, and the native kernel packs their codes as stored."""
     path = Path(folder)
     from genlib.backends.choose import lean_allowed, native_quantization
     from genlib.errors import ConfigError
@@ -77,7 +80,7 @@ def quick_load(spec: ModelSpec, folder: str, device: torch.device,
     if (path / "adapter_config.json").exists():
         return None  # transformers would apply the adapter
     try:
-        lm = _quick_load(spec, path, device, full)
+        lm = _quick_load(spec, path, device, full, stored)
     except Exception:  # noqa: BLE001  (whatever it is, transformers' load reports it)
         return None
     if lm is not None:
@@ -85,23 +88,26 @@ def quick_load(spec: ModelSpec, folder: str, device: torch.device,
     return lm
 
 
-def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callable[[], Any]
-                ) -> LoadedModel | None:
+def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callable[[], Any],
+                stored: Stored | None) -> LoadedModel | None:
     from genlib.backends.llama import LeanLlama
     from genlib.modelinfo import LoadedModel, eos_ids_of, pad_id_of, pick_dtype
 
-    config = _read_json(path / "config.json")
+    config = stored.float_config if stored is not None else _read_json(path / "config.json")
     model_config = _model_config(config) if config is not None else None
     generation = _generation_config(path / "generation_config.json")
     if model_config is None or generation is None:
         return None
     dtype = pick_dtype(spec.dtype, device)
-    tensors = _load_tensors(path / WEIGHTS, model_config, dtype)
+    tensors = _load_tensors(path / WEIGHTS, model_config, dtype) if stored is None else \
+        _checked(stored, dtype, model_config)
     tokenizer = _tokenizer(path) if tensors is not None else None
     if tensors is None or tokenizer is None:
         return None
     lean = LeanLlama(model_config, tensors, _inv_freq(model_config))
-    lean.weights_file = path / WEIGHTS  # the native kernel's packed copy is cached by it
+    if stored is None:
+        lean.weights_file = path / WEIGHTS  # the native kernel's packed copy is cached by it
+    lean.stored = stored
     facts = SimpleNamespace(config=model_config, generation_config=SimpleNamespace(**generation))
     return LoadedModel(model=None, tokenizer=tokenizer, ref=spec.ref, device=device,
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
@@ -286,6 +292,16 @@ def _load_tensors(path: Path, config: SimpleNamespace, dtype: torch.dtype
     if not all(t.is_floating_point() for t in tensors.values()):
         return None
     return {name: t.to(dtype) for name, t in tensors.items()}
+
+
+def _checked(stored: Stored, dtype: torch.dtype, config: SimpleNamespace
+             ) -> Mapping[str, torch.Tensor] | None:
+    """A quantized checkpoint's float tensors (dequantized as each is first read), or
+    None unless they are exactly those the config implies, of the shapes it implies
+    (from the file's header: the native kernel reads the codes unchecked)."""
+    if stored.shapes != _expected_shapes(config):
+        return None
+    return stored.dequantized_tensors(dtype)
 
 
 def _inv_freq(config: SimpleNamespace) -> torch.Tensor:

@@ -11,6 +11,7 @@ token-identical to transformers' `generate()`):
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
 | one row of an unquantized float32 model on a GPU | compiled |
 | `--quantize` on a CPU, a Llama-style model (any rows) | native, its matrices quantized |
+| a quantized checkpoint (genlib.qformat) on a CPU (any rows) | native, its codes as stored |
 | several rows otherwise, a bitsandbytes model, or any other model | transformers |
 | speculation on a GPU without the lean forward | transformers |
 
@@ -75,9 +76,17 @@ class Request:
 
     def kernel_weights(self, lm: LoadedModel) -> str:
         """The matrices the native kernel reads for this request on `lm`: the ones
-        `weights` asks for, else the model's quantized format (`lm.weights`), else its
+        `weights` asks for, else the model's quantized format (`lm.weights`), else the
+        format its checkpoint stores (genlib.qformat: the codes as stored), else its
         float32 matrices."""
-        return self.weights or lm.weights or "float32"
+        return self.weights or lm.weights or stored_format(lm) or "float32"
+
+
+def stored_format(lm: LoadedModel) -> str | None:
+    """The quantized format `lm`'s checkpoint stores its matrices in (genlib.qformat);
+    None for a float checkpoint."""
+    stored = getattr(lm, "stored", None)
+    return stored.format if stored is not None else None
 
 
 # The backends that run one row per forward (no batches, no beam search).
@@ -167,7 +176,7 @@ def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Reque
                               f"the draft's matrices, and the draft runs on {name} "
                               f"({reason}); use --draft-weights auto{other}")
         return asked
-    if backend_name(lm, request) != "native" or lm.weights is not None:
+    if backend_name(lm, request) != "native" or lm.weights is not None or stored_format(lm):
         return request  # a quantized draft reads its own format
     lean = _lean(lm)
     assert lean is not None  # the native backend runs it
@@ -186,7 +195,7 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
         if refusal is not None:
             raise ConfigError(refusal)
         reason = "asked for with --backend"
-        if lm.weights is not None:
+        if lm.weights is not None or (name == "native" and stored_format(lm)):
             reason += f", weights {request.kernel_weights(lm)}"
     return name, reason
 
@@ -216,6 +225,8 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
         return "transformers", f"no lean forward: {lean_refusal(lm)}"
     why_not = "GENLAB_NATIVE=0" if not native_allowed() \
         else _kernel_missing(lean, request.kernel_weights(lm))
+    if why_not is None and stored_format(lm) is not None:
+        return "native", f"a {stored_format(lm)} checkpoint: weights {stored_format(lm)} as stored"
     if why_not is None:
         return "native", f"a float32 {lean.arch.name} model on the CPU"
     if one_row:

@@ -297,14 +297,19 @@ def qkv_bias(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor |
                           for bias, name in zip(biases, names)])
 
 
-def pack_weights(tensor: Callable[[str], torch.Tensor], layers: int, head: str, panel: int,
+def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: int,
                  weights: str) -> dict[str, torch.Tensor]:
     """Every matrix the kernel reads, packed (`pack`) and stored as `weights`, by the
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
     `.gate`, `.up`, `.down`. `tensor(name)` gives a float matrix (out, in) by its
-    state-dict name; `head` is the output projection's (the embeddings' when tied)."""
+    state-dict name, or a quantized checkpoint's (codes, scales) in format `weights`
+    (genlib.qformat), packed as stored; `head` is the output projection's (the
+    embeddings' when tied)."""
     def matrix(*names: str) -> torch.Tensor:
         rows = [tensor(name) for name in names]
+        if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are
+            codes, scales = (torch.cat(parts) for parts in zip(*rows))
+            return quant.pack_codes(codes, scales, panel, weights)
         return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, weights)
 
     packed = {"lm_head": matrix(head)}
@@ -324,10 +329,19 @@ def packed_weights(lean: Any, panel: int, weights: str,
     """`pack_weights` over `lean`'s matrices: through the weight cache where they were
     mapped from a file (`lean.weights_file`, genlib.quickload), read from that file one
     at a time when the cache misses (so the float matrices are never all in memory);
-    packed in memory from `lean.tensors` otherwise (a model loaded by transformers)."""
+    packed in memory from `lean.tensors` otherwise (a model loaded by transformers). A
+    quantized checkpoint's matrices (`lean.stored`, genlib.qformat) in its own format are
+    packed from its codes as stored, through the weight cache too."""
+    from genlib.backends import weightcache
+
     def over(tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights)
 
+    stored = getattr(lean, "stored", None)
+    if stored is not None and stored.format == weights:  # a quantized checkpoint's codes
+        entry, key = cache_key(stored.file, weights, panel, lean.dtype)
+        return weightcache.cached(entry, {**key, "source": "codes"},
+                                  lambda: over(stored.quantized), notify)
     file = lean.weights_file
     if file is None:
         return over(lean.tensors.__getitem__)
@@ -337,8 +351,6 @@ def packed_weights(lean: Any, panel: int, weights: str,
 
         with safe_open(str(file), framework="pt", backend="pread") as source:
             return over(lambda name: source.get_tensor(name).to(lean.dtype))
-
-    from genlib.backends import weightcache
 
     entry, key = cache_key(Path(file), weights, panel, lean.dtype)
     return weightcache.cached(entry, key, from_file, notify)

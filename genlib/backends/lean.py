@@ -33,7 +33,10 @@ def lean_model_of(lm: LoadedModel) -> LeanLlama | None:
     if lm.lean is not None:
         return lm.lean
     if lm.model not in _lean_models:
-        _lean_models[lm.model] = LeanLlama.from_model(lm.model)
+        lean = LeanLlama.from_model(lm.model)
+        if lean is not None:  # a quantized checkpoint's: the kernel packs its codes as stored
+            lean.stored = getattr(lm, "stored", None)
+        _lean_models[lm.model] = lean
     return _lean_models[lm.model]
 
 

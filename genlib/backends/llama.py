@@ -276,6 +276,7 @@ class LeanLlama:
         self.dtype = self.embed.dtype
         self.device = self.embed.device
         self.weights_file: Path | None = None  # set by genlib.quickload: the file mapped
+        self.stored: Any = None  # genlib.qformat.Stored: a quantized checkpoint's codes
         self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
         self._ones = torch.ones(1, max(self.arch.window, 1), dtype=torch.bool,
                                 device=self.device)

@@ -16,6 +16,7 @@ exactly code times scale in float32, which the tests' reference forward runs. It
     codes, scales = quantize(weight, "q8_0")      # (out, in) int8/uint8, (out, blocks) float32
     weight_q = dequantize(codes, scales, "q8_0")  # (out, in) float32
     packed = pack(weight, panel, "q8_0")          # the kernel's layout (`kernel.pack_matrix`)
+    packed = pack_codes(codes, scales, panel, "q8_0")  # the same, from stored codes
 
 `pack` lays a matrix out as the kernel reads it (csrc/lean_step.c, `panel_tile`): panels
 of `panel` rows, each panel its blocks in order, each block `panel` float32 scales (one a
@@ -101,6 +102,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, name: str) -> torch.Te
     else:
         values = codes.to(torch.float32) - 8
     blocks, columns = _blocks(values, fmt.block)
+    scales = scales.to(torch.float32)  # float16 scales (a checkpoint's) widened, exactly
     return (blocks * scales[..., None]).reshape(codes.shape[0], -1)[:, :columns]
 
 
@@ -115,8 +117,15 @@ def packed_bytes(rows: int, columns: int, panel: int, name: str) -> int:
 def pack(weight: torch.Tensor, panel: int, name: str) -> torch.Tensor:
     """`weight` (out, in) float32, quantized to `name` and laid out as the kernel reads it
     (the module doc): one 1-D uint8 tensor."""
+    return pack_codes(*quantize(weight, name), panel, name)
+
+
+def pack_codes(codes: torch.Tensor, scales: torch.Tensor, panel: int, name: str
+               ) -> torch.Tensor:
+    """`quantize`'s codes and scales (float32, or float16 widened to float32) laid out as
+    `pack` lays them out: a quantized checkpoint's matrices, packed as stored."""
     fmt = format_of(name)
-    codes, scales = quantize(weight, name)
+    scales = scales.to(torch.float32)
     rows, columns = codes.shape
     padded = -(-rows // panel) * panel
     if padded != rows:  # the last panel's missing rows: zero codes and scales
