@@ -265,7 +265,8 @@ def generate(
       echo "Once upon a time" | genlab generate -m ../shared/models/stories260K -p creative\n
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
-    flags = opt.decoding_flags(locals() | sampler_flags)
+    flags = opt.decoding_flags(locals() | sampler_flags, samples=rerank_samples,
+                               rerank=rerank)
     opt.refuse_compile(compile)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
                              tuple(ensemble or ()), amateur)

@@ -329,7 +329,6 @@ DECODING_PARAMS = {
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
-    "rerank_samples": "samples", "rerank": "rerank",
     "ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta", "cd_alpha": "cd_alpha",
 }
 

@@ -222,3 +222,13 @@ def test_compare_runs_rerank_beside_the_samples_it_chooses_from(stories):
     (kept,) = reranked.samples
     assert kept.token_ids == plain.samples[rerank.choose(means)].token_ids
     assert kept.score == pytest.approx(max(means))
+
+
+def test_ctrl_c_reranks_the_samples_drawn_so_far(stories, ctrl_c_at):
+    settings = resolve_settings({"samples": 3, "max_new_tokens": 12, "seed": 2})
+    ctrl_c_at(4)  # the 4th step after the prefill: 4 tokens a sample
+    event, finish, tokens = run(stories, settings)
+    assert [(s.reason, s.new_tokens) for s in event.samples] == [("interrupted", 4)] * 3
+    assert finish.reason == "interrupted"
+    assert finish.token_ids == event.samples[event.chosen].token_ids
+    assert len(tokens) == 4
