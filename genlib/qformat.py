@@ -89,7 +89,7 @@ class Stored:
         if name == "lm_head.weight" and "lm_head" not in self.modules \
                 and self.config.get("tie_word_embeddings"):
             name = "model.embed_tokens.weight"
-        codes, scales = self._read(name + CODES), self._read(name + SCALES)
+        codes, scales = self.read(name + CODES), self.read(name + SCALES)
         return (unpack_nibbles(codes) if _bits(self.format) == 4 else codes), scales
 
     def dequantized(self, name: str) -> torch.Tensor:
@@ -108,7 +108,8 @@ class Stored:
         tensors = self.dequantized_tensors(dtype)
         return {name: tensors[name] for name in tensors}
 
-    def _read(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> torch.Tensor:
+        """Tensor `name` as the file stores it."""
         from safetensors import safe_open
 
         with safe_open(str(self.file), framework="pt") as source:
@@ -130,7 +131,7 @@ class _Dequantized(Mapping[str, "torch.Tensor"]):
             if name in self._matrices:
                 tensor = self._stored.dequantized(name)
             elif name in self._names:
-                tensor = self._stored._read(name)
+                tensor = self._stored.read(name)
             else:
                 raise KeyError(name)
             self._done[name] = tensor.to(self._dtype)
