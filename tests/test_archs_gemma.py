@@ -32,13 +32,16 @@ from tests.test_native import PORTABLE, assert_native_follows_lean
 from tests.test_quantized import dequantized, greedy_lean, greedy_native, quantized_build
 
 ARCHS = ("gemma2", "gemma3")
+# gemma3's vision-language model, run on text: its text model, with no logits soft-cap
+# (transformers applies none there, whatever its text_config says).
+VISION = "gemma3-vision"
 ATTN_CAP, FINAL_CAP, QUERY_SCALAR = 2.0, 3.0, 24  # head_dim is 16
 
 
 def gemma_config(arch: str, **changes):
     """A small gemma2 or gemma3 text config: 2 layers, the first sliding, the second
-    full."""
-    from transformers import Gemma2Config, Gemma3TextConfig
+    full (VISION: a gemma3 vision-language config around it)."""
+    from transformers import Gemma2Config, Gemma3Config, Gemma3TextConfig
 
     common = {**_common(), "head_dim": 16, "sliding_window": WINDOW,
               "query_pre_attn_scalar": QUERY_SCALAR, "pad_token_id": 0,
@@ -46,6 +49,12 @@ def gemma_config(arch: str, **changes):
     if arch == "gemma2":
         return Gemma2Config(**{"attn_logit_softcapping": ATTN_CAP,
                                "final_logit_softcapping": FINAL_CAP, **common})
+    if arch == VISION:
+        text = {**common, "sliding_window_pattern": 2, "final_logit_softcapping": FINAL_CAP}
+        del text["tie_word_embeddings"]
+        vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
     return Gemma3TextConfig(sliding_window_pattern=2, **common)
 
 
@@ -76,6 +85,9 @@ def test_describe_reads_gemmas_differences_from_the_config():
     assert (three.name, three.qk_norm, three.local_rope, three.attn_softcap) == \
         ("gemma3_text", True, True, None)
     assert not two.qk_norm and not two.local_rope and not three.eager
+    vision = describe(gemma_config(VISION))
+    assert vision.name == "gemma3" and vision.final_softcap is None
+    assert vision.local_rope and vision.qk_norm and vision.full_layers == (1,)
 
 
 def test_transformers_slides_the_layers_arch_says():
@@ -90,7 +102,7 @@ def test_transformers_slides_the_layers_arch_says():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + (VISION,))
 def test_lean_logits_equal_transformers_bit_for_bit(arch, dtype):
     """Past the window at prefill (a prompt longer than it) and while stepping."""
     model = gemma_model(arch, dtype)
@@ -100,7 +112,7 @@ def test_lean_logits_equal_transformers_bit_for_bit(arch, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + (VISION,))
 def test_lean_greedy_gives_generates_tokens(arch, dtype, stories_tokenizer):
     lm = gemma_lm(arch, stories_tokenizer, dtype)
     ours = genlab_greedy(lm, PROMPT, STEPS, backend="lean")
@@ -108,7 +120,7 @@ def test_lean_greedy_gives_generates_tokens(arch, dtype, stories_tokenizer):
     assert ours == hf_generate(lm, PROMPT, STEPS)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ARCHS + (VISION,))
 def test_native_greedy_gives_generates_tokens(arch, library, stories_tokenizer):
     lm = gemma_lm(arch, stories_tokenizer)
     name = describe(lm.model.config).name

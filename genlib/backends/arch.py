@@ -21,6 +21,8 @@ Each architecture is a few declared differences from Llama's forward:
 |  | window on the layers `layer_types` calls sliding; attention as transformers' eager |
 | gemma3_text | gemma2's block with per-head (1 + weight) q/k norms, no score soft-cap, |
 |  | and a rope of its own (`rope_parameters["sliding_attention"]`) on sliding layers |
+| gemma3 | Gemma 3's vision-language model on text: its `text_config`'s gemma3_text, |
+|  | without the logits' soft-cap (Gemma3ForConditionalGeneration applies none) |
 
 A config key that would change the arithmetic in a way this description cannot say (a
 rope type computed per length, a soft-cap, a window on a model whose window is not
@@ -30,7 +32,7 @@ approximation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma2",
@@ -112,6 +114,11 @@ def describe(config: Any) -> Arch:
     """The `Arch` of a model config (transformers' or config.json's fields as
     attributes); `Unsupported` where the lean forward cannot follow it exactly."""
     name = getattr(config, "model_type", None)
+    if name == "gemma3":
+        text = getattr(config, "text_config", None)
+        if getattr(text, "model_type", None) != "gemma3_text":
+            raise Unsupported("model_type 'gemma3' without a gemma3_text text_config")
+        return replace(describe(text), name="gemma3", final_softcap=None)
     if name not in ARCHITECTURES:
         raise Unsupported(f"model_type {name!r} is not one the lean forward runs "
                           f"({', '.join(ARCHITECTURES)})")

@@ -202,10 +202,24 @@ def refusal(model: Any) -> str | None:
     why = config_refusal(getattr(model, "config", None))
     if why is not None:
         return why
-    inner = getattr(model, "model", None)
+    inner = decoder(model)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a decoder-only model with layers and an lm_head"
     return None if _plain_layers(model) else "projections that are not plain float Linear layers"
+
+
+def decoder(model: Any) -> Any:
+    """The decoder whose layers the lean forward runs: `model.model`, or a
+    vision-language model's `model.model.language_model` (gemma3's)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", inner)
+
+
+def text_config(config: Any) -> Any:
+    """The config of that decoder (a vision-language model's text_config)."""
+    if getattr(config, "model_type", None) == "gemma3":
+        return config.text_config
+    return config
 
 
 def eligible(model: Any) -> bool:
@@ -218,7 +232,7 @@ _MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 def _plain_layers(model: Any) -> bool:
-    inner = model.model
+    inner = decoder(model)
     # Every projection must be a plain Linear (bitsandbytes and friends subclass it but
     # keep packed weights); the o/gate/up/down projections must have no bias.
     for layer in inner.layers:
@@ -278,10 +292,11 @@ class LeanLlama:
         rotary frequencies as the model computes them and `rope_scaling` the factor on
         its cos/sin tables (its rotary embedding's `attention_scaling`: yarn's);
         `local_rope` the same two for gemma3's sliding layers."""
+        self.arch: Arch = describe(config)
+        config = text_config(config)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.arch: Arch = describe(config)
         self.scale = self.arch.scale(self.head_dim)
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
@@ -327,16 +342,15 @@ class LeanLlama:
         eligible."""
         if not eligible(model):
             return None
-        tensors = {name: p.detach() for name, p in model.named_parameters()}
+        inner, config = decoder(model), text_config(model.config)
+        tensors = {"model." + name: p.detach() for name, p in inner.named_parameters()}
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
-        arch = describe(model.config)
-        if arch.fused:
-            tensors = split_fused(tensors, model.config)
-        rotary = model.model.rotary_emb
-        if arch.local_rope:  # gemma3: one rope per layer type
-            return cls(model.config, tensors, *_rope_of(rotary, "full_attention_"),
-                       local_rope=_rope_of(rotary, "sliding_attention_"))
-        return cls(model.config, tensors, *_rope_of(rotary))
+        if describe(config).fused:
+            tensors = split_fused(tensors, config)
+        if describe(config).local_rope:  # gemma3: one rope per layer type
+            return cls(model.config, tensors, *_rope_of(inner.rotary_emb, "full_attention_"),
+                       local_rope=_rope_of(inner.rotary_emb, "sliding_attention_"))
+        return cls(model.config, tensors, *_rope_of(inner.rotary_emb))
 
     def norm_weight(self, name: str) -> torch.Tensor:
         """A norm's weight as the forward multiplies by it: the tensor itself, or gemma's
