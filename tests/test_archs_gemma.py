@@ -55,7 +55,7 @@ def gemma_config(arch: str, **changes):
         vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, image_size=28, patch_size=14)
         return Gemma3Config(text_config=text, vision_config=vision, tie_word_embeddings=False)
-    return Gemma3TextConfig(sliding_window_pattern=2, **common)
+    return Gemma3TextConfig(**{"sliding_window_pattern": 2, **common})
 
 
 def gemma_model(arch: str, dtype: torch.dtype = torch.float32, **changes):
@@ -118,6 +118,23 @@ def test_lean_greedy_gives_generates_tokens(arch, dtype, stories_tokenizer):
     ours = genlab_greedy(lm, PROMPT, STEPS, backend="lean")
     assert_varied(ours)
     assert ours == hf_generate(lm, PROMPT, STEPS)
+
+
+@pytest.mark.parametrize("layers", [2, 7], ids=["all-sliding", "one-full"])
+def test_gemma3_with_its_default_pattern_gives_generates_tokens(layers, stories_tokenizer):
+    """Five of six layers sliding: 2 layers have no full one, whose rope transformers
+    then does not make; 7 have one, the sixth."""
+    from transformers import AutoModelForCausalLM
+
+    config = gemma_config("gemma3", num_hidden_layers=layers, sliding_window_pattern=6)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    lm = wrap_model(model, stories_tokenizer, ref="tiny-gemma3")
+    assert describe(config).full_layers == ((5,) if layers == 7 else ())
+    for backend in ("lean", "native"):
+        ours = genlab_greedy(lm, PROMPT, STEPS, backend=backend)
+        assert_varied(ours)
+        assert ours == hf_generate(lm, PROMPT, STEPS)
 
 
 @pytest.mark.parametrize("arch", ARCHS + (VISION,))

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from genlib.backends import hugepages
-from genlib.backends.arch import Arch, Unsupported, describe
+from genlib.backends.arch import LAYER_TYPES, Arch, Unsupported, describe
 from genlib.backends.direct import DirectCompiled, compile_errors
 from genlib.backends.kernel import MLP_NORM, NativeStep, qkv_bias
 from genlib.backends.kernel import QKV as _QKV
@@ -347,9 +347,12 @@ class LeanLlama:
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
         if describe(config).fused:
             tensors = split_fused(tensors, config)
-        if describe(config).local_rope:  # gemma3: one rope per layer type
-            return cls(model.config, tensors, *_rope_of(inner.rotary_emb, "full_attention_"),
-                       local_rope=_rope_of(inner.rotary_emb, "sliding_attention_"))
+        if describe(config).local_rope:  # gemma3: one rope per layer type it has
+            ropes = {kind: _rope_of(inner.rotary_emb, kind + "_") for kind in LAYER_TYPES
+                     if hasattr(inner.rotary_emb, kind + "_inv_freq")}
+            full = ropes.get("full_attention") or ropes["sliding_attention"]
+            return cls(model.config, tensors, *full,
+                       local_rope=ropes.get("sliding_attention", full))
         return cls(model.config, tensors, *_rope_of(inner.rotary_emb))
 
     def norm_weight(self, name: str) -> torch.Tensor:
