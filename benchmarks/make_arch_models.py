@@ -6,7 +6,10 @@ for `genlab bench --baseline transformers` (benchmarks/results/2026-11-27-archit
 Writes OUT_DIR/ARCH (save_pretrained: 4 layers, hidden 256, 8 heads over 4 KV heads,
 intermediate 768, float32), each with the tokenizer files of --tokenizer, whose vocabulary
 size it takes. mistral's window (4096) is longer than any run, as a real Mistral's is;
-granite's multipliers are not 1; phi3's window is Phi-3-mini-4k's (2047).
+granite's multipliers are not 1; phi3's window is Phi-3-mini-4k's (2047). gemma2 (head_dim
+32, soft-caps 50 and 30, window 4096, every other layer sliding) and gemma3 (model_type
+gemma3_text: window 512 as Gemma-3-1B's, its default pattern, so all 4 layers slide) tie
+their lm_head to the embeddings, as the real ones do.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma2", "gemma3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -31,8 +34,12 @@ def config(arch: str, vocab: int, ids: dict[str, int]):
              "phi3": dict(sliding_window=2047, pad_token_id=ids.get("eos_token_id", 0)),
              "qwen3": dict(head_dim=32),
              "granite": dict(embedding_multiplier=12.0, residual_multiplier=0.22,
-                             attention_multiplier=0.03125, logits_scaling=8.0)}
-    return AutoConfig.for_model(arch, **{**common, **extra.get(arch, {})})
+                             attention_multiplier=0.03125, logits_scaling=8.0),
+             "gemma2": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=4096,
+                            attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+             "gemma3": dict(head_dim=32, query_pre_attn_scalar=32, sliding_window=512)}
+    model_type = {"gemma3": "gemma3_text"}.get(arch, arch)
+    return AutoConfig.for_model(model_type, **{**common, **extra.get(arch, {})})
 
 
 def main() -> None:

@@ -130,7 +130,8 @@ def test_lean_backends_refuse_models_that_are_not_plain_llama(tiny, name):
         pytest.skip("a plain Llama-style model")
     arch = tiny.ref.removeprefix("tiny-")
     with pytest.raises(ConfigError, match=f"the {name} backend runs llama, mistral, qwen2, "
-                                          f"qwen3, granite, phi3 models, and cannot run "
+                                          f"qwen3, granite, phi3, gemma2, gemma3_text "
+                                          f"models, and cannot run "
                                           f"{tiny.ref}: model_type '{arch}' is not one the "
                                           f"lean forward"):
         choose_backend(tiny, Request(backend=name))
@@ -196,7 +197,7 @@ def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
     assert backend.reason == ("one row in bfloat16 on cpu, GENLAB_LEAN=0" if arch == "llama"
                               else "one row in bfloat16 on cpu, no lean forward: model_type "
                                    "'gpt2' is not one the lean forward runs (llama, mistral, "
-                                   "qwen2, qwen3, granite, phi3)")
+                                   "qwen2, qwen3, granite, phi3, gemma2, gemma3_text)")
     ids, settings = [1, 37, 99, 4, 250], GenerationSettings(max_new_tokens=12)
     [plain] = generate(lm, [ids], settings, backend="transformers")
     [drafted] = generate(lm, [ids], settings, drafter=Drafting(prompt_lookup=2))

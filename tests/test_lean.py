@@ -227,7 +227,8 @@ def test_other_architectures_are_not_eligible_and_still_generate(stories_tokeniz
     backend = choose_backend(lm, Request())
     assert backend.name == "transformers"
     assert backend.reason == ("no lean forward: model_type 'gpt2' is not one the lean "
-                              "forward runs (llama, mistral, qwen2, qwen3, granite, phi3)")
+                              "forward runs (llama, mistral, qwen2, qwen3, granite, phi3, "
+                              "gemma2, gemma3_text)")
     ids = lm.encode("Once upon a time")
     assert genlab_greedy(lm, ids, 30, backend="auto") == hf_generate(lm, ids, 30)
 

@@ -15,6 +15,14 @@ Each architecture is a few declared differences from Llama's forward:
 | phi3 | q/k/v and gate/up stored as one matrix each (split at load); mistral's window |
 | granite | embeddings, residual branches, attention scores (for 1/sqrt(head_dim)) and  |
 |  | logits scaled by the config's multipliers |
+| gemma2 | embeddings times sqrt(hidden) in the model's dtype; RMSNorm by (1 + weight) in |
+|  | float32, also on each sublayer's output; GeGLU (gelu, tanh approximation); scores |
+|  | scaled by query_pre_attn_scalar**-0.5 and soft-capped; logits soft-capped; the |
+|  | window on the layers `layer_types` calls sliding; attention as transformers' eager |
+| gemma3_text | gemma2's block with per-head (1 + weight) q/k norms, no score soft-cap, |
+|  | and a rope of its own (`rope_parameters["sliding_attention"]`) on sliding layers |
+| gemma3 | Gemma 3's vision-language model on text: its `text_config`'s gemma3_text, |
+|  | without the logits' soft-cap (Gemma3ForConditionalGeneration applies none) |
 
 A config key that would change the arithmetic in a way this description cannot say (a
 rope type computed per length, a soft-cap, a window on a model whose window is not
@@ -24,10 +32,15 @@ approximation.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3")
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma2",
+                 "gemma3_text")
+GEMMA = ("gemma2", "gemma3_text")
+# The layer types of gemma's `layer_types`: a sliding one attends to the last
+# `sliding_window` tokens.
+LAYER_TYPES = ("sliding_attention", "full_attention")
 # Rope types whose frequencies the model computes once (the lean forward takes them from
 # the model's rotary embedding, with its attention scaling); "dynamic" and "longrope"
 # change them with the sequence's length.
@@ -39,10 +52,16 @@ _ARITHMETIC = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
                "attn_logit_softcapping": None, "final_logit_softcapping": None,
                "query_pre_attn_scalar": None, "use_sliding_window": False,
                "sliding_window": None, "use_qk_norm": False, "qk_layernorm": False,
-               "partial_rotary_factor": 1.0, "logit_scale": None}
+               "partial_rotary_factor": 1.0, "logit_scale": None,
+               "use_bidirectional_attention": False}
 _FOLLOWS = {"mistral": {"sliding_window"}, "phi3": {"sliding_window"},
             "granite": {"embedding_multiplier", "residual_multiplier",
-                        "attention_multiplier", "logits_scaling"}}
+                        "attention_multiplier", "logits_scaling"},
+            "gemma2": {"attn_logit_softcapping", "final_logit_softcapping",
+                       "query_pre_attn_scalar", "sliding_window"},
+            # transformers' Gemma3Attention passes no soft-cap: the key changes nothing
+            "gemma3_text": {"attn_logit_softcapping", "final_logit_softcapping",
+                            "query_pre_attn_scalar", "sliding_window"}}
 
 
 class Unsupported(ValueError):
@@ -62,6 +81,27 @@ class Arch:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # None: 1/sqrt(head_dim)
     logits_scaling: float = 1.0  # logits are divided by it
+    # gemma's, from here on
+    embed_scale: float | None = None  # embeddings times it, rounded to the model's dtype
+    sandwich: bool = False  # RMSNorm by (1 + weight), in float32, also on sublayer outputs
+    gelu: bool = False  # the MLP's gate through gelu (tanh approximation), not silu
+    attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
+    final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
+    eager: bool = False  # attention as transformers' eager path computes it (gemma2)
+    full_layers: tuple[int, ...] = ()  # layers that see every token despite `window`
+    local_rope: bool = False  # the other (sliding) layers take a rope of their own (gemma3)
+
+    def window_of(self, layer: int) -> int:
+        """Layer `layer`'s window (0: it sees every token)."""
+        return 0 if layer in self.full_layers else self.window
+
+    def uncompiled(self) -> str | None:
+        """Why the compiled lean step does not run this architecture; None: it does."""
+        if self.window:
+            return f"the compiled lean step does not run {self.name}'s sliding window"
+        if self.sandwich:
+            return f"the compiled lean step does not run {self.name}'s block"
+        return None
 
     def scale(self, head_dim: int) -> float:
         """The attention scores' scale."""
@@ -74,12 +114,19 @@ def describe(config: Any) -> Arch:
     """The `Arch` of a model config (transformers' or config.json's fields as
     attributes); `Unsupported` where the lean forward cannot follow it exactly."""
     name = getattr(config, "model_type", None)
+    if name == "gemma3":
+        text = getattr(config, "text_config", None)
+        if getattr(text, "model_type", None) != "gemma3_text":
+            raise Unsupported("model_type 'gemma3' without a gemma3_text text_config")
+        return replace(describe(text), name="gemma3", final_softcap=None)
     if name not in ARCHITECTURES:
         raise Unsupported(f"model_type {name!r} is not one the lean forward runs "
                           f"({', '.join(ARCHITECTURES)})")
     _check_plain(config, name)
-    _check_rope(config)
+    _check_rope(config, name)
     _check_keys(config, name)
+    if name in GEMMA:
+        return _gemma(config, name)
     if name == "granite":
         return Arch(name, embedding_multiplier=float(config.embedding_multiplier),
                     residual_multiplier=float(config.residual_multiplier),
@@ -88,6 +135,25 @@ def describe(config: Any) -> Arch:
     return Arch(name, qkv_bias=name == "qwen2", qk_norm=name == "qwen3",
                 fused=name == "phi3",
                 window=_window(config) if name in ("mistral", "phi3") else 0)
+
+
+def _gemma(config: Any, name: str) -> Arch:
+    """gemma2's and gemma3's block (transformers' Gemma2Model, Gemma3TextModel)."""
+    types = list(getattr(config, "layer_types", None) or [])
+    if len(types) != config.num_hidden_layers or set(types) - set(LAYER_TYPES):
+        raise Unsupported(f"layer_types {types!r} (the lean forward runs one of "
+                          f"{', '.join(LAYER_TYPES)} per layer)")
+    window = _window(config)
+    full = tuple(i for i, kind in enumerate(types) if kind == "full_attention")
+    soft = getattr(config, "attn_logit_softcapping", None) if name == "gemma2" else None
+    final = getattr(config, "final_logit_softcapping", None)
+    return Arch(name, qk_norm=name == "gemma3_text", window=window,
+                attention_multiplier=float(config.query_pre_attn_scalar) ** -0.5,
+                embed_scale=config.hidden_size ** 0.5, sandwich=True, gelu=True,
+                attn_softcap=None if soft is None else float(soft),
+                final_softcap=None if final is None else float(final),
+                eager=name == "gemma2", full_layers=full,
+                local_rope=name == "gemma3_text")
 
 
 def _window(config: Any) -> int:
@@ -102,9 +168,11 @@ def _window(config: Any) -> int:
 def _check_plain(config: Any, name: str) -> None:
     """The parts every architecture here shares with Llama: SiLU's gated MLP without
     biases, no tensor-parallel slicing, unquantized weights."""
-    if getattr(config, "hidden_act", None) != "silu":
-        raise Unsupported(f"hidden_act {getattr(config, 'hidden_act', None)!r} (the lean "
-                          f"forward runs silu)")
+    key, runs = ("hidden_activation", "gelu_pytorch_tanh") if name in GEMMA else \
+        ("hidden_act", "silu")
+    if getattr(config, key, None) != runs:
+        raise Unsupported(f"{key} {getattr(config, key, None)!r} (the lean forward runs "
+                          f"{runs} for {name})")
     if getattr(config, "mlp_bias", False):
         raise Unsupported("mlp_bias")
     if name != "qwen2" and getattr(config, "attention_bias", False):
@@ -115,16 +183,24 @@ def _check_plain(config: Any, name: str) -> None:
         raise Unsupported("quantization_config (a quantized model)")
 
 
-def _check_rope(config: Any) -> None:
-    rope = getattr(config, "rope_parameters", None) or {}
+def _check_rope(config: Any, name: str) -> None:
+    ropes = getattr(config, "rope_parameters", None) or {}
+    if name == "gemma3_text":  # one rope per layer type
+        for kind in LAYER_TYPES:
+            _check_one_rope(ropes.get(kind) or {}, f"rope_parameters.{kind}.")
+    else:
+        _check_one_rope(ropes, "rope_parameters.")
+
+
+def _check_one_rope(rope: dict, where: str) -> None:
     kind = rope.get("rope_type", "default")
     if kind not in ROPE_TYPES:
-        raise Unsupported(f"rope_parameters.rope_type {kind!r} (the lean forward runs "
+        raise Unsupported(f"{where}rope_type {kind!r} (the lean forward runs "
                           f"{', '.join(ROPE_TYPES)})")
     if "rope_theta" not in rope:
-        raise Unsupported("rope_parameters without rope_theta")
+        raise Unsupported(f"{where.rstrip('.')} without rope_theta")
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        raise Unsupported("rope_parameters.partial_rotary_factor")
+        raise Unsupported(f"{where}partial_rotary_factor")
 
 
 def _check_keys(config: Any, name: str) -> None:
@@ -132,6 +208,8 @@ def _check_keys(config: Any, name: str) -> None:
         if key in _FOLLOWS.get(name, ()):
             continue
         value = getattr(config, key, neutral)
+        if neutral is False and value is None:  # an unset flag
+            value = False
         if value != neutral and not (key == "sliding_window" and _window_unused(config)):
             raise Unsupported(f"{key} {value!r} (the lean forward does not run it for "
                               f"{name})")

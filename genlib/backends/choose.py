@@ -298,14 +298,14 @@ def _compiled_lean(lm: LoadedModel) -> LeanLlama | None:
     forward over a static cache (also for a sliding window, which its one graph over
     every attention length does not hold)."""
     lean = _lean(lm) if lean_allowed() else None
-    return lean if lean is not None and not lean.arch.window else None
+    return lean if lean is not None and lean.arch.uncompiled() is None else None
 
 
 def _no_compiled_lean(lm: LoadedModel) -> str:
     lean = _lean(lm)
     if lean is None:
         return lean_refusal(lm)
-    return f"the compiled lean step does not run {lean.arch.name}'s sliding window"
+    return lean.arch.uncompiled() or "no compiled lean step"
 
 
 def _static_cache_must_crop(lm: LoadedModel, request: Request) -> bool:

@@ -64,6 +64,8 @@ WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# The MLP's input norm by `Arch.sandwich` (the lean forward reads it from here too).
+MLP_NORM = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}
 
 _float_p = ctypes.POINTER(ctypes.c_float)
 _float_pp = ctypes.POINTER(_float_p)
@@ -80,7 +82,11 @@ class _Model(ctypes.Structure):
                                        "gate", "up", "down")] + [
         (name, ctypes.c_float) for name in ("embedding_multiplier", "residual_multiplier",
                                             "logits_scaling")] + [
-        ("window", ctypes.c_int), ("q_norm", _float_pp), ("k_norm", _float_pp)]
+        ("windows", ctypes.POINTER(ctypes.c_int)), ("q_norm", _float_pp),
+        ("k_norm", _float_pp), ("attn_softcap", ctypes.c_float),
+        ("final_softcap", ctypes.c_float), ("gelu", ctypes.c_int)] + [
+        (name, _float_pp) for name in ("attn_out_norm", "mlp_out_norm", "layer_cos",
+                                       "layer_sin")]
 
 
 @dataclass(frozen=True)
@@ -408,6 +414,7 @@ class NativeStep:
         packed = packed_weights(lean, panel, weights, notify)
         self._kept.extend(packed.values())
         layer = [f"layers.{i}." for i in range(lean.num_layers)]
+        mlp_norm = MLP_NORM[lean.arch.sandwich]
         self._step = library.genlab_step  # type: ignore[union-attr]
         self._step.restype = None
         self._scratch_floats = library.genlab_scratch_floats  # type: ignore[union-attr]
@@ -424,15 +431,15 @@ class NativeStep:
             head_dim=lean.head_dim, intermediate=lean.intermediate,
             vocab=self.vocab, layers=lean.num_layers, threads=threads, eps=lean.eps,
             scale=lean.scale, embed=_pointer(self._keep(lean.embed.contiguous())),
-            norm=_pointer(lean.norm), lm_head=_pointer(packed["lm_head"]),
+            norm=_pointer(self._keep(lean.norm)), lm_head=_pointer(packed["lm_head"]),
             cos=_pointer(self._keep(lean.cos.contiguous())),
             sin=_pointer(self._keep(lean.sin.contiguous())),
-            input_norm=self._array([lean.tensors[f"model.{p}input_layernorm.weight"]
+            input_norm=self._array([lean.norm_weight(f"model.{p}input_layernorm.weight")
                                     for p in layer]),
             qkv=self._array([packed[p + "qkv"] for p in layer]),
             qkv_bias=self._array([qkv_bias(lean.tensors, f"model.{p}") for p in layer]),
             o=self._array([packed[p + "o"] for p in layer]),
-            post_norm=self._array([lean.tensors[f"model.{p}post_attention_layernorm.weight"]
+            post_norm=self._array([lean.norm_weight(f"model.{p}{mlp_norm}.weight")
                                    for p in layer]),
             gate=self._array([packed[p + "gate"] for p in layer]),
             up=self._array([packed[p + "up"] for p in layer]),
@@ -442,16 +449,30 @@ class NativeStep:
     def _arch_fields(self, lean: Any, layer: list[str]) -> dict[str, Any]:
         """The Model fields of `lean.arch`'s differences from Llama's block, read from
         `lean.tensors` (`layer`: each layer's name prefix, after `model.`)."""
-        arch, tensors = lean.arch, lean.tensors
+        arch = lean.arch
 
         def norms(name: str) -> Any:
-            found = [tensors.get(f"model.{p}self_attn.{name}.weight") for p in layer]
-            return self._array(found) if found[0] is not None else None
+            names = [f"model.{p}{name}.weight" for p in layer]
+            if names[0] not in lean.tensors:
+                return None
+            return self._array([lean.norm_weight(name) for name in names])
 
-        return dict(embedding_multiplier=arch.embedding_multiplier,
+        windows = (ctypes.c_int * lean.num_layers)(*[arch.window_of(i)
+                                                     for i in range(lean.num_layers)])
+        self._kept.append(windows)  # type: ignore[arg-type]
+        tables = [lean.rope_tables(i) for i in range(lean.num_layers)]
+        multiplier = arch.embedding_multiplier if arch.embed_scale is None else \
+            arch.embed_scale  # float32 in the struct, as gemma rounds it to float32
+        return dict(embedding_multiplier=multiplier,
                     residual_multiplier=arch.residual_multiplier,
-                    logits_scaling=arch.logits_scaling, window=arch.window,
-                    q_norm=norms("q_norm"), k_norm=norms("k_norm"))
+                    logits_scaling=arch.logits_scaling, windows=windows,
+                    q_norm=norms("self_attn.q_norm"), k_norm=norms("self_attn.k_norm"),
+                    attn_softcap=arch.attn_softcap or 0.0,
+                    final_softcap=arch.final_softcap or 0.0, gelu=int(arch.gelu),
+                    attn_out_norm=norms("post_attention_layernorm") if arch.sandwich else None,
+                    mlp_out_norm=norms("post_feedforward_layernorm") if arch.sandwich else None,
+                    layer_cos=self._array([c.contiguous() for c, _ in tables]),
+                    layer_sin=self._array([s.contiguous() for _, s in tables]))
 
     @classmethod
     def of(cls, lean: Any, threads: int, weights: str = "float32",

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 
 from genlib.backends import hugepages
-from genlib.backends.arch import Arch, Unsupported, describe
+from genlib.backends.arch import LAYER_TYPES, Arch, Unsupported, describe
 from genlib.backends.direct import DirectCompiled, compile_errors
+from genlib.backends.kernel import MLP_NORM, NativeStep, qkv_bias
 from genlib.backends.kernel import QKV as _QKV
-from genlib.backends.kernel import NativeStep, qkv_bias
 
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
 SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
@@ -128,9 +128,11 @@ class _Layer:
     q_norm: torch.Tensor | None  # per-head RMSNorm weights (head_dim,): qwen3
     k_norm: torch.Tensor | None
     o: _Proj
-    post_norm: torch.Tensor
+    post_norm: torch.Tensor  # the MLP's input norm (gemma's pre_feedforward_layernorm)
     gate_up: _Proj  # (hidden, 2 * intermediate)
     down: _Proj
+    attn_out_norm: torch.Tensor | None = None  # gemma's norms on the sublayers' outputs
+    mlp_out_norm: torch.Tensor | None = None
 
 
 @dataclass
@@ -200,10 +202,24 @@ def refusal(model: Any) -> str | None:
     why = config_refusal(getattr(model, "config", None))
     if why is not None:
         return why
-    inner = getattr(model, "model", None)
+    inner = decoder(model)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a decoder-only model with layers and an lm_head"
     return None if _plain_layers(model) else "projections that are not plain float Linear layers"
+
+
+def decoder(model: Any) -> Any:
+    """The decoder whose layers the lean forward runs: `model.model`, or a
+    vision-language model's `model.model.language_model` (gemma3's)."""
+    inner = getattr(model, "model", None)
+    return getattr(inner, "language_model", inner)
+
+
+def text_config(config: Any) -> Any:
+    """The config of that decoder (a vision-language model's text_config)."""
+    if getattr(config, "model_type", None) == "gemma3":
+        return config.text_config
+    return config
 
 
 def eligible(model: Any) -> bool:
@@ -216,7 +232,7 @@ _MLP = ("gate_proj", "up_proj", "gate_up_proj", "down_proj")
 
 
 def _plain_layers(model: Any) -> bool:
-    inner = model.model
+    inner = decoder(model)
     # Every projection must be a plain Linear (bitsandbytes and friends subclass it but
     # keep packed weights); the o/gate/up/down projections must have no bias.
     for layer in inner.layers:
@@ -229,6 +245,22 @@ def _plain_layers(model: Any) -> bool:
             if proj.bias is not None and name not in _ATTENTION[:3]:
                 return False
     return type(model.lm_head) is torch.nn.Linear and model.lm_head.bias is None
+
+
+def _rope_of(rotary: Any, kind: str = "") -> tuple[torch.Tensor, float]:
+    """A rotary embedding's frequencies and attention scaling (gemma3's of one layer
+    type: `kind` "full_attention_" or "sliding_attention_")."""
+    return (getattr(rotary, kind + "inv_freq"),
+            float(getattr(rotary, kind + "attention_scaling", 1.0)))
+
+
+def _repeat_kv(x: torch.Tensor, group: int) -> torch.Tensor:
+    """transformers' repeat_kv: each KV head's rows repeated for its `group` q heads."""
+    if group == 1:
+        return x
+    batch, heads, length, dim = x.shape
+    return x[:, :, None].expand(batch, heads, group, length, dim).reshape(
+        batch, heads * group, length, dim)
 
 
 def split_fused(tensors: Mapping[str, torch.Tensor], config: Any) -> dict[str, torch.Tensor]:
@@ -253,21 +285,25 @@ class LeanLlama:
     (`new_cache`; see the module doc)."""
 
     def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor],
-                 inv_freq: torch.Tensor, rope_scaling: float = 1.0) -> None:
+                 inv_freq: torch.Tensor, rope_scaling: float = 1.0,
+                 local_rope: tuple[torch.Tensor, float] | None = None) -> None:
         """`tensors` by their state-dict names (`model.layers.0.self_attn.q_proj.weight`,
         ...; `lm_head.weight` may be absent when tied to the embeddings), `inv_freq` the
         rotary frequencies as the model computes them and `rope_scaling` the factor on
-        its cos/sin tables (its rotary embedding's `attention_scaling`: yarn's)."""
+        its cos/sin tables (its rotary embedding's `attention_scaling`: yarn's);
+        `local_rope` the same two for gemma3's sliding layers."""
+        self.arch: Arch = describe(config)
+        config = text_config(config)
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
-        self.arch: Arch = describe(config)
         self.scale = self.arch.scale(self.head_dim)
         self.eps = config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
         self.tensors = tensors
         self.embed = tensors["model.embed_tokens.weight"]
-        self.norm = tensors["model.norm.weight"]
+        self._norms: dict[str, torch.Tensor] = {}
+        self.norm = self.norm_weight("model.norm.weight")
         self.head_name = "lm_head.weight" if "lm_head.weight" in tensors else \
             "model.embed_tokens.weight"
         self.vocab = tensors[self.head_name].shape[0]
@@ -278,6 +314,10 @@ class LeanLlama:
         self.weights_file: Path | None = None  # set by genlib.quickload: the file mapped
         self.stored: Any = None  # genlib.qformat.Stored: a quantized checkpoint's codes
         self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
+        self.local_cos, self.local_sin = (self.cos, self.sin) if local_rope is None else \
+            self._rotary_tables(*local_rope)
+        self._embed_scale = None if self.arch.embed_scale is None else \
+            torch.tensor(self.arch.embed_scale).to(self.dtype)  # as gemma's embeddings do
         self._ones = torch.ones(1, max(self.arch.window, 1), dtype=torch.bool,
                                 device=self.device)
         self._compiled: DirectCompiled | None = None
@@ -303,13 +343,28 @@ class LeanLlama:
         eligible."""
         if not eligible(model):
             return None
-        tensors = {name: p.detach() for name, p in model.named_parameters()}
+        inner, config = decoder(model), text_config(model.config)
+        tensors = {"model." + name: p.detach() for name, p in inner.named_parameters()}
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
-        if describe(model.config).fused:
-            tensors = split_fused(tensors, model.config)
-        rotary = model.model.rotary_emb
-        return cls(model.config, tensors, rotary.inv_freq,
-                   float(getattr(rotary, "attention_scaling", 1.0)))
+        if describe(config).fused:
+            tensors = split_fused(tensors, config)
+        if describe(config).local_rope:  # gemma3: one rope per layer type it has
+            ropes = {kind: _rope_of(inner.rotary_emb, kind + "_") for kind in LAYER_TYPES
+                     if hasattr(inner.rotary_emb, kind + "_inv_freq")}
+            full = ropes.get("full_attention") or ropes["sliding_attention"]
+            return cls(model.config, tensors, *full,
+                       local_rope=ropes.get("sliding_attention", full))
+        return cls(model.config, tensors, *_rope_of(inner.rotary_emb))
+
+    def norm_weight(self, name: str) -> torch.Tensor:
+        """A norm's weight as the forward multiplies by it: the tensor itself, or gemma's
+        (1 + weight) in float32 (as Gemma2RMSNorm computes it), made once, so the lean
+        forward and the kernel share it."""
+        if not self.arch.sandwich:
+            return self.tensors[name]
+        if name not in self._norms:
+            self._norms[name] = 1.0 + self.tensors[name].float()
+        return self._norms[name]
 
     @staticmethod
     @torch.no_grad()
@@ -332,23 +387,28 @@ class LeanLlama:
             start += size
         return list(zip(matrices[0::2], matrices[1::2]))
 
-    @staticmethod
     @torch.no_grad()
-    def _layer(tensors: Mapping[str, torch.Tensor], prefix: str, qkv: torch.Tensor,
+    def _layer(self, tensors: Mapping[str, torch.Tensor], prefix: str, qkv: torch.Tensor,
                gate_up: torch.Tensor) -> _Layer:
         """One layer over its weights, with its fused q/k/v and gate/up matrices
         (`_fused_weights`)."""
         def weight(name: str) -> torch.Tensor:
             return tensors[prefix + name + ".weight"]
 
-        return _Layer(input_norm=weight("input_layernorm"), qkv=_Proj.of(qkv.t()),
+        def norm(name: str) -> torch.Tensor | None:
+            present = prefix + name + ".weight" in tensors
+            return self.norm_weight(prefix + name + ".weight") if present else None
+
+        sandwich = self.arch.sandwich
+        return _Layer(input_norm=norm("input_layernorm"), qkv=_Proj.of(qkv.t()),
                       qkv_bias=qkv_bias(tensors, prefix),
-                      q_norm=tensors.get(prefix + "self_attn.q_norm.weight"),
-                      k_norm=tensors.get(prefix + "self_attn.k_norm.weight"),
+                      q_norm=norm("self_attn.q_norm"), k_norm=norm("self_attn.k_norm"),
                       o=_Proj.of(weight("self_attn.o_proj").t()),
-                      post_norm=weight("post_attention_layernorm"),
+                      post_norm=norm(MLP_NORM[sandwich]),
                       gate_up=_Proj.of(gate_up.t()),
-                      down=_Proj.of(weight("mlp.down_proj").t()))
+                      down=_Proj.of(weight("mlp.down_proj").t()),
+                      attn_out_norm=norm("post_attention_layernorm") if sandwich else None,
+                      mlp_out_norm=norm("post_feedforward_layernorm") if sandwich else None)
 
     def _rotary_tables(self, inv_freq: torch.Tensor, scaling: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,9 +444,12 @@ class LeanLlama:
     # --- Forward (rows are positions: x is (tokens, hidden)) ---------------------------
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # LlamaRMSNorm: in float32, then back to the input dtype before the weight.
+        # LlamaRMSNorm: in float32, then back to the input dtype before the weight;
+        # gemma's: times its float32 (1 + weight) (`norm_weight`), then back.
         h = x if x.dtype == torch.float32 else x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.arch.sandwich:
+            return (h * weight).to(x.dtype)
         return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
     def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -416,16 +479,23 @@ class LeanLlama:
         # view of its fused product there too, and up * silu(gate) its order.
         if self.arch.fused:
             return self._residual(x, mm(up * F.silu(gate), layer.down))
+        if self.arch.gelu:  # gemma's GeGLU: transformers' gelu_pytorch_tanh
+            gated = F.gelu(gate.contiguous(), approximate="tanh") * up
+            return self._residual(x, mm(gated, layer.down), layer.mlp_out_norm)
         return self._residual(x, mm(F.silu(gate.contiguous()) * up, layer.down))
 
-    def _residual(self, x: torch.Tensor, branch: torch.Tensor) -> torch.Tensor:
-        """x plus a sublayer's output, scaled as granite scales it."""
+    def _residual(self, x: torch.Tensor, branch: torch.Tensor,
+                  out_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """x plus a sublayer's output, RMS-normed first as gemma's are (`out_norm`),
+        scaled as granite scales it."""
+        if out_norm is not None:
+            branch = self._rms_norm(branch, out_norm)
         multiplier = self.arch.residual_multiplier
         return x + branch if multiplier == 1.0 else x + branch * multiplier
 
     def _attend(self, layer: _Layer, keys: torch.Tensor, values: torch.Tensor,
                 x: torch.Tensor, start: int, cos: torch.Tensor, sin: torch.Tensor,
-                mask: torch.Tensor | None) -> torch.Tensor:
+                mask: torch.Tensor | None, window: int) -> torch.Tensor:
         t = x.shape[0]
         q, k, v = self._qkv(layer, x, cos, sin)
         end = start + t
@@ -434,10 +504,31 @@ class LeanLlama:
         # Causal over the prompt; several tokens after a cached prefix (speculative
         # verify), or past a sliding window, take an explicit mask. One token past the
         # window reads the window's last keys only.
-        first = max(0, end - self.arch.window) if t == 1 and self.arch.window else 0
-        out = self._sdpa(q, keys[:, :, first:], values[:, :, first:], end - first,
-                         mask=mask, causal=t > 1 and mask is None)
-        return self._residual(x, _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o))
+        first = max(0, end - window) if t == 1 and window else 0
+        attend = self._eager if self.arch.eager else self._sdpa
+        out = attend(q, keys[:, :, first:], values[:, :, first:], end - first,
+                     mask=mask, causal=t > 1 and mask is None)
+        return self._residual(x, _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o),
+                              layer.attn_out_norm)
+
+    def _eager(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
+               mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+        """Attention as transformers' eager_attention_forward runs it (gemma2's, whose
+        SDPA path has no soft-cap): the scores scaled, soft-capped, masked, a float32
+        softmax back in the model's dtype, times the values."""
+        group = self.heads // self.kv_heads
+        keys, values = _repeat_kv(keys[:, :, :end], group), _repeat_kv(values[:, :, :end], group)
+        scores = torch.matmul(q, keys.transpose(2, 3)) * self.scale
+        cap = self.arch.attn_softcap
+        if cap is not None:
+            scores = torch.tanh(scores / cap) * cap
+        if causal:
+            t = q.shape[2]
+            mask = torch.ones(t, end, dtype=torch.bool, device=q.device).tril(end - t)
+        if mask is not None:  # transformers adds the dtype's min where a slot is hidden
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        probs = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+        return torch.matmul(probs, values)
 
     def _sdpa(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
               end: int | torch.SymInt, mask: torch.Tensor | None = None,
@@ -463,21 +554,26 @@ class LeanLlama:
         logits = mm(self._rms_norm(x, self.norm), self.lm_head)
         if self.arch.logits_scaling != 1.0:
             logits = logits / self.arch.logits_scaling  # granite's
+        cap = self.arch.final_softcap
+        if cap is not None:  # gemma's
+            logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
     def _embed(self, ids: torch.Tensor) -> torch.Tensor:
         x = F.embedding(ids, self.embed)
+        if self._embed_scale is not None:
+            return x * self._embed_scale  # gemma's
         multiplier = self.arch.embedding_multiplier
         return x if multiplier == 1.0 else x * multiplier  # granite's
 
-    def _mask(self, start: int, t: int) -> torch.Tensor | None:
+    def _mask(self, start: int, t: int, window: int) -> torch.Tensor | None:
         """Which cached slots each of t tokens after `start` sees, where causal
         attention from position 0 does not say it (as transformers masks): None for a
         prompt (t > 1, start 0) shorter than the window, or one token before it. One
         token at the window or past it reads the window's last keys alone, under a mask
         that keeps them all (as transformers' sliding cache and mask give it: the same
         bits)."""
-        window, end = self.arch.window, start + t
+        end = start + t
         if t == 1:
             return self._ones[:, :window] if window and end >= window else None
         if start == 0 and not (window and end >= window):
@@ -492,13 +588,23 @@ class LeanLlama:
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        mask = self._mask(start, t)
-        cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
+        windows = [self.arch.window_of(i) for i in range(self.num_layers)]
+        masks = {window: self._mask(start, t, window) for window in set(windows)}
+        tables = [self.rope_tables(i) for i in range(self.num_layers)]
         x = self._embed(input_ids[0])
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
+        for layer, keys, values, window, (cos, sin) in zip(self.layers, cache.keys,
+                                                            cache.values, windows, tables):
+            cos, sin = cos[start:start + t, None], sin[start:start + t, None]
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin,
+                                              masks[window], window))
         cache.length = start + t
         return self._logits(x if all_logits else x[-1:])
+
+    def rope_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s rope tables: gemma3's sliding layers have their own."""
+        if self.arch.local_rope and layer not in self.arch.full_layers:
+            return self.local_cos, self.local_sin
+        return self.cos, self.sin
 
     @torch.inference_mode()
     def prefill(self, input_ids: torch.Tensor, cache: LeanCache) -> torch.Tensor | None:

@@ -28,6 +28,9 @@
  *   down  rows split, added to the residual                         | barrier
  *
  * and the norms are computed by every thread for itself (a few hundred numbers a slot).
+ * Gemma's norms on each sublayer's output need its whole branch first: there the o and
+ * down products write a branch buffer, and after a barrier each thread adds its rows of
+ * the normed branch to the residual (`add_branch_of`: seven barriers a layer).
  * The products run on GCC's vector extensions (16 lanes where -march=native gives
  * AVX-512, 8 elsewhere: one AVX2 register, two SSE or NEON ones), a panel's column of
  * weights times a broadcast input; softmax and SiLU take a vectorized exp: AVX-512
@@ -97,13 +100,29 @@ typedef struct {
     const float *const *post_norm;
     const weight_t *const *gate, *const *up, *const *down;
     /* The architecture's differences from Llama's block (genlib/backends/arch.py):
-     * embeddings, residual branches and logits scaled (granite; 1 elsewhere), attention
-     * over the last `window` positions (mistral; 0: all), and per layer each head's q
-     * and k RMS-normed before rope (qwen3; NULL elsewhere). */
+     * embeddings, residual branches and logits scaled (granite's multipliers, gemma's
+     * sqrt(hidden); 1 elsewhere), per layer attention over the last windows[i]
+     * positions (mistral, gemma's sliding layers; 0: all), and per layer each head's q
+     * and k RMS-normed before rope (qwen3, gemma3; NULL elsewhere). */
     float embedding_multiplier, residual_multiplier, logits_scaling;
-    int window;
+    const int *windows;
     const float *const *q_norm, *const *k_norm;
+    /* gemma's: scores and logits soft-capped (cap * tanh(s / cap); 0: not), the MLP's
+     * gate through gelu's tanh form (else silu), per layer the attention's and the
+     * MLP's outputs RMS-normed before the residual add (NULL: not), and per layer rope
+     * tables (gemma3's sliding layers have their own; NULL: cos and sin). The norms'
+     * weights come as gemma multiplies by them, (1 + weight). */
+    float attn_softcap, final_softcap;
+    int gelu;
+    const float *const *attn_out_norm, *const *mlp_out_norm;
+    const float *const *layer_cos, *const *layer_sin;
 } Model;
+
+/* gelu's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), is
+ * x * sigmoid(2u) = x / (1 + e^-(x (GELU_A + GELU_B x^2))): silu's form, the argument
+ * changed. */
+#define GELU_A 1.5957691216057308f  /* 2 sqrt(2 / pi) */
+#define GELU_B 0.07135481627260025f  /* GELU_A * 0.044715 */
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -157,12 +176,16 @@ static float exp_shifted(float *s, long n, float top) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* gate[j] = silu(gate[j]) * up[j] = gate / (1 + e^-gate) * up, for j < n. */
-static void silu_times(float *gate, const float *up, int n) {
+/* gate[j] = act(gate[j]) * up[j] for j < n: silu, gate / (1 + e^-gate), or with `gelu`
+ * gelu's tanh form, gate / (1 + e^-(gate * (GELU_A + GELU_B * gate^2))) (see GELU_A). */
+static void gate_times(float *gate, const float *up, int n, int gelu) {
     for (int j = 0; j < n; j += LANES) {
         __mmask16 lanes = n - j >= LANES ? 0xffff : (__mmask16)((1u << (n - j)) - 1);
-        __m512 g = _mm512_maskz_loadu_ps(lanes, gate + j);
-        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        __m512 g = _mm512_maskz_loadu_ps(lanes, gate + j), t = g;
+        if (gelu)
+            t = _mm512_mul_ps(g, _mm512_fmadd_ps(_mm512_mul_ps(g, g), _mm512_set1_ps(GELU_B),
+                                                 _mm512_set1_ps(GELU_A)));
+        __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), t));
         __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
         _mm512_mask_storeu_ps(gate + j, lanes,
                               _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + j)));
@@ -213,12 +236,15 @@ static float exp_shifted(float *s, long n, float top) {
     return hsum((vec)sum);
 }
 
-/* gate[j] = silu(gate[j]) * up[j] = gate / (1 + e^-gate) * up, for j < n. */
-static void silu_times(float *gate, const float *up, int n) {
+/* gate[j] = act(gate[j]) * up[j] for j < n, as the AVX-512 gate_times. */
+static void gate_times(float *gate, const float *up, int n, int gelu) {
     for (int j = 0; j < n; j += 8) {
         __m256i lanes = first_lanes(n - j);
-        __m256 g = _mm256_maskload_ps(gate + j, lanes);
-        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        __m256 g = _mm256_maskload_ps(gate + j, lanes), t = g;
+        if (gelu)
+            t = _mm256_mul_ps(g, _mm256_fmadd_ps(_mm256_mul_ps(g, g), _mm256_set1_ps(GELU_B),
+                                                 _mm256_set1_ps(GELU_A)));
+        __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), t));
         __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
         _mm256_maskstore_ps(gate + j, lanes,
                             _mm256_mul_ps(silu, _mm256_maskload_ps(up + j, lanes)));
@@ -231,8 +257,11 @@ static float exp_shifted(float *s, long n, float top) {
     return total;
 }
 
-static void silu_times(float *gate, const float *up, int n) {
-    for (int j = 0; j < n; j++) gate[j] = gate[j] / (1.0f + expf(-gate[j])) * up[j];
+static void gate_times(float *gate, const float *up, int n, int gelu) {
+    for (int j = 0; j < n; j++) {
+        float g = gate[j], t = gelu ? g * (GELU_A + GELU_B * g * g) : g;
+        gate[j] = g / (1.0f + expf(-t)) * up[j];
+    }
 }
 #endif
 
@@ -515,11 +544,20 @@ static void share(int rows, int thread, int threads, int *r0, int *r1) {
     *r1 = *r0 + chunk < rows ? *r0 + chunk : rows;
 }
 
-static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
+static float rms_scale(const float *x, int n, float eps) {
     float squares = 0.0f;
     for (int i = 0; i < n; i++) squares += x[i] * x[i];
-    float scale = 1.0f / sqrtf(squares / n + eps);
+    return 1.0f / sqrtf(squares / n + eps);
+}
+
+static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
+    float scale = rms_scale(x, n, eps);
     for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * scale);
+}
+
+/* cap * tanh(s / cap) for each of n scores or logits (gemma's soft-cap). */
+static void soft_cap(float *s, long n, float cap) {
+    for (long j = 0; j < n; j++) s[j] = tanhf(s[j] / cap) * cap;
 }
 
 /* x * cos + roll(x, half) * sin, the sine table carrying rotate_half's sign. */
@@ -572,12 +610,12 @@ static void mix_values(float *out, const float *values, long count, const float 
 /* One query over a KV head's `position` cached keys and values (rows of head_dim) and
  * its own new key and value: the scores are a product over the cached keys, the last
  * window - 1 of them under a sliding window. */
-static void attend(const Model *m, const float *q, const float *keys, const float *values,
-                   const float *key, const float *value, long position, float *scores,
-                   float *out) {
+static void attend(const Model *m, int window, const float *q, const float *keys,
+                   const float *values, const float *key, const float *value, long position,
+                   float *scores, float *out) {
     int d = m->head_dim;
-    if (m->window && position >= m->window) {
-        long first = position - m->window + 1;
+    if (window && position >= window) {
+        long first = position - window + 1;
         keys += first * d;
         values += first * d;
         position -= first;
@@ -585,10 +623,9 @@ static void attend(const Model *m, const float *q, const float *keys, const floa
     rows_times(keys, d, q, position, scores);
     scores[position] = dot(q, key, d);
     float top = -INFINITY;
-    for (long j = 0; j <= position; j++) {
-        scores[j] *= m->scale;
-        top = scores[j] > top ? scores[j] : top;
-    }
+    for (long j = 0; j <= position; j++) scores[j] *= m->scale;
+    if (m->attn_softcap) soft_cap(scores, position + 1, m->attn_softcap);
+    for (long j = 0; j <= position; j++) top = scores[j] > top ? scores[j] : top;
     float total = exp_shifted(scores, position + 1, top);
     mix_values(out, values, position, scores, total, value, scores[position], d);
 }
@@ -603,9 +640,10 @@ typedef struct {
     const int *run_start;
 } Slots;
 
-/* Per-call buffers: one row per slot (x, qkv, attn, mlp), one set per thread (h, scores). */
+/* Per-call buffers: one row per slot (x, qkv, attn, mlp, branch), one set per thread
+ * (h, scores). */
 typedef struct {
-    float *x, *h, *qkv, *attn, *mlp, *scores;
+    float *x, *h, *qkv, *attn, *mlp, *branch, *scores;
 } Buffers;
 
 /* One head's q or k as rope takes it: RMS-normed by layer i's weights where the model
@@ -633,13 +671,15 @@ static void attention(const Model *m, int i, const Slots *c, const Buffers *b, i
                       int threads) {
     int d = m->head_dim, group = m->heads / m->kv_heads;
     int rows = (m->heads + 2 * m->kv_heads) * d, pairs = c->runs * m->kv_heads;
+    const float *cos_table = m->layer_cos ? m->layer_cos[i] : m->cos;
+    const float *sin_table = m->layer_sin ? m->layer_sin[i] : m->sin;
     float q[d], key[d], normed[d];
     /* pairs split evenly (no runs of four here: they are not weight rows) */
     for (int p = pairs * thread / threads; p < pairs * (thread + 1) / threads; p++) {
         int run = p / m->kv_heads, g = p % m->kv_heads;
         for (int s = c->run_start[run]; s < c->run_start[run + 1]; s++) {
             long position = c->positions[s], capacity = c->capacities[s];
-            const float *cos = m->cos + position * d, *sin = m->sin + position * d;
+            const float *cos = cos_table + position * d, *sin = sin_table + position * d;
             const float *qkv = b->qkv + (long)s * rows;
             const float *value = qkv + (m->heads + m->kv_heads + g) * d;
             float *keys = c->keys[s][i] + (long)g * capacity * d;
@@ -648,12 +688,45 @@ static void attention(const Model *m, int i, const Slots *c, const Buffers *b, i
                    key, d);
             for (int h = g * group; h < (g + 1) * group; h++) {
                 rotary(head_norm(m, m->q_norm, i, qkv + h * d, normed), cos, sin, q, d);
-                attend(m, q, keys, values, key, value, position, b->scores,
+                attend(m, m->windows[i], q, keys, values, key, value, position, b->scores,
                        b->attn + ((long)s * m->heads + h) * d);
             }
             memcpy(keys + position * d, key, sizeof(float) * d);
             memcpy(values + position * d, value, sizeof(float) * d);
         }
+    }
+}
+
+/* x[s][r] += RMSNorm(branch[s])[r] for rows [r0, r1) of n slots, the norm's scale over
+ * the whole of each slot's branch (gemma's norms on the sublayers' outputs; `weight` is
+ * (1 + its weight)). */
+static void add_normed(const Model *m, float *x, const float *branch, const float *weight,
+                       int n, int r0, int r1) {
+    int hidden = m->hidden;
+    for (int s = 0; s < n; s++) {
+        const float *row = branch + (long)s * hidden;
+        float scale = rms_scale(row, hidden, m->eps);
+        for (int r = r0; r < r1; r++) x[(long)s * hidden + r] += weight[r] * (row[r] * scale);
+    }
+}
+
+/* x += a sublayer's output: the product of w (n columns) with the slots' inputs `in`
+ * (row stride ldi), this thread's rows [r0, r1) of it; RMS-normed first where `norm`
+ * (gemma: the whole branch written, then read after a barrier), scaled where the model
+ * has a residual multiplier (granite). */
+static void add_branch_of(const Model *m, const weight_t *w, int n, const float *in,
+                          long ldi, const float *norm, const Slots *c, const Buffers *b,
+                          int r0, int r1) {
+    int hidden = m->hidden;
+    if (norm) {
+        matmul(w, n, in, ldi, b->branch, hidden, r0, r1, c->n, 0);
+#pragma omp barrier
+        add_normed(m, b->x, b->branch, norm, c->n, r0, r1);
+    } else if (m->residual_multiplier == 1.0f) {
+        matmul(w, n, in, ldi, b->x, hidden, r0, r1, c->n, 1);
+    } else {  /* this thread's rows of the branch in its own h, then added scaled */
+        matmul(w, n, in, ldi, b->h, hidden, r0, r1, c->n, 0);
+        add_branch(b->x, b->h, c->n, hidden, r0, r1, m->residual_multiplier);
     }
 }
 
@@ -673,12 +746,8 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
     attention(m, i, c, b, thread, threads);
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
-    if (m->residual_multiplier == 1.0f) {
-        matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->x, hidden, r0, r1, n, 1);
-    } else {  /* this thread's rows of the branch in its own h, then added scaled */
-        matmul(m->o[i], m->heads * d, b->attn, m->heads * d, b->h, hidden, r0, r1, n, 0);
-        add_branch(b->x, b->h, n, hidden, r0, r1, m->residual_multiplier);
-    }
+    add_branch_of(m, m->o[i], m->heads * d, b->attn, m->heads * d,
+                  m->attn_out_norm ? m->attn_out_norm[i] : 0, c, b, r0, r1);
 #pragma omp barrier
     for (int s = 0; s < n; s++)
         rms_norm(b->x + (long)s * hidden, m->post_norm[i], b->h + (long)s * hidden, hidden,
@@ -688,25 +757,21 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
     matmul(m->up[i], hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
     for (int s = 0; s < n; s++) {
         float *mlp = b->mlp + (long)s * 2 * inter;
-        silu_times(mlp + r0, mlp + inter + r0, r1 - r0);
+        gate_times(mlp + r0, mlp + inter + r0, r1 - r0, m->gelu);
     }
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
-    if (m->residual_multiplier == 1.0f) {
-        matmul(m->down[i], inter, b->mlp, 2 * inter, b->x, hidden, r0, r1, n, 1);
-    } else {
-        matmul(m->down[i], inter, b->mlp, 2 * inter, b->h, hidden, r0, r1, n, 0);
-        add_branch(b->x, b->h, n, hidden, r0, r1, m->residual_multiplier);
-    }
+    add_branch_of(m, m->down[i], inter, b->mlp, 2 * inter,
+                  m->mlp_out_norm ? m->mlp_out_norm[i] : 0, c, b, r0, r1);
 #pragma omp barrier
 }
 
 /* Scratch for n slots over caches of at most `capacity` positions: n * (hidden (x) +
- * threads * hidden (h) + qkv rows + heads * head_dim (attn) + 2 * intermediate (mlp))
- * + threads * capacity (scores) floats. */
+ * threads * hidden (h) + qkv rows + heads * head_dim (attn) + 2 * intermediate (mlp) +
+ * hidden (branch)) + threads * capacity (scores) floats. */
 long genlab_forward_scratch_floats(const Model *m, long n, long capacity) {
     long rows = (m->heads + 2L * m->kv_heads) * m->head_dim;
-    return n * (m->hidden * (1L + m->threads) + rows + (long)m->heads * m->head_dim
+    return n * (m->hidden * (2L + m->threads) + rows + (long)m->heads * m->head_dim
                 + 2L * m->intermediate) + (long)m->threads * capacity;
 }
 
@@ -734,7 +799,7 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
     float *x = scratch, *hs = x + (long)n * hidden;
     float *qkv = hs + (long)m->threads * n * hidden, *attn = qkv + (long)n * rows;
     float *mlp = attn + (long)n * m->heads * m->head_dim;
-    float *scores = mlp + 2L * n * m->intermediate;
+    float *branch = mlp + 2L * n * m->intermediate, *scores = branch + (long)n * hidden;
     for (int s = 0; s < n; s++) {
         memcpy(x + (long)s * hidden, m->embed + tokens[s] * hidden, sizeof(float) * hidden);
         if (m->embedding_multiplier != 1.0f)
@@ -747,7 +812,7 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
         thread = omp_get_thread_num();
         threads = omp_get_num_threads();
 #endif
-        Buffers b = {x, hs + (long)thread * n * hidden, qkv, attn, mlp,
+        Buffers b = {x, hs + (long)thread * n * hidden, qkv, attn, mlp, branch,
                      scores + (long)thread * capacity};
         for (int i = 0; i < m->layers; i++) layer(m, i, &c, &b, thread, threads);
         for (int j = 0; j < picked; j++)
@@ -758,6 +823,9 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
         if (m->logits_scaling != 1.0f)
             for (int j = 0; j < picked; j++)
                 for (int r = r0; r < r1; r++) logits[(long)j * m->vocab + r] /= m->logits_scaling;
+        if (m->final_softcap)
+            for (int j = 0; j < picked; j++)
+                soft_cap(logits + (long)j * m->vocab + r0, r1 - r0, m->final_softcap);
     }
 }
 
