@@ -9,10 +9,13 @@ picks for it, and yields one event stream (`genlib.events`) whichever runs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
-from genlib import beam, decode, speculative
+from genlib import beam, contrastive, decode, speculative
+from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.config import GenerationSettings
+from genlib.dola import dola_backend
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish
 from genlib.models import LoadedModel
@@ -39,6 +42,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                                                        or detail.stages):
         raise ConfigError("speculative decoding records --logprobs only: its tokens come "
                           "from the accept/reject step, not one draw per step")
+    _check_layer_methods(settings, drafter, detail)
     if drafter is not None:
         yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
                                       detail)
@@ -51,8 +55,35 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
         check_prompts(lm, prompts, settings)
         request = Request(rows=len(prompts) * settings.num_return_sequences,
                           backend=backend or lm.backend)
-        yield from decode.stream(lm, prompts, settings, choose_backend(lm, request),
+        if settings.penalty_alpha is not None:
+            searcher = choose_backend(lm, replace(request, hidden="contrastive search"))
+            yield from contrastive.stream(lm, prompts, settings, searcher, seeds=seeds)
+            return
+        yield from decode.stream(lm, prompts, settings, _plain_backend(lm, settings, request),
                                  seeds=seeds, detail=detail)
+
+
+def _plain_backend(lm: LoadedModel, settings: GenerationSettings, request: Request
+                   ) -> Backend:
+    """The plain loop's backend: DoLa's scores over the lean forward for dola_layers."""
+    if settings.dola_layers is not None:
+        return dola_backend(lm, settings, request)
+    return choose_backend(lm, request)
+
+
+def _check_layer_methods(settings: GenerationSettings, drafter: Drafting | None,
+                         detail: Detail | None) -> None:
+    """ConfigError for what contrastive search and DoLa cannot be combined with."""
+    method = "contrastive search (penalty_alpha)" if settings.penalty_alpha is not None \
+        else "DoLa (dola_layers)" if settings.dola_layers is not None else None
+    if method is None:
+        return
+    if drafter is not None:
+        raise ConfigError(f"{method} cannot decode speculatively: drop the draft model or "
+                          f"prompt lookup, or {method.split()[-1].strip('()')}")
+    if detail is not None and settings.penalty_alpha is not None:
+        raise ConfigError("per-token detail (--logprobs, explain, --crn) needs strategy "
+                          "greedy or sample, not contrastive search")
 
 
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
