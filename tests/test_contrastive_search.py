@@ -135,3 +135,27 @@ def test_refusals_are_one_line_and_exit_2(args, message):
     assert message in done.stderr
     assert len(done.stderr.strip().splitlines()) == 1, done.stderr
     assert "Traceback" not in done.stderr and done.stdout == ""
+
+
+def test_presets_and_compare_put_both_beside_greedy(stories):
+    """The built-in presets hold transformers' suggestions, and `compare` runs them as
+    strategies with the usual metrics: their outputs are the methods' own tokens."""
+    from genlib.compare import build_strategies, compare
+
+    strategies = build_strategies(["greedy", "contrastive", "dola"], [],
+                                  {"max_new_tokens": 12})
+    by_label = {s.label: s.settings for s in strategies}
+    assert by_label["contrastive"].penalty_alpha == 0.6
+    assert by_label["contrastive"].top_k == 4 and by_label["contrastive"].strategy == "greedy"
+    assert by_label["dola"].dola_layers == "high"
+    assert by_label["dola"].repetition_penalty == 1.2
+    prompt = stories.encode("Once upon a time")
+    results = compare(stories, prompt, strategies).results
+    assert [r.error for r in results] == [None, None, None]
+    assert all(r.metrics["distinct_2"] is not None for r in results)
+    outputs = {r.strategy.label: list(r.samples[0].token_ids) for r in results}
+    assert outputs["contrastive"] == genlab_tokens(stories, prompt, penalty_alpha=0.6,
+                                                   top_k=4, max_new_tokens=12)
+    assert outputs["dola"] == genlab_tokens(stories, prompt, dola_layers="high",
+                                            repetition_penalty=1.2, max_new_tokens=12)
+    assert outputs["contrastive"] != outputs["greedy"]
