@@ -1,8 +1,9 @@
 """Per-token cost of contrastive search and DoLa against plain greedy search, on one
 model, interleaved: each round runs every strategy once, in turn, so a busy machine
 slows them alike. Prints each strategy's median decode time per token over the rounds
-(the time after the first token, over the tokens after it), its range, and the ratio
-of the medians to greedy's on the same backend (lean, the one these strategies run on).
+(the time after the first token, over the tokens after it), its range, the ratio of
+the medians to greedy's on the same backend (lean, the one these strategies run on),
+and the median and range of each round's ratio (runs seconds apart).
 
     python benchmarks/bench_contrastive.py --model ../shared/models/code-target \\
         --steps 64 --rounds 7
@@ -51,7 +52,12 @@ def main() -> None:
     parser.add_argument("--prompt", default="Once upon a time")
     parser.add_argument("--steps", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
 
     from genlib.config import resolve_settings
     from genlib.models import ModelSpec, load_model
@@ -69,16 +75,18 @@ def main() -> None:
         for label, (settings, backend) in plans.items():
             seconds, ran[label] = per_token(lm, ids, settings, backend)
             times[label].append(seconds)
-    base = statistics.median(times["greedy (lean)"])
+    base = times["greedy (lean)"]
     print(f"model {args.model}, prompt {args.prompt!r}, {args.steps} tokens, "
-          f"{args.rounds} rounds")
-    print(f"{'strategy':<24} {'backend':<8} {'ms/token':>9} {'range':>15} {'x greedy lean':>14}")
+          f"{args.rounds} rounds, {args.threads} threads")
+    print(f"{'strategy':<24} {'backend':<8} {'ms/token':>9} {'range':>15} "
+          f"{'x greedy lean':>14} {'per round':>16}")
     for label, values in times.items():
         median = statistics.median(values)
         spread = f"{min(values) * 1e3:.2f}-{max(values) * 1e3:.2f}"
+        rounds = [v / b for v, b in zip(values, base)]
+        per_round = f"{statistics.median(rounds):.2f} ({min(rounds):.2f}-{max(rounds):.2f})"
         print(f"{label:<24} {ran[label]:<8} {median * 1e3:>9.2f} {spread:>15} "
-              f"{median / base:>14.2f}")
-
+              f"{median / statistics.median(base):>14.2f} {per_round:>16}")
 
 if __name__ == "__main__":
     main()
