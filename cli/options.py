@@ -19,6 +19,7 @@ DECODING_PANEL = "Decoding"
 OUTPUT_PANEL = "Output"
 SAMPLERS_PANEL = "Samplers and penalties (docs/samplers.md)"
 GRAMMAR_PANEL = "Constrained output (xgrammar)"
+LAYERS_PANEL = "Contrastive search and DoLa (docs/strategies.md)"
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
@@ -182,6 +183,16 @@ Grammar = Annotated[str | None, typer.Option(
     "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
     help="Constrain the output to this EBNF/GBNF grammar file (`-` = stdin; start rule: "
          "root; llama.cpp's GBNF).")]
+PenaltyAlpha = Annotated[float | None, typer.Option(
+    "--penalty-alpha", rich_help_panel=LAYERS_PANEL, metavar="ALPHA",
+    help="Contrastive search (Su et al. 2022, as transformers): of --top-k K candidates "
+         "take the max of (1-ALPHA) * p - ALPHA * max cosine similarity of its hidden state "
+         "to the context's, 0 <= ALPHA <= 1 (transformers suggests 0.6 with --top-k 4).")]
+DolaLayers = Annotated[str | None, typer.Option(
+    "--dola-layers", rich_help_panel=LAYERS_PANEL, metavar="low|high|N,M",
+    help="DoLa (Chuang et al. 2024, as transformers): contrast the final layer with the "
+         "earlier layer, of these, that differs most; low or high halves of the model, or "
+         "layer numbers (0: the embeddings). The paper suggests --repetition-penalty 1.2.")]
 GrammarTimeout = Annotated[float | None, typer.Option(
     "--grammar-timeout", rich_help_panel=GRAMMAR_PANEL, metavar="SECONDS",
     help="Stop with exit status 1 when the grammar takes longer than this to compile "
@@ -290,6 +301,7 @@ SAMPLER_OPTIONS: dict[str, Any] = {
     "top_n_sigma": TopNSigma, "epsilon_cutoff": EpsilonCutoff, "eta_cutoff": EtaCutoff,
     "mirostat": Mirostat, "mirostat_tau": MirostatTau, "mirostat_eta": MirostatEta,
     "samplers": Samplers,
+    "penalty_alpha": PenaltyAlpha, "dola_layers": DolaLayers,
 }
 
 
@@ -330,6 +342,7 @@ DECODING_PARAMS = {
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
     "ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta", "cd_alpha": "cd_alpha",
+    "penalty_alpha": "penalty_alpha", "dola_layers": "dola_layers",
 }
 
 

@@ -139,6 +139,9 @@ def job_fingerprint(job: Job, run: RunDefaults) -> str:
     asks for (only when it asks: fingerprints of lines without stay as they were)."""
     settings = job.settings.to_dict()
     del settings["grammar_timeout"]  # how long a compile may take, not what it makes
+    for key in ("penalty_alpha", "dola_layers"):  # off: the hash they found stays valid
+        if settings[key] is None:
+            del settings[key]
     if not job.settings.do_sample:
         settings["seed"] = None
     chat = run.chat or job.messages is not None

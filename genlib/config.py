@@ -189,6 +189,14 @@ SPECS: dict[str, Spec] = {
                     optional=True),
     "cd_alpha": Spec("float", 0.1, "contrastive decoding: keep only tokens with p_expert >= "
                      "alpha * max p_expert", "0 <= cd_alpha <= 1", lambda v: 0 <= v <= 1),
+    "penalty_alpha": Spec("float", None, "contrastive search (Su et al. 2022, as transformers): "
+                          "of the top_k candidates pick the max of (1-alpha) * p - alpha * "
+                          "their hidden state's max cosine similarity to the context's",
+                          "0 <= penalty_alpha <= 1", lambda v: 0 <= v <= 1, optional=True),
+    "dola_layers": Spec("layers", None, "DoLa (Chuang et al. 2024, as transformers): contrast "
+                        "the final layer with the earlier layer, of these, that differs most: "
+                        "low, high or layer numbers N,M (0: the embeddings)",
+                        "low, high or layer numbers such as 2,4", optional=True),
 }
 
 
@@ -253,6 +261,8 @@ class GenerationSettings:
     ensemble_mode: str | None = _default("ensemble_mode")
     cd_beta: float | None = _default("cd_beta")
     cd_alpha: float = _default("cd_alpha")
+    penalty_alpha: float | None = _default("penalty_alpha")
+    dola_layers: str | None = _default("dola_layers")
     unused: tuple[str, ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
@@ -303,7 +313,8 @@ def _type_error(source: str, key: str, spec: Spec, value: Any) -> ConfigError:
               "early_stopping": "true, false or \"never\"",
               "bias": "TOKEN=BIAS strings or a mapping of token to bias",
               "samplers": "stage names separated by ';' or a list of them",
-              "schema": "a JSON schema (an object, or its JSON text)"}[spec.kind]
+              "schema": "a JSON schema (an object, or its JSON text)",
+              "layers": "low, high or layer numbers such as 2,4"}[spec.kind]
     return ConfigError(f"{source}: {key} must be {wanted}, got {shown(value)}")
 
 
@@ -354,6 +365,8 @@ def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
         value = _coerce_samplers(source, key, value)
     elif kind == "schema":
         value = _coerce_schema(source, key, value)
+    elif kind == "layers":
+        value = _coerce_layers(source, key, value)
     if spec.check is not None and not spec.check(value):
         raise ConfigError(f"{source}: {key} must be {spec.allowed}, got {shown(value)}")
     return value
@@ -419,6 +432,32 @@ def _coerce_samplers(source: str, key: str, value: Any) -> tuple[str, ...]:
             raise ConfigError(f"{source}: {key} names {shown(name)} twice")
         names.append(name)
     return tuple(names)
+
+
+def _coerce_layers(source: str, key: str, value: Any) -> str:
+    """dola_layers as "low", "high" or layer numbers "N,M" (from text, a number or a
+    list of numbers)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        value = ",".join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise _type_error(source, key, SPECS[key], value)
+    text = value.strip().lower()
+    if text in ("low", "high"):
+        return text
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise ConfigError(f"{source}: {key} must be low, high or layer numbers such as 2,4, "
+                          f"got {shown(value)}")
+    return ",".join(str(int(p)) for p in parts)
+
+
+def layer_numbers(dola_layers: str) -> tuple[int, ...] | str:
+    """A valid dola_layers' value: "low" or "high", or its layer numbers."""
+    if dola_layers in ("low", "high"):
+        return dola_layers
+    return tuple(int(p) for p in dola_layers.split(","))
 
 
 def _coerce_schema(source: str, key: str, value: Any) -> str:
@@ -568,6 +607,8 @@ def _infer_strategy(explicit: Mapping[str, Any]) -> str:
         return "beam"
     if "do_sample" in explicit and explicit["do_sample"] is not None:
         return "sample" if explicit["do_sample"] else "greedy"
+    if explicit.get("penalty_alpha") is not None:
+        return "greedy"  # contrastive search: top_k counts its candidates (transformers)
     if any(k in explicit for k in SAMPLING_KEYS) or explicit.get("samples") is not None:
         return "sample"
     return "greedy"
@@ -608,7 +649,8 @@ def resolve_settings(cli: Mapping[str, Any] | None = None,
     if merged["samples"] is not None and merged["rerank"] is None:
         merged["rerank"] = "logprob"
     _check_combination(merged)
-    unused = tuple(k for k in SAMPLING_KEYS if k in explicit and not merged["do_sample"])
+    unused = tuple(k for k in SAMPLING_KEYS if k in explicit and not merged["do_sample"]
+                   and not (k == "top_k" and merged["penalty_alpha"] is not None))
     return GenerationSettings(**merged, unused=unused)
 
 
@@ -643,6 +685,7 @@ def _check_combination(s: Mapping[str, Any]) -> None:
     if s["ensemble_mode"] is not None and s["cd_beta"] is not None:
         raise ConfigError("give an ensemble (ensemble_mode) or contrastive decoding "
                           "(cd_beta), not both")
+    _check_layer_methods(s)
     if s["min_new_tokens"] > s["max_new_tokens"]:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")
@@ -741,3 +784,25 @@ def _check_rerank(s: Mapping[str, Any]) -> None:
     if rerank == "mbr" and samples < 2:
         raise ConfigError(f"rerank mbr compares samples with each other: give samples >= 2 "
                           f"(got {samples})")
+
+
+def _check_layer_methods(s: Mapping[str, Any]) -> None:
+    """Rules for contrastive search (penalty_alpha) and DoLa (dola_layers), as
+    transformers draws them: contrastive search is deterministic and needs top_k
+    candidates; neither runs beam search; one at a time."""
+    alpha, dola = s["penalty_alpha"], s["dola_layers"]
+    if alpha is not None:
+        if s["strategy"] != "greedy":
+            raise ConfigError(f"penalty_alpha (contrastive search) picks its tokens "
+                              f"deterministically, not with strategy {s['strategy']}: drop "
+                              f"penalty_alpha, or the sampling/beam settings")
+        if s["top_k"] < 2:
+            raise ConfigError(f"penalty_alpha (contrastive search) needs top_k >= 2 "
+                              f"candidates, got top_k {s['top_k']} (transformers suggests "
+                              f"penalty_alpha 0.6, top_k 4)")
+    if dola is not None and s["strategy"] == "beam":
+        raise ConfigError("dola_layers (DoLa) runs greedy or sampling, not beam search: drop "
+                          "dola_layers or the beam settings")
+    if alpha is not None and dola is not None:
+        raise ConfigError("give one of penalty_alpha (contrastive search) and dola_layers "
+                          "(DoLa), not both")

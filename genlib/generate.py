@@ -9,12 +9,15 @@ picks for it, and yields one event stream (`genlib.events`) whichever runs.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 
-from genlib import beam, decode, rerank, speculative
-from genlib.backends.choose import Request
+from genlib import beam, contrastive, decode, rerank, speculative
+from genlib.backends.base import Backend
+from genlib.backends.choose import Request, choose_backend
 from genlib.backends.combined import for_generation
 from genlib.combine import combination_of
 from genlib.config import GenerationSettings
+from genlib.dola import dola_backend
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish
 from genlib.models import LoadedModel
@@ -52,6 +55,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     if drafter is not None and combination_of(lm, settings) is not None:
         raise ConfigError("speculative decoding runs one target model; an ensemble or "
                           "contrastive decoding cannot be its target: drop one of them")
+    _check_layer_methods(lm, settings, drafter, detail)
     if drafter is not None:
         yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
                                       detail)
@@ -65,9 +69,40 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
         check_prompts(lm, prompts, settings)
         request = Request(rows=len(prompts) * settings.num_return_sequences,
                           backend=backend or lm.backend)
+        if settings.penalty_alpha is not None:
+            searcher = choose_backend(lm, replace(request, hidden="contrastive search"))
+            yield from contrastive.stream(lm, prompts, settings, searcher, seeds=seeds)
+            return
         yield from decode.stream(lm, prompts, settings,
-                                 for_generation(lm, prompts, settings, request),
+                                 _plain_backend(lm, prompts, settings, request),
                                  seeds=seeds, detail=detail)
+
+
+def _plain_backend(lm: LoadedModel, prompts: Sequence[Sequence[int]],
+                   settings: GenerationSettings, request: Request) -> Backend:
+    """The plain loop's backend: DoLa's scores over the lean forward for dola_layers,
+    the combined models' for an ensemble or an amateur, else the one `choose` picks."""
+    if settings.dola_layers is not None:
+        return dola_backend(lm, settings, request)
+    return for_generation(lm, prompts, settings, request)
+
+
+def _check_layer_methods(lm: LoadedModel, settings: GenerationSettings,
+                         drafter: Drafting | None, detail: Detail | None) -> None:
+    """ConfigError for what contrastive search and DoLa cannot be combined with."""
+    method = "contrastive search (penalty_alpha)" if settings.penalty_alpha is not None \
+        else "DoLa (dola_layers)" if settings.dola_layers is not None else None
+    if method is None:
+        return
+    if combination_of(lm, settings) is not None:
+        raise ConfigError(f"{method} reads one model's hidden states; it cannot run on an "
+                          f"ensemble or with an amateur: drop one of them")
+    if drafter is not None:
+        raise ConfigError(f"{method} cannot decode speculatively: drop the draft model or "
+                          f"prompt lookup, or {method.split()[-1].strip('()')}")
+    if detail is not None and settings.penalty_alpha is not None:
+        raise ConfigError("per-token detail (--logprobs, explain, --crn) needs strategy "
+                          "greedy or sample, not contrastive search")
 
 
 def _reranked(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

@@ -484,9 +484,11 @@ def test_logprobs_enter_the_fingerprint_only_when_asked_for():
     assert plain.fingerprint == zero.fingerprint  # 0 asks for none: a result stays valid
     assert asked.fingerprint != plain.fingerprint  # its result must carry the logprobs
     # the hash of a line without logprobs is what it was before logprobs existed (and
-    # before grammar_timeout, which bounds a compile and changes no output)
+    # before grammar_timeout, which bounds a compile and changes no output, and before
+    # penalty_alpha and dola_layers, which are off)
     settings = plain.settings.to_dict() | {"seed": None}
-    del settings["grammar_timeout"]
+    for later in ("grammar_timeout", "penalty_alpha", "dola_layers"):
+        del settings[later]
     assert plain.fingerprint == gb.fingerprint({
         "model": "", "prompt": "Once", "messages": None, "chat": False, "system": None,
         "settings": settings})

@@ -45,6 +45,7 @@ class Capabilities:
     dtypes: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     greedy_draft: bool = False  # `draft_greedy`: a whole greedy draft in one call
+    hidden: bool = False  # `prefill_states`, `step_states`, `candidates`: hidden states
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,41 @@ class Backend(ABC):
             raise self.refuse("draws a greedy draft one forward at a time", "native")
         return self._draft_greedy(feed, gamma, bans)
 
+    # --- Hidden states, where `capabilities.hidden` says so (contrastive search, DoLa) --
+
+    def prefill_states(self, prompt: Sequence[int], capacity: int, layers: tuple[int, ...],
+                       spare: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill` of one row that also gives, for each of `layers` (numbered as
+        transformers' `output_hidden_states`: 0 the embeddings, j layer j's output, the
+        last the final norm's), every prompt position's hidden state: (logits (1, vocab),
+        states (len(layers), T, hidden)). `spare`: room for that many `candidates` after
+        the last token, past `capacity`."""
+        self._check_hidden()
+        return self._prefill_states(prompt, capacity, layers, spare)
+
+    def step_states(self, token: int, layers: tuple[int, ...]
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`step` of one row with its hidden states (as `prefill_states`, T = 1)."""
+        self._check_hidden()
+        return self._step_states(token, layers)
+
+    def candidates(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k alternative next tokens (k,) of one row, each one step on: their logits
+        (k, vocab) and final hidden states (k, hidden); the cache is unchanged until
+        `keep_candidate(i)` keeps one of them."""
+        self._check_hidden()
+        return self._candidates(tokens)
+
+    def keep_candidate(self, index: int) -> None:
+        """Keep candidate `index` of the last `candidates` call as the row's next token."""
+        self._check_hidden()
+        self._keep_candidate(index)
+
+    def _check_hidden(self) -> None:
+        if not self.capabilities.hidden:
+            raise self.refuse("gives no hidden states (contrastive search and DoLa need "
+                              "them)", "lean")
+
     def refuse(self, what: str, instead: str) -> ConfigError:
         """The error for an operation this backend cannot do, naming what would work."""
         return ConfigError(f"the {self.name} backend {what}; use --backend {instead} "
@@ -151,4 +187,18 @@ class Backend(ABC):
 
     def _draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                       ) -> tuple[list[int], int]:
+        raise NotImplementedError
+
+    def _prefill_states(self, prompt: Sequence[int], capacity: int, layers: tuple[int, ...],
+                        spare: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _step_states(self, token: int, layers: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _candidates(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def _keep_candidate(self, index: int) -> None:
         raise NotImplementedError

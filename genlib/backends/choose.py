@@ -66,13 +66,15 @@ class Request:
     """What a generation needs of its backend. `rows`: rows held at once (prompts times
     outputs, or beams); `reorder`: beam search; `crop`: speculative rollback; `weights`:
     how the native kernel stores the matrices (float32 or bfloat16, `kernel.WEIGHTS`;
-    None: the model's own, on any backend)."""
+    None: the model's own, on any backend); `hidden`: the method that needs the lean
+    forward's hidden states (which the lean backend alone gives)."""
 
     rows: int = 1
     reorder: bool = False
     crop: bool = False
     backend: str = "auto"
     weights: str | None = None
+    hidden: str | None = None  # what needs hidden states ("contrastive search", "DoLa")
 
     def kernel_weights(self, lm: LoadedModel) -> str:
         """The matrices the native kernel reads for this request on `lm`: the ones
@@ -188,6 +190,8 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
     """The backend's name and why: auto's choice, or the one asked for, which is refused
     with a ConfigError naming what would work when it cannot serve `request` on `lm`."""
     name = check_name(request.backend)
+    if request.hidden is not None:
+        return _hidden(name, lm, request)
     if name == "auto":
         name, reason = _auto(lm, request)
     else:
@@ -234,6 +238,29 @@ def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
             f"no native kernel: {why_not}"
     return "transformers", f"{many}, and no native kernel ({why_not}): the lean forward " \
                            f"runs one row"
+
+
+def _hidden(name: str, lm: LoadedModel, request: Request) -> tuple[str, str]:
+    """The lean backend, the one that gives hidden states, for `request.hidden`; a
+    ConfigError where it cannot run or another backend is asked for."""
+    what = request.hidden
+    if name not in ("auto", "lean"):
+        raise ConfigError(f"the {name} backend gives no hidden states, which {what} needs; "
+                          f"use --backend lean (or auto)")
+    if request.rows > 1 or request.reorder:
+        raise ConfigError(f"{what} runs one row: give one prompt and one output "
+                          f"(num_return_sequences 1, no beams)")
+    why = None
+    if lm.weights is not None or lm.quantize != "none":
+        why = f"--quantize {lm.quantize} (quantized matrices)"
+    elif not lean_allowed():
+        why = "GENLAB_LEAN=0"
+    elif _lean(lm) is None:
+        why = lean_refusal(lm)
+    if why is not None:
+        raise ConfigError(f"{what} needs the lean forward's hidden states, and it cannot "
+                          f"run {lm.ref}: {why}; use an unquantized Llama-style model")
+    return "lean", f"{what} needs hidden states: the lean forward"
 
 
 def _quantized(lm: LoadedModel, request: Request) -> tuple[str, str]:

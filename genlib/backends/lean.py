@@ -44,7 +44,7 @@ class LeanBackend(Backend):
     """One row through a `LeanLlama`, its cache a `LeanCache` of its own."""
 
     name = "lean"
-    capabilities = Capabilities(rows=1, reorder=False, extend=True, crop=True)
+    capabilities = Capabilities(rows=1, reorder=False, extend=True, crop=True, hidden=True)
 
     def __init__(self, lm: LoadedModel, lean: LeanLlama) -> None:
         super().__init__(lm)
@@ -76,6 +76,31 @@ class LeanBackend(Backend):
 
     def _crop(self, length: int) -> None:
         self._cache().crop(length)
+
+    def _prefill_states(self, prompt: Sequence[int], capacity: int, layers: tuple[int, ...],
+                        spare: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self.cache = self.lean.new_cache(cache_capacity(capacity, self.lm.max_positions),
+                                         spare)
+        ids = torch.tensor([list(prompt)], dtype=torch.long, device=self.lean.device)
+        return self._states(ids, layers)
+
+    def _step_states(self, token: int, layers: tuple[int, ...]
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = torch.tensor([[token]], dtype=torch.long, device=self.lean.device)
+        return self._states(ids, layers)
+
+    def _states(self, ids: torch.Tensor, layers: tuple[int, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        logits, states = self.lean.forward_states(ids, self._cache(), layers)
+        self.length = self._cache().length
+        return logits, states
+
+    def _candidates(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.lean.candidates(tokens.to(self.lean.device), self._cache())
+
+    def _keep_candidate(self, index: int) -> None:
+        self.lean.keep_candidate(self._cache(), index)
+        self.length = self._cache().length
 
     def _cache(self) -> LeanCache:
         if self.cache is None:

@@ -308,6 +308,7 @@ class LeanLlama:
             "model.embed_tokens.weight"
         self.vocab = tensors[self.head_name].shape[0]
         self.num_layers = config.num_hidden_layers
+        self.tied = bool(getattr(config, "tie_word_embeddings", False))  # lm_head = embeddings
         self.intermediate = tensors["model.layers.0.mlp.down_proj.weight"].shape[1]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
@@ -426,11 +427,12 @@ class LeanLlama:
 
     # --- KV cache ---------------------------------------------------------------------
 
-    def new_cache(self, capacity: int | None = None) -> LeanCache:
+    def new_cache(self, capacity: int | None = None, spare: int = 0) -> LeanCache:
         """An empty cache for one generation of up to `capacity` tokens (default and
-        at most: the model's positions). Slots past `length` are never read, so the
-        buffers are not cleared."""
-        capacity = min(capacity or self.max_positions, self.max_positions)
+        at most: the model's positions), and `spare` slots more for the alternatives
+        `candidates` holds after the last token. Slots past `length` are never read, so
+        the buffers are not cleared."""
+        capacity = min(capacity or self.max_positions, self.max_positions) + spare
         shape = (1, self.kv_heads, capacity, self.head_dim)
 
         def buffers() -> list[torch.Tensor]:
@@ -625,6 +627,82 @@ class LeanLlama:
     def step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
         """Feed one token (1, 1) after the cached ones; its logits (1, vocab) float32."""
         return self._forward(token, cache)
+
+    # --- Hidden states (contrastive search, DoLa) -------------------------------------
+
+    def _final_hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The last layer's output after the final norm: transformers'
+        `hidden_states[-1]`, the input of lm_head."""
+        return self._rms_norm(x, self.norm)
+
+    @torch.inference_mode()
+    def forward_states(self, tokens: torch.Tensor, cache: LeanCache,
+                       layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed tokens (1, T) after the cached ones (from position 0 after `crop(0)`),
+        as `extend` does; the last position's logits (1, vocab) float32 and, for each of
+        `layers`, every position's hidden state (len(layers), T, hidden), numbered as
+        transformers' `output_hidden_states` numbers them: 0 the embeddings, j the
+        output of layer j, `num_layers` the last layer's after the final norm. The plain
+        `step` stays as it is: this is a second loop over the same pieces."""
+        start, t = cache.length, tokens.shape[1]
+        if start + t > cache.capacity:
+            raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
+        mask = self._mask(start, t)
+        cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
+        x = self._embed(tokens[0])
+        kept = {0: x} if 0 in layers else {}
+        for number, (layer, keys, values) in enumerate(
+                zip(self.layers, cache.keys, cache.values), start=1):
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
+            if number in layers:
+                kept[number] = x
+        cache.length = start + t
+        if self.num_layers in layers:
+            kept[self.num_layers] = self._final_hidden(x)
+        return self._logits(x[-1:]), torch.stack([kept[j] for j in layers])
+
+    def early_exit_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm_head applied to an earlier layer's hidden states (..., hidden) as DoLa's
+        reference code applies it, without the final norm; float32."""
+        return torch.matmul(hidden, self.lm_head.w).float()
+
+    @torch.inference_mode()
+    def candidates(self, tokens: torch.Tensor, cache: LeanCache
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """k alternative next tokens (k,), each one step after the cached ones, in one
+        forward: all at the next position, each reading the cache and itself alone;
+        their logits (k, vocab) float32 and final hidden states (k, hidden). Their keys
+        and values sit in the k slots after the cache until `keep_candidate` keeps one;
+        the cache's length is unchanged."""
+        start, k = cache.length, tokens.shape[0]
+        if start + k > cache.capacity:
+            raise ValueError(f"{start + k} tokens exceed the KV buffers' {cache.capacity}")
+        mask = self._candidate_mask(start, k)
+        cos, sin = self.cos[start:start + 1, None], self.sin[start:start + 1, None]
+        x = self._embed(tokens)
+        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
+        return self._logits(x), self._final_hidden(x)
+
+    def _candidate_mask(self, start: int, k: int) -> torch.Tensor:
+        """Candidate i (at position `start`) sees the cached slots before it (the last
+        `window` of them past a sliding window) and its own slot `start + i`."""
+        slots = torch.arange(start + k, device=self.device)[None, :]
+        own = start + torch.arange(k, device=self.device)[:, None]
+        context = slots < start
+        if self.arch.window:
+            context = context & (slots > start - self.arch.window)
+        return context | (slots == own)
+
+    @torch.no_grad()
+    def keep_candidate(self, cache: LeanCache, index: int) -> None:
+        """Keep candidate `index` of the last `candidates` call: its keys and values move
+        to the next slot, and the cache holds one more token."""
+        start = cache.length
+        if index:
+            for buffer in cache.keys + cache.values:
+                buffer[:, :, start].copy_(buffer[:, :, start + index])
+        cache.length = start + 1
 
     # --- Compiled step ----------------------------------------------------------------
 
