@@ -590,17 +590,34 @@ class LeanLlama:
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        windows = [self.arch.window_of(i) for i in range(self.num_layers)]
-        masks = {window: self._mask(start, t, window) for window in set(windows)}
-        tables = [self.rope_tables(i) for i in range(self.num_layers)]
-        x = self._embed(input_ids[0])
-        for layer, keys, values, window, (cos, sin) in zip(self.layers, cache.keys,
-                                                            cache.values, windows, tables):
-            cos, sin = cos[start:start + t, None], sin[start:start + t, None]
-            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin,
-                                              masks[window], window))
+        x, _ = self._through_layers(self._embed(input_ids[0]), cache, start,
+                                    lambda window: self._mask(start, t, window))
         cache.length = start + t
         return self._logits(x if all_logits else x[-1:])
+
+    def _through_layers(self, x: torch.Tensor, cache: LeanCache, start: int,
+                        mask_of: Callable[[int], torch.Tensor | None],
+                        keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, Any]]:
+        """x (T, hidden), the embedded tokens at positions `start`.., through every
+        layer, each with its window's mask (`mask_of(window)`, made once a window) and
+        its rope tables; the output, and the outputs of the layers numbered in `keep`
+        (1 the first layer's)."""
+        t = x.shape[0]
+        masks: dict[int, torch.Tensor | None] = {}
+        kept = {}
+        for number, (layer, keys, values) in enumerate(
+                zip(self.layers, cache.keys, cache.values), start=1):
+            window = self.arch.window_of(number - 1)
+            if window not in masks:
+                masks[window] = mask_of(window)
+            cos, sin = self.rope_tables(number - 1)
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start,
+                                              cos[start:start + t, None],
+                                              sin[start:start + t, None],
+                                              masks[window], window))
+            if number in keep:
+                kept[number] = x
+        return x, kept
 
     def rope_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer `layer`'s rope tables: gemma3's sliding layers have their own."""
@@ -647,15 +664,11 @@ class LeanLlama:
         start, t = cache.length, tokens.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        mask = self._mask(start, t)
-        cos, sin = self.cos[start:start + t, None], self.sin[start:start + t, None]
-        x = self._embed(tokens[0])
-        kept = {0: x} if 0 in layers else {}
-        for number, (layer, keys, values) in enumerate(
-                zip(self.layers, cache.keys, cache.values), start=1):
-            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
-            if number in layers:
-                kept[number] = x
+        embedded = self._embed(tokens[0])
+        x, kept = self._through_layers(embedded, cache, start,
+                                       lambda window: self._mask(start, t, window), layers)
+        if 0 in layers:
+            kept[0] = embedded
         cache.length = start + t
         if self.num_layers in layers:
             kept[self.num_layers] = self._final_hidden(x)
@@ -677,21 +690,30 @@ class LeanLlama:
         start, k = cache.length, tokens.shape[0]
         if start + k > cache.capacity:
             raise ValueError(f"{start + k} tokens exceed the KV buffers' {cache.capacity}")
-        mask = self._candidate_mask(start, k)
-        cos, sin = self.cos[start:start + 1, None], self.sin[start:start + 1, None]
         x = self._embed(tokens)
-        for layer, keys, values in zip(self.layers, cache.keys, cache.values):
-            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin, mask))
+        x = self._candidate_layers(x, cache, start)
         return self._logits(x), self._final_hidden(x)
 
-    def _candidate_mask(self, start: int, k: int) -> torch.Tensor:
+    def _candidate_layers(self, x: torch.Tensor, cache: LeanCache, start: int
+                          ) -> torch.Tensor:
+        """k candidates (k, hidden), all at position `start`, through every layer."""
+        k = x.shape[0]
+        for i, (layer, keys, values) in enumerate(zip(self.layers, cache.keys, cache.values)):
+            window = self.arch.window_of(i)
+            cos, sin = self.rope_tables(i)
+            cos, sin = cos[start:start + 1, None], sin[start:start + 1, None]
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin,
+                                              self._candidate_mask(start, k, window), window))
+        return x
+
+    def _candidate_mask(self, start: int, k: int, window: int) -> torch.Tensor:
         """Candidate i (at position `start`) sees the cached slots before it (the last
         `window` of them past a sliding window) and its own slot `start + i`."""
         slots = torch.arange(start + k, device=self.device)[None, :]
         own = start + torch.arange(k, device=self.device)[:, None]
         context = slots < start
-        if self.arch.window:
-            context = context & (slots > start - self.arch.window)
+        if window:
+            context = context & (slots > start - window)
         return context | (slots == own)
 
     @torch.no_grad()
