@@ -341,16 +341,19 @@ DECODING_PARAMS = {
     "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
     "mirostat_eta": "mirostat_eta", "samplers": "samplers",
     "grammar_timeout": "grammar_timeout",
-    "ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta", "cd_alpha": "cd_alpha",
     "penalty_alpha": "penalty_alpha", "dola_layers": "dola_layers",
 }
+# The combined models' numbers, taken by the commands that take --ensemble/--amateur
+# (not speculate, whose one target model combines with nothing).
+COMBINE_PARAMS = {"ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta",
+                  "cd_alpha": "cd_alpha"}
 
 
 def decoding_flags(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
     """The settings given through the shared decoding options of a command, whose
     parameters are `params` (the command's `locals()`), plus the command's own `extra`."""
-    picked = {setting: params[name] for name, setting in DECODING_PARAMS.items()
-              if name in params}
+    picked = {setting: params[name]
+              for name, setting in (DECODING_PARAMS | COMBINE_PARAMS).items() if name in params}
     check_one_stdin(params)
     picked |= grammar_flags(params.get("json_schema"), params.get("regex"),
                             params.get("grammar"))
