@@ -82,10 +82,29 @@ def _same_as_mm(w: torch.Tensor, split: torch.Tensor) -> bool:
 class _Proj:
     """A projection's weight as `x @ w` takes it, (K, N), and, when one-row products
     with it are split across threads (`_row_splits`), the same storage as (pieces, K,
-    N / pieces) views for a batched product."""
+    N / pieces) views for a batched product; or, for stacked matrices whose one product
+    would not give each block its own product's bits (`stacked`), the blocks' views,
+    each multiplied on its own."""
 
     w: torch.Tensor
     split: torch.Tensor | None = None
+    blocks: tuple[torch.Tensor, ...] = ()
+
+    @classmethod
+    def stacked(cls, w: torch.Tensor, sizes: list[int]) -> _Proj:
+        """`w` (K, N): matrices stacked along N (q/k/v, gate/up), `sizes` their widths.
+        One product where it gives every block the bits of the block's own product
+        (transformers' separate projections) for the row counts probed; else one
+        product a block. A BLAS kernel's order of sums depends on the shapes and the
+        threads, not on the values, so a random input tells; on some CPUs two threads
+        split one wide one-row product otherwise than its narrower parts."""
+        blocks = tuple(w.split(sizes, dim=1))
+        x = torch.randn(max(_PROBE_ROWS), w.shape[0],
+                        generator=torch.Generator().manual_seed(0)).to(w.dtype)
+        same = all(torch.equal(torch.mm(x[:rows], w),
+                               torch.cat([torch.mm(x[:rows], b) for b in blocks], 1))
+                   for rows in _PROBE_ROWS)
+        return cls.of(w) if same else cls(w, blocks=blocks)
 
     @classmethod
     def of(cls, w: torch.Tensor) -> _Proj:
@@ -98,8 +117,15 @@ class _Proj:
         return cls(w, split) if _same_as_mm(w, split) else cls(w)
 
 
+# The row counts `_Proj.stacked` checks: a step's one row, and prompts' several.
+_PROBE_ROWS = (1, 2, 3, 8, 37, 128)
+
+
 def _mm(x: torch.Tensor, proj: _Proj) -> torch.Tensor:
-    """x (T, K) @ proj.w; a single row through the split views when there are some."""
+    """x (T, K) @ proj.w; a single row through the split views when there are some;
+    block by block where the blocks must be multiplied on their own."""
+    if proj.blocks:
+        return torch.cat([torch.mm(x, block) for block in proj.blocks], 1)
     if proj.split is None or x.shape[0] != 1:
         return torch.mm(x, proj.w)
     pieces = proj.split.shape[0]
@@ -373,8 +399,9 @@ class LeanLlama:
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer, the q/k/v weights stacked into one (rows, hidden) matrix and the
         gate/up weights into another: one product instead of three (two), with the same
-        dot products, so the same values (tests/test_lean.py checks the logits are
-        bit-identical). All of them are written into one buffer of 2 MiB pages
+        dot products, so the same values where the BLAS kernel sums them in the same
+        order (`_Proj.stacked` checks, and multiplies block by block otherwise;
+        tests/test_lean.py checks the logits are bit-identical). All of them are written into one buffer of 2 MiB pages
         (genlib.backends.hugepages), which the decode step streams faster."""
         groups = [[tensors[f"model.layers.{i}.{name}.weight"] for name in names]
                   for i in range(layers) for names in (_QKV, _GATE_UP)]
@@ -400,13 +427,17 @@ class LeanLlama:
             present = prefix + name + ".weight" in tensors
             return self.norm_weight(prefix + name + ".weight") if present else None
 
+        def widths(names: tuple[str, ...]) -> list[int]:
+            return [weight(name).shape[0] for name in names]
+
         sandwich = self.arch.sandwich
-        return _Layer(input_norm=norm("input_layernorm"), qkv=_Proj.of(qkv.t()),
+        return _Layer(input_norm=norm("input_layernorm"),
+                      qkv=_Proj.stacked(qkv.t(), widths(_QKV)),
                       qkv_bias=qkv_bias(tensors, prefix),
                       q_norm=norm("self_attn.q_norm"), k_norm=norm("self_attn.k_norm"),
                       o=_Proj.of(weight("self_attn.o_proj").t()),
                       post_norm=norm(MLP_NORM[sandwich]),
-                      gate_up=_Proj.of(gate_up.t()),
+                      gate_up=_Proj.stacked(gate_up.t(), widths(_GATE_UP)),
                       down=_Proj.of(weight("mlp.down_proj").t()),
                       attn_out_norm=norm("post_attention_layernorm") if sandwich else None,
                       mlp_out_norm=norm("post_feedforward_layernorm") if sandwich else None)
