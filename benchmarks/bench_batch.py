@@ -1,6 +1,6 @@
 """Batch generation speed: tokens/s for 64 prompts of mixed lengths at several
 --batch-size values, through the same code path as `genlab generate --input`
-(genlib.batch: grouping, per-line seeds, left-padded batched decode), on the backend
+(genlib.batch.jobs: grouping, per-line seeds, left-padded batched decode), on the backend
 `auto` picks (the default).
 
     python benchmarks/bench_batch.py                      # stories260K, batch 1, 8, 32
@@ -40,7 +40,7 @@ def prompts(n: int, seed: int = 0) -> list[str]:
 def measure(lm, lines: list[str], batch_size: int, settings: dict
             ) -> tuple[int, float, dict[int, tuple[int, ...]]]:
     """(new tokens, seconds, each line's token ids) of one pass over `lines`."""
-    from genlib import batch as gb
+    from genlib.batch import jobs as gb
 
     run = gb.RunDefaults(preset_settings={}, flags=settings, seed=0)
     jobs = gb.parse_lines(lines, run)
@@ -69,7 +69,7 @@ def main() -> None:
     import torch
 
     from genlib.backends.choose import Request, choose_backend
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Beam search speed and peak memory: genlib.beam vs transformers' generate(num_beams=k),
+"""Beam search speed and peak memory: genlib.decoding.beam vs transformers' generate(num_beams=k),
 same model, prompt and number of steps, measured in the same run.
 
     python benchmarks/bench_beam.py [--model ../shared/models/stories260K] [--steps 128]
@@ -31,9 +31,9 @@ def run_one(impl: str, model: str, k: int, steps: int, reps: int, threads: int
     import torch
 
     sys.path.insert(0, str(ROOT))
-    from genlib.beam import beam_search
-    from genlib.config import GenerationSettings
-    from genlib.models import ModelSpec, load_model
+    from genlib.decoding.beam import beam_search
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import GenerationSettings
 
     torch.set_num_threads(threads)
     lm = load_model(ModelSpec(model, device="cpu"))

@@ -17,9 +17,9 @@ import time
 
 import torch
 
-from genlib import bench
-from genlib.config import GenerationSettings
-from genlib.models import ModelSpec, load_model
+from genlib.lab import bench
+from genlib.models.loading import ModelSpec, load_model
+from genlib.settings.config import GenerationSettings
 
 BANDS = ((0, 50), (50, 65), (65, 1000))  # GB/s
 

@@ -10,9 +10,9 @@ from collections.abc import Callable
 from rich.console import Console
 
 from cli.compare import run_live
-from genlib import compare as c
 from genlib.generate import generate
-from genlib.models import ModelSpec, load_model
+from genlib.lab import compare as c
+from genlib.models.loading import ModelSpec, load_model
 
 PROMPT = "Once upon a time"
 

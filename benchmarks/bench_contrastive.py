@@ -59,8 +59,8 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
 
-    from genlib.config import resolve_settings
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
 
     lm = load_model(ModelSpec(args.model, device="cpu"))
     ids = lm.encode(args.prompt)

@@ -46,9 +46,9 @@ def per_token(lm, ids: list[int], settings) -> tuple[float, str]:
 
 
 def bench_pair(name: str, tokens: int, rounds: int) -> dict[str, object]:
-    from genlib.combine import AMATEUR, ENSEMBLE, Partner
-    from genlib.config import GenerationSettings
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.sampling.combine import AMATEUR, ENSEMBLE, Partner
+    from genlib.settings.config import GenerationSettings
 
     first, second, prompt = PAIRS[name]
     a = load_model(ModelSpec(str(MODELS / first)), quick=True)

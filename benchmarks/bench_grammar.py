@@ -43,7 +43,7 @@ SCHEMA = {
 def timed_mask_fn(samples: list[float], cpu: list[float]):
     """grammar.mask_fn, each call of its processor timed into `samples` (wall clock)
     and `cpu` (this thread's CPU time)."""
-    from genlib import grammar
+    from genlib.sampling import grammar
 
     original = grammar.mask_fn
 
@@ -79,11 +79,11 @@ def main() -> None:
 
     import torch
 
-    from genlib import grammar
-    from genlib.config import resolve_settings
     from genlib.events import Finish, Prefill
     from genlib.generate import stream
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.sampling import grammar
+    from genlib.settings.config import resolve_settings
 
     torch.set_num_threads(args.threads)
     lm = load_model(ModelSpec(args.model, device="cpu"), quick=True)

@@ -7,7 +7,7 @@ one tokenizer for a 7-property schema and for flat objects of N optional keys.
     python benchmarks/bench_grammar_compile.py --cache --reps 5
 
 Each row also gives genlab's estimate of the serialized size (rules x compiled size /
-10, `genlib.grammar_cache.worth_storing`) and whether genlab would store the grammar.
+10, `genlib.sampling.grammar_cache.worth_storing`) and whether genlab would store the grammar.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def timed(call):
 def measure(info, schema: dict, reps: int) -> dict:
     import xgrammar
 
-    from genlib import grammar_cache
+    from genlib.sampling import grammar_cache
 
     text = json.dumps(schema, separators=(",", ":"))
     compiles, writes, reads = [], [], []
@@ -79,8 +79,8 @@ def cold_and_warm(tokenizer, reps: int) -> None:
     import os
     import tempfile
 
-    from genlib import grammar
-    from genlib.config import resolve_settings
+    from genlib.sampling import grammar
+    from genlib.settings.config import resolve_settings
 
     settings = resolve_settings({"json_schema": SMALL})
     vocab = len(tokenizer)

@@ -130,9 +130,9 @@ def main() -> None:
 
     import torch
 
-    from genlib import bench
-    from genlib.config import GenerationSettings
-    from genlib.models import ModelSpec, load_model
+    from genlib.lab import bench
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import GenerationSettings
 
     threads = torch.get_num_threads()
     lm = load_model(ModelSpec(args.model))

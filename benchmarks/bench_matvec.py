@@ -4,7 +4,7 @@ split product (`genlib.backends.llama._mm`) and torch.compile's reduction
 (`genlib.backends.llama._matvec`, the products of --backend compiled's step), over
 code-target's weight shapes (69 MB in float32, more than the L3 cache, so the weights
 stream from memory), and the read bandwidth `genlab bench` measures
-(`genlib.bench.read_bandwidth`).
+(`genlib.lab.bench.read_bandwidth`).
 
     python benchmarks/bench_matvec.py [--threads 2] [--reps 30]
 """
@@ -17,7 +17,7 @@ import time
 import torch
 
 from genlib.backends.llama import _matvec, _mm, _Proj
-from genlib.bench import read_bandwidth
+from genlib.lab.bench import read_bandwidth
 
 # code-target: 8 layers of q/k/v (fused), o, gate/up (fused), down; the tied lm_head.
 SHAPES = [(1152, 384), (384, 384), (2048, 384), (384, 1024)] * 8 + [(8192, 384)]

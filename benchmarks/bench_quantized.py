@@ -69,7 +69,7 @@ def main() -> None:
 
     from genlib.backends.kernel import NativeStep
     from genlib.backends.lean import lean_model_of
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     torch.set_num_threads(args.threads)
     lm = load_model(ModelSpec(args.model), quick=True)

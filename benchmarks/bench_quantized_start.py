@@ -31,7 +31,7 @@ IN_PROCESS = """
 import sys, time
 import torch, cli.generate
 from cli.context import ModelFlags, load
-from genlib.config import resolve_settings
+from genlib.settings.config import resolve_settings
 from genlib.generate import generate
 start = time.perf_counter()
 lm = load(ModelFlags(sys.argv[1]), quick=True)
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--model", default="builtin:code-small")
     args = parser.parse_args()
     sys.path.insert(0, str(ROOT))
-    from genlib.models import model_source
+    from genlib.models.loading import model_source
 
     source = Path(model_source(args.model))
     with tempfile.TemporaryDirectory() as scratch:

@@ -57,8 +57,8 @@ def run_local(model: str, lines: list[str], batch_size: int, threads: int = 0) -
 
 
 def _run_local(model: str, lines: list[str], batch_size: int) -> Run:
-    from genlib import batch as gb
-    from genlib.models import ModelSpec, load_model
+    from genlib.batch import jobs as gb
+    from genlib.models.loading import ModelSpec, load_model
 
     start = time.perf_counter()
     run = gb.RunDefaults({}, {})
@@ -70,9 +70,9 @@ def _run_local(model: str, lines: list[str], batch_size: int) -> Run:
 
 
 def run_ray(model: str, lines: list[str], batch_size: int, workers: int) -> Run:
-    from genlib import batch as gb
-    from genlib.models import ModelSpec
-    from genlib.ray_engine import WorkerPlan, run_on_ray
+    from genlib.batch import jobs as gb
+    from genlib.batch.ray_engine import WorkerPlan, run_on_ray
+    from genlib.models.loading import ModelSpec
 
     start = time.perf_counter()
     run = gb.RunDefaults({}, {})
@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="also write the table (markdown) here")
     args = parser.parse_args()
 
-    from genlib.ray_cluster import private_cluster_env
+    from genlib.batch.ray_cluster import private_cluster_env
 
     private_cluster_env()  # loopback only, no usage report, no token file left in ~/.ray
     import ray

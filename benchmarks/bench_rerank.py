@@ -42,8 +42,8 @@ def timed(lm, ids: list[int], settings) -> tuple[float, float, str]:
 
 
 def main() -> None:
-    from genlib.config import resolve_settings
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL))

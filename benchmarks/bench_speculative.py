@@ -125,10 +125,10 @@ def draft_modes(draft: Any, gammas: list[int], schedules: list[str], weights: li
 
 
 def bench_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from genlib.config import resolve_settings
+    from genlib.decoding.speculative import speculative_stream, summarize
     from genlib.generate import stream
-    from genlib.models import ModelSpec, load_model
-    from genlib.speculative import speculative_stream, summarize
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
 
     target = load_model(ModelSpec(str(MODELS / case.target), device="cpu"))
     draft = load_model(ModelSpec(str(MODELS / case.draft), device="cpu"))

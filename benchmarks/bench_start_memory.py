@@ -42,7 +42,7 @@ print(time.perf_counter() - start)
 GENLAB_PREFILL = """
 import random, sys, time
 import torch
-from genlib.models import ModelSpec, load_model
+from genlib.models.loading import ModelSpec, load_model
 lm = load_model(ModelSpec(sys.argv[1]), quick=True)
 step = lm.lean.native_step()
 length, rounds = int(sys.argv[2]), int(sys.argv[3])

@@ -20,9 +20,9 @@ import torch
 t_torch = time.perf_counter()
 import cli.generate, cli.main
 t_cli = time.perf_counter()
-from genlib.config import resolve_settings
+from genlib.settings.config import resolve_settings
 from genlib.generate import generate
-from genlib.models import ModelSpec, load_model
+from genlib.models.loading import ModelSpec, load_model
 lm = load_model(ModelSpec(sys.argv[1]), quick=True)
 t_load = time.perf_counter()
 generate(lm, [lm.encode("Once upon a time")], resolve_settings({"max_new_tokens": 50}))

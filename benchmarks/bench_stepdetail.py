@@ -23,7 +23,7 @@ DEFAULT_MODEL = ROOT.parent / "shared" / "models" / "stories260K"
 
 
 def variants():
-    from genlib.stepdetail import Detail
+    from genlib.decoding.detail import Detail
 
     return {"default": None, "logprobs 5": Detail(logprobs=5),
             "explain stages": Detail(logprobs=5, stages=True, inverse_cdf=True),
@@ -47,8 +47,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
 
-    from genlib.config import resolve_settings
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
 
     lm = load_model(ModelSpec(args.model), quick=True)
     ids = lm.encode("Once upon a time")

@@ -42,10 +42,10 @@ def cases(max_new: int) -> dict[str, tuple[Callable[[int], None], Callable[[], A
     import torch
     from bench_speculative import CODE_PROMPT
 
-    from genlib.config import resolve_settings
+    from genlib.decoding.speculative import speculative_stream
     from genlib.generate import stream
-    from genlib.models import ModelSpec, load_model
-    from genlib.speculative import speculative_stream
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
 
     settings = resolve_settings({"max_new_tokens": max_new, "ignore_eos": True})
     models = {name: load_model(ModelSpec(str(MODELS / name), device="cpu"))

@@ -1,4 +1,4 @@
-"""The quality each quantized format keeps (genlib.fidelity): a held-out text through
+"""The quality each quantized format keeps (genlib.lab.fidelity): a held-out text through
 the float32 model and through each format on the native kernel, in windows of
 --window tokens; perplexity, top-1 agreement with float32 and the mean KL divergence
 from float32's next-token distributions, one row a format.
@@ -58,8 +58,8 @@ def main() -> None:
     import torch
 
     from genlib.backends.lean import lean_model_of
-    from genlib.fidelity import fidelity, windows
-    from genlib.models import ModelSpec, load_model
+    from genlib.lab.fidelity import fidelity, windows
+    from genlib.models.loading import ModelSpec, load_model
 
     torch.set_num_threads(args.threads)
     lm = load_model(ModelSpec(args.model), quick=True)

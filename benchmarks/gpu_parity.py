@@ -47,7 +47,7 @@ def parted(ours: list[int], theirs: list[int]) -> str:
 
 def check(path: str, device: str, dtype: str, n: int) -> bool:
     from genlib.backends.choose import Request, choose_backend
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     lm = load_model(ModelSpec(path, device=device, dtype=dtype))
     auto = choose_backend(lm, Request())
@@ -57,10 +57,10 @@ def check(path: str, device: str, dtype: str, n: int) -> bool:
 
 
 def check_prompt(lm, prompt: str, n: int) -> bool:
-    from genlib.beam import beam_search
-    from genlib.config import GenerationSettings
+    from genlib.decoding.beam import beam_search
     from genlib.errors import ConfigError
     from genlib.generate import generate
+    from genlib.settings.config import GenerationSettings
 
     print(f" prompt {prompt!r}")
     ids = lm.encode(prompt)

@@ -1,9 +1,9 @@
 """`genlab generate --input prompts.jsonl --output results.jsonl`: generate for every
 line of a JSONL file in real batches, resumable, with a progress bar on stderr.
 
-The work (parsing, grouping, seeds, resume, writing) is genlib.batch; this module only
+The work (parsing, grouping, seeds, resume, writing) is genlib.batch.jobs; this module only
 wires it to the terminal: progress, summary, exit code. Two engines produce the outcomes:
-the local one (this process) and `--engine ray` (genlib.ray_engine); both are recorded
+the local one (this process) and `--engine ray` (genlib.batch.ray_engine); both are recorded
 by `_record_outcomes`, through the same writer.
 """
 
@@ -24,7 +24,7 @@ from genlib.errors import not_one_of
 if TYPE_CHECKING:
     from rich.progress import Progress
 
-    from genlib.batch import Job, ResultsFile, ResumePlan, RunDefaults
+    from genlib.batch.jobs import Job, ResultsFile, ResumePlan, RunDefaults
     from genlib.events import Finish
 
 
@@ -50,7 +50,7 @@ class EngineFlags:
                                       ("--format", self.format != "auto")) if on]
 
     def check(self) -> None:
-        from genlib.openai_batch import FORMATS
+        from genlib.batch.openai import FORMATS
 
         if self.engine not in ENGINES:
             raise fail(not_one_of("--engine", self.engine, ENGINES))
@@ -62,7 +62,7 @@ class EngineFlags:
         if self.workers is not None and self.workers < 1:
             raise fail(f"--workers must be >= 1, got {self.workers}")
         if self.ray_address is not None:
-            from genlib.ray_cluster import check_address
+            from genlib.batch.ray_cluster import check_address
 
             check_address(self.ray_address)  # before the output file is touched
 
@@ -136,11 +136,11 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
     every line's result its tokens' logprobs with N alternatives (a line's own
     `logprobs` wins); `combined`: the settings --ensemble/--amateur imply, under the
     run's preset (a line may set the numbers, never the models)."""
-    from genlib import batch as gb
-    from genlib import openai_batch
-    from genlib.config import resolve_settings
-    from genlib.models import resolve_model_ref
-    from genlib.presets import load_preset
+    from genlib.batch import jobs as gb
+    from genlib.batch import openai as openai_batch
+    from genlib.models.loading import resolve_model_ref
+    from genlib.settings.config import resolve_settings
+    from genlib.settings.presets import load_preset
 
     if output is None:
         raise fail("--input needs --output FILE (or --output - for stdout)")
@@ -177,7 +177,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
         raise fail("--engine ray loads one model per worker; run --ensemble and --amateur "
                    "with --engine local")
     if engine.engine == "ray":
-        from genlib.ray_engine import require_ray
+        from genlib.batch.ray_engine import require_ray
 
         require_ray(engine.ray_address is None)  # not installed: say how, before anything
     lines = gb.read_input(input_path)
@@ -219,8 +219,8 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
 
 def partners_identity(model_flags: ModelFlags) -> str:
     """The combined models as a line's fingerprint names them (they change its text)."""
-    from genlib import batch as gb
-    from genlib.combine import parse_member
+    from genlib.batch import jobs as gb
+    from genlib.sampling.combine import parse_member
 
     members = [parse_member(text) for text in model_flags.ensemble]
     named = [f" + ensemble {gb.model_identity(ref)}:{weight:g}" for ref, weight in members]
@@ -249,7 +249,7 @@ def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: 
     """Lock the results file, read what it holds and decide what to run; before any
     work, so a busy or stale file stops the run with nothing generated."""
     from cli import render
-    from genlib.batch import id_key, plan_resume
+    from genlib.batch.jobs import id_key, plan_resume
 
     if results.resumable and not results.lock():
         render.warn("this platform has no file locks: make sure no other run writes "
@@ -282,7 +282,7 @@ def _resume(results: ResultsFile, items: list[Any], resume: ResumeFlags, tally: 
 def _output_format(out_path: Path | None, forced: str, in_format: str) -> str:
     """The results' format: the one the output file already holds (a resumed run keeps
     it), else --format, else the input's."""
-    from genlib.openai_batch import results_format
+    from genlib.batch.openai import results_format
 
     found = results_format(out_path) if out_path is not None else None
     if found is not None and forced != "auto" and found != forced:
@@ -292,8 +292,8 @@ def _output_format(out_path: Path | None, forced: str, in_format: str) -> str:
 
 
 def _endpoints(items: Iterable[Any], chat: bool) -> dict[str, str]:
-    from genlib.batch import Job, id_key
-    from genlib.openai_batch import endpoint_for
+    from genlib.batch.jobs import Job, id_key
+    from genlib.batch.openai import endpoint_for
 
     return {id_key(item.id): endpoint_for(item.messages is not None, chat)
             for item in items if isinstance(item, Job)}
@@ -303,7 +303,7 @@ def _write_line_errors(items: list[Any], plan: ResumePlan, results: ResultsFile,
                        tally: Tally) -> list[Job]:
     """Write an error for each bad line to run; return the jobs to generate."""
     from cli import render
-    from genlib.batch import LineError, error_record, id_key
+    from genlib.batch.jobs import LineError, error_record, id_key
 
     run = set(plan.run)
     todo = []
@@ -324,7 +324,7 @@ def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
     """Tokenize each job; a line that cannot be (too long, no chat template, a fault
     of the tokenizer) gets its error record and the others go on."""
     from cli import render
-    from genlib.batch import encode, error_record
+    from genlib.batch.jobs import encode, error_record
     from genlib.errors import GenlabError, unexpected
 
     ready = []
@@ -347,7 +347,7 @@ def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
     """The local engine: encode here, generate here; a backend that cannot serve even
     one row is refused once, before any line."""
     from genlib.backends.choose import Request, backend_name
-    from genlib.batch import generate_jobs
+    from genlib.batch.jobs import generate_jobs
 
     backend_name(lm, Request(backend=lm.backend))
     ready = _encode_all(lm, jobs, results, tally, run_defaults)
@@ -362,8 +362,8 @@ def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
     the same locked results file, with the fingerprints the driver computed)."""
     from cli import render
     from genlib.backends.choose import check_name
-    from genlib.modelinfo import ModelSpec
-    from genlib.ray_engine import WorkerPlan, run_on_ray
+    from genlib.batch.ray_engine import WorkerPlan, run_on_ray
+    from genlib.models.info import ModelSpec
 
     ref = model_ref
     if Path(ref).expanduser().exists():  # workers may start in other folders
@@ -384,7 +384,7 @@ def _record_outcomes(outcomes: Iterable[tuple[Job, Finish | str]], total: int, f
     """Write each job's outcome as it comes (either engine), with a progress bar over
     `total` jobs of which `failed` already had their error written."""
     from cli import render
-    from genlib.batch import error_record, result_record
+    from genlib.batch.jobs import error_record, result_record
 
     progress = _progress(total)
     task = progress.add_task("generating", total=total, tps="")

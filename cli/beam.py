@@ -19,15 +19,15 @@ from cli.context import (
 )
 from cli.errors import INTERRUPTED, exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
-from genlib.config import parse_value, resolve_settings, with_seed
+from genlib.settings.config import parse_value, resolve_settings, with_seed
 
 if TYPE_CHECKING:
     from collections.abc import Generator
 
-    from genlib.beam import BeamResult, Hypothesis
-    from genlib.config import GenerationSettings
+    from genlib.decoding.beam import BeamResult, Hypothesis
     from genlib.events import Finish
-    from genlib.models import LoadedModel
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 BEAM_PANEL = "Beam search"
 
@@ -104,7 +104,7 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     from cli import output, render
     from genlib.backends.choose import architecture
     from genlib.backends.combined import for_generation
-    from genlib.beam import backend_request, search
+    from genlib.decoding.beam import backend_request, search
     from genlib.generate import generate
 
     backend = for_generation(lm, [ids], settings, backend_request([ids], settings, lm.backend))
@@ -167,7 +167,7 @@ def draw_live(run: Generator[Any, None, list[BeamResult]], prompt: str | None,
     from rich.live import Live
 
     from cli import render, render_beam
-    from genlib.beam import TreeStep
+    from genlib.decoding.beam import TreeStep
     from genlib.events import BeamStep
 
     steps: list[TreeStep] = []

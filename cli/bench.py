@@ -19,14 +19,14 @@ from cli.errors import fail, user_errors
 from cli.output import Sink, opened, sink
 from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
-from genlib.config import with_seed
 from genlib.errors import not_one_of
-from genlib.models import QUANTIZATIONS
+from genlib.models.loading import QUANTIZATIONS
+from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
-    from genlib.bench import Case, Group, Result
-    from genlib.config import GenerationSettings
-    from genlib.models import LoadedModel
+    from genlib.lab.bench import Case, Group, Result
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 BASELINES = ("none", "transformers")
 STRATEGIES = ("greedy", "sample")
@@ -81,7 +81,7 @@ def strategy_settings(names: list[tuple[str, bool]], seed: int, baseline: bool =
     """Each name is a strategy (greedy, sample) or a preset; sampling runs get `seed`.
     With the `baseline`, settings that model.generate() cannot run are refused here,
     before any run, rather than dropped from the baseline's."""
-    from genlib.bench import baseline_gap
+    from genlib.lab.bench import baseline_gap
 
     out = []
     for name, is_preset in names:
@@ -104,7 +104,7 @@ def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: l
     """One group per configuration: genlab on each backend asked for, plus the no-cache
     loop when asked for (they share prompts and the baseline, and run interleaved);
     `strategy_settings` has refused beam search already."""
-    from genlib.bench import Case
+    from genlib.lab.bench import Case
 
     groups = []
     for (label, settings), p, n, b in product(strategies, prompt_lens, new_tokens, batch_sizes):
@@ -271,7 +271,7 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
     """Load the model once per (dtype, quantization) and measure every case on it."""
     import torch
 
-    from genlib import bench as core
+    from genlib.lab import bench as core
 
     if threads is not None:
         torch.set_num_threads(threads)
@@ -310,7 +310,7 @@ def bandwidth_summary(samples: list[float]) -> dict[str, Any]:
 
 def forced_warmups(lm: LoadedModel, groups: list[list[Case]], warmup: int) -> int:
     """Warm-up runs beyond `warmup` that the cases need on `lm` (a compiled backend's)."""
-    from genlib import bench as core
+    from genlib.lab import bench as core
 
     return sum(core.warmup_count(lm, core.Result(c, core.engine_name(c)), warmup) - warmup
                for cases in groups for c in cases)

@@ -28,8 +28,8 @@ from cli.output import Sink, opened, sink
 if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
-    from genlib.compare import Comparison, ModelComparison, Strategy, StrategyResult
-    from genlib.config import GenerationSettings
+    from genlib.lab.compare import Comparison, ModelComparison, Strategy, StrategyResult
+    from genlib.settings.config import GenerationSettings
 
 
 SIDE_BY_SIDE = 120  # a terminal this wide or wider shows the strategies in columns
@@ -46,7 +46,7 @@ SUMMARY_SKIP = ("seed", "do_sample", "strategy", "max_new_tokens", "min_new_toke
 def settings_summary(settings: GenerationSettings) -> str:
     """The settings that make a column what it is: its strategy, then every setting
     that differs from the built-in default (run-wide ones such as the seed left out)."""
-    from genlib.config import GenerationSettings
+    from genlib.settings.config import GenerationSettings
 
     # Compared in to_dict()'s form on both sides: the default logit_bias is the empty
     # tuple in SPECS but `{}` in a dict, and an empty bias is no change.
@@ -67,7 +67,7 @@ def wrapped(markup: str) -> Any:
 
 
 def format_metric(key: str, value: float | None) -> str:
-    from genlib.metrics import METRICS
+    from genlib.lab.metrics import METRICS
 
     if value is None:
         return "-"
@@ -97,8 +97,8 @@ def metric_cell(key: str, value: float | None, best: dict[str, float],
 
 
 def best_legend() -> str:
-    """What the * beside a metric means (set by `metric_cell`, from genlib.metrics)."""
-    from genlib.metrics import METRICS
+    """What the * beside a metric means (set by `metric_cell`, from genlib.lab.metrics)."""
+    from genlib.lab.metrics import METRICS
 
     higher = [m.label for m in METRICS if m.higher_is_better]
     lower = [m.label for m in METRICS if m.higher_is_better is False]
@@ -124,8 +124,8 @@ class View:
         return [r for r in self.results if r is not None]
 
     def on_event(self, index: int, event: Any) -> None:
-        from genlib.compare import StrategyDone
         from genlib.events import Finish, Token
+        from genlib.lab.compare import StrategyDone
 
         self.running = index
         if isinstance(event, Token):
@@ -140,7 +140,7 @@ class View:
             self.running = None
 
     def best(self) -> dict[str, float]:
-        from genlib.metrics import best_values
+        from genlib.lab.metrics import best_values
 
         # A column Ctrl-C cut short is shown, but its metrics (fewer tokens) compete with none.
         return best_values([r.metrics for r in self.results
@@ -215,7 +215,7 @@ class View:
         """One column per strategy of `indices`; metric rows under the texts."""
         from rich.table import Table
 
-        from genlib.metrics import METRICS
+        from genlib.lab.metrics import METRICS
 
         table = Table(expand=True)
         table.add_column("", style="dim", width=LABEL_WIDTH, no_wrap=True)
@@ -256,7 +256,7 @@ class View:
         from rich.table import Table
         from rich.text import Text
 
-        from genlib.metrics import METRICS
+        from genlib.lab.metrics import METRICS
 
         best = self.best()
         panels = []
@@ -293,7 +293,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     strategies that ran, and whether Ctrl-C hit."""
     from rich.live import Live
 
-    from genlib.compare import StrategyDone, stream_comparison
+    from genlib.lab.compare import StrategyDone, stream_comparison
 
     view = View(strategies, prompt)
     interrupted = False
@@ -330,7 +330,7 @@ NO_CRN_NOTE = "independent random draws per strategy (--no-crn): part of the dif
 def comparison_markdown(comparison: Comparison) -> str:
     """The whole comparison as Markdown: a metrics table (best in bold), then each
     strategy's settings and samples."""
-    from genlib.metrics import METRICS, best_values
+    from genlib.lab.metrics import METRICS, best_values
 
     results = comparison.results
     best = best_values([r.metrics for r in results if r.error is None and not r.interrupted])
@@ -572,8 +572,8 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
                quantizations: list[str], flags: ModelFlags, target: Sink,
                markdown_path: str | None, logprobs: int = 0) -> None:
     from cli import render
-    from genlib.compare import compare_models
-    from genlib.models import ModelSpec, resolve_model_ref
+    from genlib.lab.compare import compare_models
+    from genlib.models.loading import ModelSpec, resolve_model_ref
 
     if len(strategies) != 1:
         raise fail(f"--models/--quantize compare one strategy, got {len(strategies)}; "
@@ -671,8 +671,8 @@ def compare(
       genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
     from cli.context import presets_model, read_prompt
-    from genlib.compare import build_strategies, strategy_from_variant, with_seed
-    from genlib.config import fresh_seed
+    from genlib.lab.compare import build_strategies, strategy_from_variant, with_seed
+    from genlib.settings.config import fresh_seed
 
     target = sink(as_json, as_jsonl, output)
     check_outputs(target, markdown_path)
@@ -758,7 +758,7 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
                    crn: bool = True, logprobs: int = 0) -> None:
     from cli import render
     from cli.context import load
-    from genlib.compare import Comparison
+    from genlib.lab.compare import Comparison
 
     lm = load(model_flags)
     # Refused before tokenizing when no strategy could fit it (each still checks its own).

@@ -11,11 +11,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cli.errors import fail
-from genlib.config import GenerationSettings, resolve_settings
-from genlib.presets import Preset, load_preset
+from genlib.settings.config import GenerationSettings, resolve_settings
+from genlib.settings.presets import Preset, load_preset
 
 if TYPE_CHECKING:
-    from genlib.models import LoadedModel
+    from genlib.models.loading import LoadedModel
 
 
 @dataclass
@@ -40,7 +40,7 @@ def combination_defaults(model_flags: ModelFlags, flags: Mapping[str, Any]) -> d
     sets them (a mean ensemble; contrastive decoding at beta 0.5), to go under the
     preset; an input error for the numbers of a combination whose models are not given,
     or for both combinations at once."""
-    from genlib.combine import DEFAULT_CD_BETA, parse_member
+    from genlib.sampling.combine import DEFAULT_CD_BETA, parse_member
 
     for text in model_flags.ensemble:
         parse_member(text)  # a bad weight is refused before any model loads
@@ -90,11 +90,11 @@ def presets_model(refs: Sequence[str], alternative: str = "") -> str | None:
 def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
          weights: tuple[str, ...] = ("float32",)) -> LoadedModel:
     """The model the flags and preset name; `quick` starts without transformers where
-    the checkpoint allows (genlib.quickload), for commands that mostly decode one row;
+    the checkpoint allows (genlib.models.quickload), for commands that mostly decode one row;
     `weights`: the native kernels it may run (`kernel.WEIGHTS`: a draft's bfloat16).
     The heap it leaves is frozen (`models.freeze_heap`)."""
     from genlib.backends.choose import check_name
-    from genlib.models import ModelSpec, freeze_heap, load_model, resolve_model_ref
+    from genlib.models.loading import ModelSpec, freeze_heap, load_model, resolve_model_ref
 
     ref = resolve_model_ref(flags.model, preset.model if preset else None)
     spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype, quantize=flags.quantize,
@@ -110,8 +110,8 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
 def load_partners(flags: ModelFlags, lm: LoadedModel, quick: bool) -> tuple[Any, ...]:
     """The --ensemble and --amateur models, loaded as `lm` was (device, dtype, backend)
     and checked to combine with it (one device, one tokenizer)."""
-    from genlib.combine import AMATEUR, ENSEMBLE, Partner, check_partner, parse_member
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.sampling.combine import AMATEUR, ENSEMBLE, Partner, check_partner, parse_member
 
     wanted = [(*parse_member(text), ENSEMBLE, "--ensemble") for text in flags.ensemble]
     wanted += [(flags.amateur, 1.0, AMATEUR, "--amateur")] if flags.amateur else []
@@ -132,9 +132,9 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     """Build the native kernel now, where a generation on `lm` may run it, so its one-off
     build (a few seconds, once per machine) is announced and timed apart: one line on
     stderr, with a spinner while it compiles on a terminal. `weights`: which builds
-    (`kernel.WEIGHTS`). A model mapped from its file (genlib.quickload) has its float32
+    (`kernel.WEIGHTS`). A model mapped from its file (genlib.models.quickload) has its float32
     matrices packed now too, through the weight cache (`kernel.packed_weights`), and a
-    quantized checkpoint (genlib.qformat) its stored codes."""
+    quantized checkpoint (genlib.models.qformat) its stored codes."""
     import torch
 
     from genlib.backends import kernel
@@ -179,7 +179,7 @@ def prepare_grammar(lm: LoadedModel, settings: GenerationSettings) -> None:
     compile is announced: a spinner on a terminal, one line elsewhere, from half a
     second on. Generation then finds it compiled."""
     from cli.render import compiling
-    from genlib import grammar
+    from genlib.sampling import grammar
 
     if grammar.kind_of(settings) is None:
         return
@@ -284,7 +284,7 @@ def load_scorer(flags: ModelFlags, settings: GenerationSettings) -> LoadedModel 
     any model loads."""
     from dataclasses import replace
 
-    from genlib.rerank import method_kind
+    from genlib.decoding.rerank import method_kind
 
     if settings.rerank is None or method_kind(settings.rerank) != "model":
         return None

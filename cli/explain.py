@@ -20,11 +20,11 @@ from cli.context import (
     settings_for,
 )
 from cli.errors import fail, user_errors
-from genlib.config import with_seed
+from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
-    from genlib.models import LoadedModel
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 # explain's own defaults: a layer between genlab's defaults and the preset, so a
 # preset's max_new_tokens (and a flag, above both) overrides them.
@@ -60,7 +60,7 @@ def warn_if_no_step(steps: str, first: int, runs: list[dict[str, Any]]) -> None:
 
 def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, int]:
     """`--branch STEP:TOKEN` -> (step, token id)."""
-    from genlib.explain import parse_branch as branch_point
+    from genlib.lab.explain import parse_branch as branch_point
 
     step, _, token = text.partition(":")
     return branch_point(lm, step, token, max_new_tokens, name="--branch",
@@ -74,7 +74,7 @@ def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
                    branch: tuple[int, int] | None) -> dict[str, Any]:
     """The whole `--json` document (docs/output.md): the original run and, with a
     branch, the branch and where the two diverge."""
-    from genlib.explain import divergence, explain, model_logprobs, run_dict
+    from genlib.lab.explain import divergence, explain, model_logprobs, run_dict
 
     original = explain(lm, ids, settings, top=top)
     record = output.document(
@@ -175,7 +175,7 @@ def explain(
       genlab explain "def add(a, b):" --html explain.html
     """
     from cli import render, render_explain
-    from genlib.explain import runs_of
+    from genlib.lab.explain import runs_of
 
     flags = opt.decoding_flags(locals() | sampler_flags)
     target = output.sink(as_json, as_jsonl, output_file)

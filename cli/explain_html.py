@@ -135,7 +135,7 @@ def run_text(run: str, steps: list[dict[str, Any]], prompt: str, shown: range | 
 
 def branch_note(branch: dict[str, Any]) -> str:
     """What the page says of the branch: where it diverges and how that is marked."""
-    from genlib.explain import branch_outcome
+    from genlib.lab.explain import branch_outcome
 
     step, outcome = branch["step"], branch_outcome(branch)
     if outcome == "ended":
@@ -153,7 +153,7 @@ def branch_note(branch: dict[str, Any]) -> str:
 def page(record: dict[str, Any], first: int = 0, last: int | None = None) -> str:
     """The whole page for an `explain --json` record: the original run and, with a
     branch, the branch below it; only steps first to last - 1 (--steps) clickable."""
-    from genlib.explain import runs_of
+    from genlib.lab.explain import runs_of
 
     runs = runs_of(record)
     at = record["branch"]["diverges_at"] if "branch" in record else None

@@ -23,13 +23,13 @@ from cli.context import (
 from cli.errors import exit_code, user_errors
 from cli.output import Json, Jsonl, Sink, opened, sink
 from cli.settings_view import show_settings_table
-from genlib.config import with_seed
+from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
+    from genlib.decoding.detail import Detail
     from genlib.events import Finish, Prefill, Rerank, Token
-    from genlib.models import LoadedModel
-    from genlib.stepdetail import Detail
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 
 def run_document(lm: LoadedModel, prompt: str, ids: list[int],
@@ -62,7 +62,7 @@ def result_json(lm: LoadedModel, finish: Finish, prefill: Prefill | None,
     prefill_s = prefill.seconds if prefill is not None else 0.0
     extra: dict[str, Any] = {}
     if tokens and tokens[0].detail is not None:
-        from genlib.explain import logprobs_content
+        from genlib.lab.explain import logprobs_content
 
         extra["logprobs"] = logprobs_content(lm, tokens)
     return output.finish_output(finish, finish.row + 1, prefill_s, **extra)
@@ -72,7 +72,7 @@ def rerank_json(event: Rerank, prefill: Prefill | None) -> dict[str, Any]:
     """Sample and rerank in the JSON document (docs/output.md): the method, what its
     score means, the chosen sample's number and every sample with its score."""
     from cli import output
-    from genlib.rerank import SCORES, method_kind
+    from genlib.decoding.rerank import SCORES, method_kind
 
     prefill_s = prefill.seconds if prefill is not None else 0.0
     samples = [output.finish_output(f, i + 1, prefill_s, score=score, chosen=i == event.chosen)
@@ -84,7 +84,7 @@ def rerank_json(event: Rerank, prefill: Prefill | None) -> dict[str, Any]:
 
 def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
     """The per-step record --logprobs / --color-by ask for (None: none, at no cost)."""
-    from genlib.stepdetail import Detail
+    from genlib.decoding.detail import Detail
 
     if not logprobs and color_by is None:
         return None
@@ -100,9 +100,9 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
     sample streams once chosen, and the document lists every sample (`rerank_json`)."""
     from cli import output, render
     from genlib.backends.choose import architecture
+    from genlib.decoding.step import collect
     from genlib.events import Finish, Prefill, Rerank, Token
     from genlib.generate import stream
-    from genlib.step import collect
 
     live = not sink.machine and settings.num_return_sequences == 1
     prefill: Prefill | None = None

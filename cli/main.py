@@ -124,7 +124,7 @@ def _exit_past_a_running_compile(code: object) -> None:
     SIGTERM, --grammar-timeout) still runs on its worker thread: that C++ call cannot be
     stopped, and returning into an interpreter that has shut down aborts the process.
     The command's own files are closed by now; the standard streams are flushed here."""
-    bounded = sys.modules.get("genlib.bounded")
+    bounded = sys.modules.get("genlib.sampling.bounded")
     if bounded is None or not bounded.running():
         return
     for stream in (sys.stdout, sys.stderr):

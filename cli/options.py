@@ -51,7 +51,7 @@ def complete_preset(incomplete: str) -> list[str]:
     """Shell completion of a preset name: the built-in and user presets (your presets
     folder) whose names start with what is typed; after a comma, the next name of a
     comma list."""
-    from genlib.presets import available_names
+    from genlib.settings.presets import available_names
 
     done, _, typed = incomplete.rpartition(",")
     head = done + "," if done else ""
@@ -101,7 +101,7 @@ MaxTime = Annotated[float | None, typer.Option(
     "--max-time", rich_help_panel=DECODING_PANEL, help="Stop after this many seconds.")]
 IgnoreEos = Annotated[bool | None, typer.Option(
     "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
-# Sample and rerank (genlib.rerank).
+# Sample and rerank (genlib.decoding.rerank).
 Samples = Annotated[int | None, typer.Option(
     "--samples", rich_help_panel=DECODING_PANEL, metavar="N",
     help="Draw N samples as one batch and print the one --rerank prefers (implies "
@@ -198,7 +198,7 @@ GrammarTimeout = Annotated[float | None, typer.Option(
     help="Stop with exit status 1 when the grammar takes longer than this to compile "
          "(default 30). Compiled grammars are cached on disk.")]
 
-# Combined models (genlib.combine): the models are flags only, the numbers are settings.
+# Combined models (genlib.sampling.combine): the models are flags only, the numbers are settings.
 COMBINE_PANEL = "Combined models (docs/combining.md)"
 Ensemble = Annotated[list[str] | None, typer.Option(
     "--ensemble", rich_help_panel=COMBINE_PANEL, metavar="MODEL[:WEIGHT]",

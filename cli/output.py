@@ -22,8 +22,8 @@ from typing import IO, TYPE_CHECKING, Annotated, Any
 import typer
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
     from genlib.events import Finish
+    from genlib.settings.config import GenerationSettings
 
 SCHEMA_VERSION = 2
 OUTPUT_PANEL = "Output"

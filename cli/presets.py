@@ -16,7 +16,7 @@ from cli.output import Json, OutputFile, opened, sink
 
 if TYPE_CHECKING:
     from genlib.errors import PresetError
-    from genlib.presets import Preset
+    from genlib.settings.presets import Preset
 
 app = typer.Typer(help="List and inspect decoding presets.", no_args_is_help=True)
 
@@ -24,7 +24,7 @@ app = typer.Typer(help="List and inspect decoding presets.", no_args_is_help=Tru
 def source_of(path: Path) -> str:
     """Where a preset file lives: `built-in`, `user` (your presets folder) or `file`
     (a path given on the command line)."""
-    from genlib.presets import builtin_dir, user_dir
+    from genlib.settings.presets import builtin_dir, user_dir
 
     if path.parent == builtin_dir().resolve():
         return "built-in"
@@ -39,7 +39,7 @@ def list_row(name: str, preset: Preset | PresetError) -> dict[str, Any]:
     """One preset of `presets list --json`, under `name`, what --preset takes (a file's
     `name:` may differ); one that cannot be loaded has its `error`."""
     from genlib.errors import PresetError
-    from genlib.presets import resolve_alone
+    from genlib.settings.presets import resolve_alone
 
     if isinstance(preset, PresetError):
         return {"name": name, "description": None, "strategy": None, "model": None,
@@ -51,7 +51,7 @@ def list_row(name: str, preset: Preset | PresetError) -> dict[str, Any]:
 
 
 def list_document(presets: list[tuple[str, Preset | PresetError]]) -> dict[str, Any]:
-    from genlib.presets import user_dir
+    from genlib.settings.presets import user_dir
 
     return output.document("presets list", None, user_dir=str(user_dir()),
                            presets=[list_row(name, p) for name, p in presets])
@@ -63,7 +63,7 @@ def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
 
     from cli.render import out
     from genlib.errors import PresetError
-    from genlib.presets import resolve_alone, user_dir
+    from genlib.settings.presets import resolve_alone, user_dir
 
     table = Table(title=None, show_edge=False)
     for column in ("name", "strategy", "description", "source"):
@@ -83,7 +83,7 @@ def show_list(presets: list[tuple[str, Preset | PresetError]]) -> None:
 @user_errors
 def list_(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Name, strategy and description of every preset (built-in and yours)."""
-    from genlib.presets import list_presets
+    from genlib.settings.presets import list_presets
 
     target = sink(as_json, False, output_file)
     presets = list_presets()
@@ -99,7 +99,7 @@ def list_(as_json: Json = False, output_file: OutputFile = None) -> None:
 def show_document(preset: Preset) -> dict[str, Any]:
     """`presets show --json`: the preset, its resolved settings, and which file along
     its `extends` chain set each setting it holds (the others are genlab's defaults)."""
-    from genlib.presets import resolve_alone
+    from genlib.settings.presets import resolve_alone
 
     described = {"name": preset.name, "description": preset.description,
                  "source": source_of(preset.path), "path": str(preset.path)}
@@ -119,7 +119,7 @@ def show_yaml(preset: Preset) -> str:
     sequence breaker) double-quoted with escapes, not a block of blank lines."""
     import yaml
 
-    from genlib.presets import resolve_alone
+    from genlib.settings.presets import resolve_alone
 
     class Dumper(yaml.SafeDumper):
         pass
@@ -142,7 +142,7 @@ def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yam
                                              autocompletion=complete_preset)],
          as_json: Json = False, output_file: OutputFile = None) -> None:
     """The fully resolved settings of a preset (defaults filled in), as YAML."""
-    from genlib.presets import load_preset, resolve_alone
+    from genlib.settings.presets import load_preset, resolve_alone
 
     target = sink(as_json, False, output_file)
     preset = load_preset(name)
@@ -159,7 +159,7 @@ def show(name: Annotated[str, typer.Argument(help="Preset name or path to a .yam
 def keys_document() -> dict[str, Any]:
     """`presets keys --json`: every setting with its type, default (as `settings` holds
     it; null where it has none or is inferred), range and meaning."""
-    from genlib.config import SPECS, GenerationSettings
+    from genlib.settings.config import SPECS, GenerationSettings
 
     defaults = GenerationSettings().to_dict()
     keys = [{"key": key, "type": spec.kind,
@@ -174,7 +174,7 @@ def show_keys() -> None:
     from rich.table import Table
 
     from cli.render import out
-    from genlib.config import SPECS
+    from genlib.settings.config import SPECS
 
     table = Table(show_edge=False)
     for column in ("key", "default"):  # each key and its default stay whole on one line

@@ -59,7 +59,7 @@ class building:  # noqa: N801 - used as a context manager, like open()
 
 
 class compiling:  # noqa: N801 - used as a context manager, like open()
-    """Yields notify(message) for `genlib.grammar.compile_for`: a context that shows the
+    """Yields notify(message) for `genlib.sampling.grammar.compile_for`: a context that shows the
     message while a slow compile lasts, with a spinner on a terminal, as one line
     elsewhere. It writes to a copy of file descriptor 2 taken on entry, because the
     compile puts a file on descriptor 2 to catch xgrammar's log meanwhile."""

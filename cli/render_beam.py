@@ -14,7 +14,7 @@ from rich.tree import Tree
 from cli.render import out
 
 if TYPE_CHECKING:
-    from genlib.beam import BeamResult, Hypothesis, TreeCandidate, TreeStep
+    from genlib.decoding.beam import BeamResult, Hypothesis, TreeCandidate, TreeStep
     from genlib.events import Finish
 
 STATUS_STYLE = {"kept": "green", "finished": "bold cyan", "pruned": "dim strike",
@@ -40,7 +40,7 @@ def nbest_table(prompt: str, hypotheses: Sequence[Hypothesis], greedy: Finish | 
             row.append("met" if hyp.constraints_satisfied else "[red]NOT met[/]")
         table.add_row(*row, Text(hyp.text))
     if greedy is not None:
-        from genlib.beam import length_score
+        from genlib.decoding.beam import length_score
 
         total = sum(greedy.logprobs)
         score = length_score(total, greedy.new_tokens, length_penalty)

@@ -115,7 +115,7 @@ def show_steps(steps: Sequence[dict[str, Any]], first: int, last: int | None) ->
 def show_branch(original: dict[str, Any], branch: dict[str, Any]) -> None:
     """The original and the branch (the two runs of an explain document) side by side;
     tokens from the divergence on marked."""
-    from genlib.explain import branch_outcome
+    from genlib.lab.explain import branch_outcome
 
     at = branch["diverges_at"]
     table = Table(show_edge=False)

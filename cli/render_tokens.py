@@ -17,7 +17,7 @@ from genlib.errors import not_one_of
 
 if TYPE_CHECKING:
     from genlib.events import Token
-    from genlib.models import LoadedModel
+    from genlib.models.loading import LoadedModel
 
 COLOR_BY = ("prob", "entropy", "rank")
 # Five bins, from "the model was sure of it" to "the model hardly expected it".
@@ -76,13 +76,13 @@ LOGPROBS_TITLE = "logprobs (raw model / processed)"
 def logprobs_table(lm: LoadedModel, tokens: Sequence[Token]) -> None:
     """--logprobs in text mode: one line per token on stderr (raw and processed
     logprob, then the alternatives)."""
-    from genlib.explain import logprobs_content
+    from genlib.lab.explain import logprobs_content
 
     err.print(logprobs_view(logprobs_content(lm, tokens)))
 
 
 def logprobs_view(logprobs: Mapping[str, Any], title: str = LOGPROBS_TITLE) -> Table:
-    """An OpenAI/vLLM `logprobs` object (`genlib.explain.logprobs_content`) as a table:
+    """An OpenAI/vLLM `logprobs` object (`genlib.lab.explain.logprobs_content`) as a table:
     one line per token, its raw and processed logprob, then the raw top alternatives."""
     table = Table(show_edge=False, title=title, title_justify="left")
     table.add_column("#", justify="right")

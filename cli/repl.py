@@ -18,13 +18,13 @@ import typer
 from cli import render
 from cli.context import ModelFlags, load, load_scorer, settings_for
 from cli.errors import fail
-from genlib.config import SPECS, GenerationSettings, parse_assignments, resolve_settings
 from genlib.errors import GenlabError, unexpected
+from genlib.settings.config import SPECS, GenerationSettings, parse_assignments, resolve_settings
 
 if TYPE_CHECKING:
     from genlib.events import Finish
-    from genlib.models import LoadedModel
-    from genlib.presets import Preset
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.presets import Preset
 
 PROMPT = "genlab> "
 CONTINUE = "....... "
@@ -358,7 +358,7 @@ def command(session: Session, text: str) -> bool:
         return False
     handler = handlers.get(name)
     if handler is None:
-        from genlib.config import closest_key
+        from genlib.settings.config import closest_key
 
         hint = closest_key(name, [*handlers, "/quit"])
         extra = f" (did you mean {hint}?)" if hint else ""
@@ -376,7 +376,7 @@ def command(session: Session, text: str) -> bool:
 def apply(session: Session, flags: dict[str, Any], preset: Preset | None,
           source: str) -> None:
     """Resolve the new flags over the new preset; only a valid result replaces the old."""
-    from genlib.processors import check_for_model
+    from genlib.sampling.processors import check_for_model
 
     own = preset.settings if preset else {}
     settings = resolve_settings(flags, {**session.combined, **own}, source=source,
@@ -417,7 +417,7 @@ def set_values(session: Session, args: str) -> None:
 
 
 def set_preset(session: Session, args: str) -> None:
-    from genlib.presets import load_preset
+    from genlib.settings.presets import load_preset
 
     if not args:
         raise CommandError("/preset needs a preset name or a .yaml path")
@@ -474,7 +474,7 @@ def show(session: Session) -> None:
     when it is not genlab's default (set: the command line or /set; the preset file
     that set it), the model's generation_config.json value where it differs (not
     applied), and a warning for each given setting the strategy ignores."""
-    from genlib.provenance import CLI, DEFAULT, DERIVED, model_generation_config, sources
+    from genlib.settings.provenance import CLI, DEFAULT, DERIVED, model_generation_config, sources
 
     preset_name = session.preset.name if session.preset else "none"
     lines = [f"model: {session.lm.ref}", f"preset: {preset_name}",
@@ -502,7 +502,7 @@ def branch(session: Session, args: str) -> None:
     drawn by inverse CDF, so the rerun before STEP is the answer itself)."""
     from cli import render_explain
     from cli.explain import explain_record
-    from genlib.explain import parse_branch
+    from genlib.lab.explain import parse_branch
 
     if session.last is None:
         raise CommandError("/branch needs an answer first: type a prompt")
@@ -545,7 +545,7 @@ def write_turns(path: Path, turns: list[dict[str, Any]]) -> None:
 
 def turn(session: Session, text: str) -> None:
     """Generate for one prompt, streamed; record it for /save and for chat mode."""
-    from genlib.config import with_seed
+    from genlib.settings.config import with_seed
 
     lm = session.lm
     settings = with_seed(session.settings)
@@ -584,10 +584,10 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
     `samples` (sample and rerank) the kept sample prints once chosen, its scorer
     `scorer` where `rerank` names a model."""
     from cli import render_tokens
+    from genlib.decoding.detail import Detail
+    from genlib.decoding.step import collect
     from genlib.events import Finish, Token
     from genlib.generate import stream
-    from genlib.step import collect
-    from genlib.stepdetail import Detail
 
     finish: Finish | None = None
     tokens: list[Token] = []

@@ -11,15 +11,15 @@ from rich.table import Table
 from cli.render import err, warn
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
-    from genlib.models import LoadedModel
-    from genlib.presets import Preset
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
+    from genlib.settings.presets import Preset
 
 
 def show_settings_table(settings: GenerationSettings, cli: Mapping[str, Any],
                         preset: Preset | None, lm: LoadedModel | None) -> None:
     """Print the table on stderr, then a warning per ignored setting."""
-    from genlib.provenance import model_generation_config, sources
+    from genlib.settings.provenance import model_generation_config, sources
 
     model_config = model_generation_config(lm.ref, lambda: lm.model) if lm is not None else {}
     rows = sources(settings, cli, preset, model_config)

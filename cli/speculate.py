@@ -23,13 +23,13 @@ from cli.context import (
 )
 from cli.errors import exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
-from genlib.config import with_seed
+from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
+    from genlib.decoding.speculative import Drafting, Summary
     from genlib.events import Event, Finish, Token
-    from genlib.models import LoadedModel
-    from genlib.speculative import Drafting, Summary
+    from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 SPEC_PANEL = "Speculation"
 BAR_WIDTH = 20
@@ -39,7 +39,12 @@ def pick_draft(target_ref: str, draft_model: str | None, prompt_lookup: int | No
                ) -> str | None:
     """The draft model to load (None for prompt lookup alone). Without either flag, the
     built-in draft pairs with the built-in target; any other target needs a flag."""
-    from genlib.models import DEFAULT_DRAFT, DEFAULT_DRAFT_NAME, DEFAULT_MODEL_NAME, display_name
+    from genlib.models.loading import (
+        DEFAULT_DRAFT,
+        DEFAULT_DRAFT_NAME,
+        DEFAULT_MODEL_NAME,
+        display_name,
+    )
 
     if draft_model is not None or prompt_lookup is not None:
         return draft_model
@@ -65,10 +70,10 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
     short, seconds spent printing), the last to keep printing out of its timing, as the
     baseline prints nothing."""
     from cli import render
+    from genlib.decoding.detail import Detail
+    from genlib.decoding.step import collect
     from genlib.events import Finish, Token
     from genlib.generate import stream
-    from genlib.step import collect
-    from genlib.stepdetail import Detail
 
     printing = 0.0
 
@@ -228,7 +233,7 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
 
     extra: dict[str, Any] = {}
     if tokens and tokens[0].detail is not None:
-        from genlib.explain import logprobs_content
+        from genlib.lab.explain import logprobs_content
 
         extra["logprobs"] = logprobs_content(target, tokens)
     base_json = None
@@ -333,8 +338,8 @@ def speculate(
     """
     from genlib.backends.choose import check_draft_weights
     from genlib.backends.kernel import WEIGHTS
-    from genlib.models import resolve_model_ref
-    from genlib.speculative import Drafting, check_request, draft_length
+    from genlib.decoding.speculative import Drafting, check_request, draft_length
+    from genlib.models.loading import resolve_model_ref
 
     flags = opt.decoding_flags(locals() | sampler_flags)
     target_sink = sink(as_json, as_jsonl, output)
@@ -395,8 +400,8 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
     """Stream the speculative run, then the baseline and the report; the exit code."""
     from cli import output
     from genlib.backends.choose import architecture
+    from genlib.decoding.speculative import adapts, draft_length, summarize
     from genlib.events import Finish, Token
-    from genlib.speculative import adapts, draft_length, summarize
 
     draft = drafting.draft_lm
     rehearse(target, ids, settings, drafting, baseline)

@@ -31,7 +31,7 @@ class Token:
     its final text. `logprob` is the token's log-probability under the model before any
     processor. `draft` is None outside speculative decoding, else whether the draft
     proposed this token (True) or the target produced it (False). `detail` is the
-    step's record (`genlib.stepdetail.StepDetail`: processed logprob, alternatives, the
+    step's record (`genlib.decoding.detail.StepDetail`: processed logprob, alternatives, the
     chain's stages) when the caller asked for one, else None.
     """
 
@@ -88,7 +88,7 @@ class Finish:
 
 @dataclass(frozen=True, slots=True)
 class Verify:
-    """One speculative step (genlib.speculative): the drafter proposed `proposed` tokens
+    """One speculative step (genlib.decoding.speculative): the drafter proposed `proposed` tokens
     and the target's single forward kept the first `accepted` of them; the step's Token
     events follow. `draft_forwards` counts the draft model's forward passes (0 for prompt
     lookup); the seconds are wall time spent drafting and verifying."""
@@ -106,7 +106,7 @@ class Verify:
 class BeamStep:
     """One step of beam search for one prompt: the running best hypothesis (`best_ids`,
     its length-normalised `best_score`) and, when the tree is recorded, the step's
-    candidates (`genlib.beam.TreeCandidate`s). The Token events of a beam row carry only
+    candidates (`genlib.decoding.beam.TreeCandidate`s). The Token events of a beam row carry only
     its settled tokens (those every hypothesis that can still win shares), so they join
     to the final text; this event is the running view."""
 
@@ -120,7 +120,7 @@ class BeamStep:
 
 @dataclass(frozen=True, slots=True)
 class Rerank:
-    """Sample and rerank (`genlib.rerank`) chose one of a prompt's samples: `samples` are
+    """Sample and rerank (`genlib.decoding.rerank`) chose one of a prompt's samples: `samples` are
     their Finish events (rows of the sampling batch), `scores` each one's score under
     `method` (logprob, mbr, or the scoring model's name; higher is better, None for an
     empty sample), `chosen` the index of the kept one in `samples`. The chosen sample's

@@ -11,19 +11,20 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 
-from genlib import beam, contrastive, decode, rerank, speculative
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.combined import for_generation
-from genlib.combine import combination_of
-from genlib.config import GenerationSettings
-from genlib.dola import dola_backend
+from genlib.decoding import beam, contrastive, rerank, speculative
+from genlib.decoding import loop as decode
+from genlib.decoding.detail import Detail
+from genlib.decoding.dola import dola_backend
+from genlib.decoding.speculative import Drafting
+from genlib.decoding.step import check_prompts
 from genlib.errors import ConfigError
 from genlib.events import Event, Finish
-from genlib.models import LoadedModel
-from genlib.speculative import Drafting
-from genlib.step import check_prompts
-from genlib.stepdetail import Detail
+from genlib.models.loading import LoadedModel
+from genlib.sampling.combine import combination_of
+from genlib.settings.config import GenerationSettings
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
@@ -37,9 +38,9 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     choice, default the model's (`LoadedModel.backend`, from --backend; auto: the fastest
     exact one). `seeds`: one per output row. `detail` (plain loop only) adds a
     per-step record to each Token event and can ask for inverse-CDF sampling with common
-    random numbers or a branch's forced tokens (`genlib.stepdetail.Detail`).
+    random numbers or a branch's forced tokens (`genlib.decoding.detail.Detail`).
     `settings.samples` draws that many samples per prompt as one batch and keeps one
-    (`genlib.rerank`; `seeds` then one per prompt); `scorer` is the model a `rerank`
+    (`genlib.decoding.rerank`; `seeds` then one per prompt); `scorer` is the model a `rerank`
     that names one scores with."""
     if settings.samples is not None:
         yield from _reranked(lm, prompts, settings, drafter=drafter, backend=backend,

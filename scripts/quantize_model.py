@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> int:
                              "q4_0: 4-bit, blocks of 32")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from genlib.qwrite import QuantizeError, write
+    from genlib.models.qwrite import QuantizeError, write
 
     try:
         done = write(args.source, args.out, args.format)

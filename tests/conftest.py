@@ -109,7 +109,7 @@ def transformers_backend(model):
     """A TransformersBackend over a bare transformers model (pad id 0: prompts here are
     not padded)."""
     from genlib.backends.transformers import TransformersBackend
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
     param = next(model.parameters())
     return TransformersBackend(LoadedModel(model=model, tokenizer=None, ref="test",
@@ -118,7 +118,7 @@ def transformers_backend(model):
 
 
 def shared_model(path: Path):
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     if not path.is_dir():
         pytest.skip(f"{path} is not present")
@@ -182,7 +182,7 @@ def tiny(request, stories_tokenizer):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from genlib.models import wrap_model
+    from genlib.models.loading import wrap_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config(request.param))

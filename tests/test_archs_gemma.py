@@ -20,10 +20,10 @@ from genlib.backends import kernel
 from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama, refusal
-from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
 from genlib.events import Prefill
-from genlib.models import wrap_model
+from genlib.models.loading import wrap_model
+from genlib.settings.config import GenerationSettings
 from tests.conftest import assert_lean_follows_transformers
 from tests.test_archs import PROMPT, STEPS, WINDOW, _common, assert_varied
 from tests.test_beam import hf_beam
@@ -194,7 +194,7 @@ def test_speculation_past_the_window_gives_generates_tokens(arch, backend, libra
                                                             stories_tokenizer):
     """Verifying drafted tokens feeds several tokens after the cached ones, each under
     its layer's window (the model as its own draft: every proposal is accepted)."""
-    from genlib.speculative import Drafting
+    from genlib.decoding.speculative import Drafting
     from tests.test_lean import greedy
 
     lm, draft = gemma_lm(arch, stories_tokenizer), gemma_lm(arch, stories_tokenizer)

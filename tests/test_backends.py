@@ -10,9 +10,9 @@ import torch
 
 from genlib.backends.choose import BACKENDS, Request, choose_backend
 from genlib.backends.transformers import cache_keyword, cache_kwargs
-from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
 from genlib.generate import generate
+from genlib.settings.config import GenerationSettings
 from tests.conftest import transformers_backend
 
 NAMED = [b for b in BACKENDS if b != "auto"]
@@ -153,7 +153,7 @@ def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
     import dataclasses
 
     from genlib.backends import choose
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     half = load_model(ModelSpec(stories.ref, dtype="bfloat16"))
     for request in (Request(rows=2, backend="lean"), Request(rows=4, reorder=True,
@@ -183,8 +183,8 @@ def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
     (a compiled static cache could not roll back), and its tokens are plain greedy's."""
     from transformers import AutoModelForCausalLM
 
-    from genlib.models import wrap_model
-    from genlib.speculative import Drafting
+    from genlib.decoding.speculative import Drafting
+    from genlib.models.loading import wrap_model
     from tests.conftest import tiny_config
 
     if arch == "llama":
@@ -342,7 +342,7 @@ def test_auto_keeps_bfloat16_on_a_gpu_to_the_exact_lean_forward(stories):
     import dataclasses
 
     from genlib.backends.choose import backend_name
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     half = load_model(ModelSpec(stories.ref, dtype="bfloat16"))
     gpu = torch.device("cuda")

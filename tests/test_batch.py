@@ -15,9 +15,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import batch as gb
-from genlib.config import derive_seed
+from genlib.batch import jobs as gb
 from genlib.errors import ChatRenderError, ChatTemplateError
+from genlib.settings.config import derive_seed
 from tests.conftest import ROOT, STORIES, wait_for_lines
 
 RUN = gb.RunDefaults(preset_settings={}, flags={"max_new_tokens": 16}, seed=7)
@@ -108,7 +108,7 @@ def test_the_line_keys_batch_md_names_are_settings():
     """Every setting docs/batch.md gives as an example of a line key is accepted."""
     import re
 
-    from genlib.config import SPECS
+    from genlib.settings.config import SPECS
 
     row = next(line for line in (ROOT / "docs" / "batch.md").read_text().splitlines()
                if line.startswith("| any generation setting |"))
@@ -238,9 +238,9 @@ def test_outputs_do_not_depend_on_the_batch_size(stories):
 
 
 def test_beam_lines_run_beam_search_at_any_batch_size(stories):
-    from genlib.beam import beam_search
-    from genlib.config import resolve_settings
-    from genlib.presets import load_preset
+    from genlib.decoding.beam import beam_search
+    from genlib.settings.config import resolve_settings
+    from genlib.settings.presets import load_preset
 
     prompts = {"a": "Once upon a time", "b": "The little dog ran to the", "c": "Lily"}
     lines = lines_of(*({"id": k, "prompt": p, "preset": "beam", "max_new_tokens": 16}

@@ -16,8 +16,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import batch as gb
 from genlib import jsonl
+from genlib.batch import jobs as gb
 from genlib.errors import PresetError
 from tests.conftest import ROOT, STORIES, wait_for_lines
 
@@ -285,7 +285,7 @@ def test_a_line_preset_is_a_name_never_a_path_and_no_file_content_is_quoted(
 
 def test_an_unknown_line_preset_suggests_names_never_a_path(tmp_path: Path, monkeypatch):
     """A line may not name a path, so its message must not suggest one; --preset may."""
-    from genlib.presets import load_preset
+    from genlib.settings.presets import load_preset
 
     monkeypatch.setenv("GENLAB_PRESETS_DIR", str(tmp_path))
     (item,) = gb.parse_lines([json.dumps({"id": "a", "prompt": "x", "preset": "nosuch"})], RUN)
@@ -311,7 +311,7 @@ def test_a_line_preset_name_too_long_for_a_file_is_just_unknown(tmp_path: Path, 
 
 
 def test_yaml_alias_bomb_deep_extends_and_huge_presets_are_refused(tmp_path: Path):
-    from genlib.presets import MAX_EXTENDS, load_preset
+    from genlib.settings.presets import MAX_EXTENDS, load_preset
 
     bomb = tmp_path / "bomb.yaml"
     rows = ['a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
@@ -458,7 +458,7 @@ def test_a_whole_last_record_without_its_newline_is_kept(tmp_path: Path):
 
 
 def test_only_a_record_cut_short_is_taken_for_a_half_written_line():
-    from genlib.results import half_written
+    from genlib.batch.results import half_written
 
     for cut in (b"{", b'{"id": ', b'{"id": "p1', b'{"id": 12', b'{"id": "a\\"b", "te',
                 b'{"id": "p15", "text": "half', b'{"id": 3, "error": "li',

@@ -13,10 +13,10 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib.beam import beam_search, length_score
-from genlib.config import GenerationSettings
+from genlib.decoding.beam import beam_search, length_score
 from genlib.generate import generate
-from genlib.models import LoadedModel
+from genlib.models.loading import LoadedModel
+from genlib.settings.config import GenerationSettings
 from tests.conftest import STORIES
 
 PROMPTS = ["Once upon a time", "The little dog"]
@@ -206,9 +206,9 @@ def test_stop_strings_end_beams(stories):
 
 
 def test_stream_dispatches_beam_with_scores(stories):
-    from genlib.config import resolve_settings
     from genlib.events import Finish, Prefill
     from genlib.generate import stream
+    from genlib.settings.config import resolve_settings
 
     s = resolve_settings({"strategy": "beam", "num_beams": 3, "num_return_sequences": 2,
                           "max_new_tokens": 12})

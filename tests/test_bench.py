@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import bench
-from genlib.config import GenerationSettings
+from genlib.lab import bench
+from genlib.settings.config import GenerationSettings
 from tests.conftest import STORIES, torch_threads
 
 METRICS = ("prefill_tps", "decode_tps", "ttft_s", "e2e_s", "itl_p50_s", "itl_p90_s",
@@ -90,7 +90,7 @@ def test_bandwidth_is_sampled_once_a_round_and_the_bound_uses_the_median(
 def test_a_compiled_step_is_warmed_up_even_with_warmup_0(one_thread):
     """A float16 model on the compiled backend: its compilation goes into an uncounted
     warm-up run (reported as compile_s), never into the counted runs."""
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     if not STORIES.is_dir():
         pytest.skip("stories260K not present")
@@ -257,8 +257,8 @@ def test_a_baseline_that_cannot_run_the_settings_is_refused(tmp_path, preset, me
 
 
 def test_baseline_runs_what_generate_has_with_every_value_passed():
-    from genlib.config import resolve_settings
-    from genlib.presets import load_preset
+    from genlib.settings.config import resolve_settings
+    from genlib.settings.presets import load_preset
 
     sample = resolve_settings({"strategy": "sample", "temperature": 0.7, "top_p": 0.9})
     assert sample.do_sample and bench.baseline_gap(sample) is None

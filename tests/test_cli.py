@@ -209,12 +209,12 @@ def test_a_reader_closing_the_pipe_ends_generation_quietly():
 
 
 def test_ctrl_c_outside_a_generation_loop_is_one_line_and_exit_130(monkeypatch):
-    import genlib.models
+    import genlib.models.loading
 
     def load_model(*args, **kwargs):  # Ctrl-C while the model loads
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(genlib.models, "load_model", load_model)
+    monkeypatch.setattr(genlib.models.loading, "load_model", load_model)
     result = invoke("generate", "Once upon a time", *MODEL)
     assert result.exit_code == 130
     assert result.stderr.strip() == "error: interrupted"
@@ -490,7 +490,7 @@ def chat_model(tmp_path_factory, stories):
 
 
 def test_chat_applies_template_with_system_message(chat_model):
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
 
     lm = load_model(ModelSpec(str(chat_model)))
     ids = lm.encode_chat([{"role": "system", "content": "Be kind."},

@@ -1,4 +1,4 @@
-"""genlib.compare and `genlab compare`: strategy sets, the runs on stories260K, what the
+"""genlib.lab.compare and `genlab compare`: strategy sets, the runs on stories260K, what the
 seed notes predict about repetition, the live view's layouts and the exports."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from typer.testing import CliRunner
 
 from cli.compare import View, comparison_markdown, metric_cell
 from cli.main import app
-from genlib import compare as cmp
-from genlib import metrics
 from genlib.errors import ConfigError
 from genlib.events import Finish
 from genlib.generate import stream
+from genlib.lab import compare as cmp
+from genlib.lab import metrics
 
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K"
@@ -109,7 +109,7 @@ def test_column_headers_name_only_the_settings_that_changed():
 
 
 def test_sample_seeds_derive_from_base():
-    from genlib.config import derive_seed
+    from genlib.settings.config import derive_seed
 
     assert cmp.sample_seeds(7, 3) == [7, derive_seed(7, 1), derive_seed(7, 2)]
 
@@ -154,7 +154,7 @@ def test_every_strategy_has_a_column(default_run):
 
 
 def test_beam_column_is_real_beam_search(default_run, stories):
-    from genlib.beam import beam_search
+    from genlib.decoding.beam import beam_search
 
     beam = next(r for r in default_run.results if r.strategy.label == "beam")
     assert beam.error is None and len(beam.samples) == 1
@@ -176,8 +176,8 @@ def test_metrics_are_those_of_the_samples(default_run):
 def test_samples_reproduce_generate_with_the_same_seed(stories, default_run):
     """With common random numbers (compare's default) a sample is the generation with
     the same seed drawn by inverse CDF; with --no-crn, plain `generate`'s."""
+    from genlib.decoding.detail import Detail
     from genlib.generate import generate
-    from genlib.stepdetail import Detail
 
     top_k = next(r for r in default_run.results if r.strategy.label == "top-k")
     settings = top_k.strategy.settings
@@ -209,7 +209,7 @@ def test_greedy_repeats_more_than_top_p_in_a_long_story(stories):
 
 
 def test_model_comparison_divergence(tmp_path):
-    from genlib.models import ModelSpec
+    from genlib.models.loading import ModelSpec
 
     if not (STORIES.is_dir() and LLAMA2XS.is_dir()):
         pytest.skip("shared models missing")
@@ -230,7 +230,7 @@ def test_each_model_run_times_its_generation_only(monkeypatch):
     same model's next run) and, after the generation, the logprobs object's bookkeeping:
     each run now gets an untimed token first and is timed by the decoder's clock."""
     import genlib.generate
-    from genlib.models import ModelSpec
+    from genlib.models.loading import ModelSpec
 
     if not STORIES.is_dir():
         pytest.skip("shared models missing")
@@ -255,7 +255,7 @@ def test_each_model_run_times_its_generation_only(monkeypatch):
 
 
 def test_ctrl_c_stops_the_model_comparison_after_the_cut_run(ctrl_c_at):
-    from genlib.models import ModelSpec
+    from genlib.models.loading import ModelSpec
 
     if not STORIES.is_dir():
         pytest.skip("shared models missing")

@@ -107,9 +107,9 @@ def test_importing_the_decode_path_does_not_import_dynamo():
     import subprocess
     import sys
 
-    modules = ("genlib.generate", "genlib.decode", "genlib.backends.choose",
+    modules = ("genlib.generate", "genlib.decoding.loop", "genlib.backends.choose",
                "genlib.backends.llama", "genlib.backends.lean", "genlib.backends.native",
-               "genlib.backends.compiled", "genlib.backends.direct", "genlib.quickload")
+               "genlib.backends.compiled", "genlib.backends.direct", "genlib.models.quickload")
     code = f"import sys, {', '.join(modules)}; print('torch._dynamo' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True)

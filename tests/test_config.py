@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from genlib.config import (
+from genlib.errors import ConfigError
+from genlib.settings.config import (
     SPECS,
     GenerationSettings,
     parse_assignments,
     resolve_settings,
     validate_settings,
 )
-from genlib.errors import ConfigError
 
 
 def test_defaults_are_greedy():
@@ -124,8 +124,8 @@ def test_settings_are_frozen_and_replace_revalidates():
 def test_settings_built_directly_are_validated_too():
     """No GenerationSettings holds a value resolve_settings would refuse: a range, a type
     or a cross-field rule broken in the constructor is the same ConfigError."""
-    from genlib.config import GenerationSettings
     from genlib.errors import ConfigError
+    from genlib.settings.config import GenerationSettings
 
     for bad, message in (({"temperature": 0}, "temperature must be > 0"),
                          ({"top_p": 1.5}, "top_p must be 0 < top_p <= 1"),
@@ -139,7 +139,7 @@ def test_settings_built_directly_are_validated_too():
 def test_every_default_is_written_once_in_specs():
     import dataclasses
 
-    from genlib.config import SPECS, GenerationSettings, resolve_settings
+    from genlib.settings.config import SPECS, GenerationSettings, resolve_settings
 
     built = GenerationSettings()
     for f in dataclasses.fields(GenerationSettings):

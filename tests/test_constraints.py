@@ -9,10 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import constraints as cons
-from genlib.beam import beam_search
-from genlib.config import GenerationSettings
+from genlib.decoding.beam import beam_search
 from genlib.errors import ConfigError
+from genlib.sampling import constraints as cons
+from genlib.settings.config import GenerationSettings
 from tests.conftest import STORIES
 from tests.test_beam import WORDS, toy  # noqa: F401  (the hand-built model fixture)
 
@@ -108,8 +108,8 @@ def test_a_forced_word_matches_its_mid_text_spelling_on_byte_level_bpe():
     """Byte-level BPE spells " return" as one token unlike "return": both count."""
     from transformers import AutoTokenizer
 
-    from genlib.constraints import _spellings
-    from genlib.models import DEFAULT_MODEL
+    from genlib.models.loading import DEFAULT_MODEL
+    from genlib.sampling.constraints import _spellings
 
     tok = AutoTokenizer.from_pretrained(str(DEFAULT_MODEL))
     texts = {tok.decode(list(s)) for s in _spellings(tok, "return")}
@@ -117,7 +117,7 @@ def test_a_forced_word_matches_its_mid_text_spelling_on_byte_level_bpe():
 
 
 def test_spaces_around_the_bars_of_a_set_do_not_change_it(stories):
-    from genlib.constraints import build_constraints
+    from genlib.sampling.constraints import build_constraints
 
     tight, = build_constraints(stories.tokenizer, [], ["cat|bird"], 8)
     spaced, = build_constraints(stories.tokenizer, [], ["cat | bird "], 8)
@@ -127,7 +127,7 @@ def test_spaces_around_the_bars_of_a_set_do_not_change_it(stories):
 def test_a_forced_phrase_holding_a_stop_string_is_refused(stories):
     """The output would end at the stop string and its text be cut there: the phrase
     could never be shown, though the output would be marked as meeting it."""
-    from genlib.constraints import build_constraints
+    from genlib.sampling.constraints import build_constraints
 
     with pytest.raises(ConfigError, match="'big dog' contains the stop string 'g d'"):
         build_constraints(stories.tokenizer, [], ["cat|big dog"], 8, ("g d",))

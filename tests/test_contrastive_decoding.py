@@ -1,4 +1,4 @@
-"""Contrastive decoding (genlib.combine.contrastive, `--amateur --cd-beta --cd-alpha`).
+"""Contrastive decoding (genlib.sampling.combine.contrastive, `--amateur --cd-beta --cd-alpha`).
 
 Its greedy tokens equal a reference computed here from the expert's and the amateur's
 own transformers logits with the formula (1+beta) log p_e - beta log p_a over the
@@ -17,11 +17,11 @@ import sys
 import pytest
 import torch
 
-from genlib.beam import beam_search
-from genlib.combine import Partner, contrastive, plausible
-from genlib.config import GenerationSettings
+from genlib.decoding.beam import beam_search
 from genlib.errors import ConfigError
 from genlib.generate import generate
+from genlib.sampling.combine import Partner, contrastive, plausible
+from genlib.settings.config import GenerationSettings
 from tests.conftest import CODE_DRAFT, CODE_TARGET, LLAMA2XS, ROOT, STORIES, shared_model
 
 CODE_PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from genlib.config import resolve_settings
 from genlib.generate import generate
+from genlib.settings.config import resolve_settings
 from tests.conftest import ROOT, STORIES
 
 STEPS = 32
@@ -61,7 +61,7 @@ def random_llama(stories_tokenizer):
     its tokens vary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from genlib.models import wrap_model
+    from genlib.models.loading import wrap_model
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -140,7 +140,7 @@ def test_refusals_are_one_line_and_exit_2(args, message):
 def test_presets_and_compare_put_both_beside_greedy(stories):
     """The built-in presets hold transformers' suggestions, and `compare` runs them as
     strategies with the usual metrics: their outputs are the methods' own tokens."""
-    from genlib.compare import build_strategies, compare
+    from genlib.lab.compare import build_strategies, compare
 
     strategies = build_strategies(["greedy", "contrastive", "dola"], [],
                                   {"max_new_tokens": 12})

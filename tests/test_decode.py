@@ -5,11 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from genlib import generate, step
+from genlib import generate
 from genlib.backends.transformers import TransformersBackend
-from genlib.config import resolve_settings
+from genlib.decoding import step
 from genlib.errors import ContextLengthError
 from genlib.events import Finish, Prefill, Token
+from genlib.settings.config import resolve_settings
 
 STORY_PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went to the", "One day,"]
 

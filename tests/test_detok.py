@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from transformers import AutoTokenizer
 
-from genlib.detok import IncrementalDecoder, token_bytes
-from genlib.stopping import StopStrings
+from genlib.decoding.detok import IncrementalDecoder, token_bytes
+from genlib.sampling.stopping import StopStrings
 from tests.conftest import CODE_TARGET, STORIES
 
 TEXT = "Tom said: \"héllo wörld\" 🙂 — naïve café, 3 + 4 = 7.\n    return x"
@@ -50,7 +50,7 @@ def test_token_bytes_join_to_the_text_s_utf8(folder):
     """OpenAI's and vLLM's `bytes`: joined over the tokens, the text's UTF-8. A token
     that is part of a character (stories260K's `<0xC3>`) had U+FFFD's three bytes."""
 
-    from genlib.detok import token_text
+    from genlib.decoding.detok import token_text
 
     if not folder.is_dir():
         pytest.skip(f"{folder} not present")

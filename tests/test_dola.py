@@ -13,10 +13,10 @@ import sys
 import pytest
 import torch
 
-from genlib.config import resolve_settings
-from genlib.dola import candidate_layers
+from genlib.decoding.dola import candidate_layers
 from genlib.errors import ConfigError
 from genlib.generate import generate
+from genlib.settings.config import resolve_settings
 from tests.conftest import ROOT, STORIES
 
 STEPS = 32
@@ -76,7 +76,7 @@ def random_llama(stories_tokenizer):
     """A random Llama of 6 layers, untied head; init scaled so its tokens vary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from genlib.models import wrap_model
+    from genlib.models.loading import wrap_model
 
     torch.manual_seed(1)
     config = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128,
@@ -116,7 +116,7 @@ def test_matches_the_reference_on_stories(stories, prompt, dola_layers, varies):
 
 def test_contrast_keeps_the_plausible_tokens_alone():
     """Tokens with q_N < 0.1 * max q_N score -inf; the others log q_N - log q_M."""
-    from genlib.dola import contrast
+    from genlib.decoding.dola import contrast
 
     final = torch.tensor([[0.5, 0.3, 0.04, 0.16]]).log()
     base = torch.tensor([[0.4, 0.05, 0.2, 0.35]]).log()

@@ -1,4 +1,4 @@
-"""Token-level ensembles (genlib.combine, genlib.backends.combined, `--ensemble`).
+"""Token-level ensembles (genlib.sampling.combine, genlib.backends.combined, `--ensemble`).
 
 An ensemble of a model with itself at equal weights, in either mode, is that model;
 an ensemble of two different models in mean mode takes the argmax of the mixture
@@ -15,7 +15,10 @@ import sys
 import pytest
 import torch
 
-from genlib.combine import (
+from genlib.errors import ConfigError
+from genlib.events import Prefill
+from genlib.generate import generate, stream
+from genlib.sampling.combine import (
     Partner,
     check_partner,
     mixture,
@@ -23,10 +26,7 @@ from genlib.combine import (
     product,
     tokenizer_difference,
 )
-from genlib.config import GenerationSettings
-from genlib.errors import ConfigError
-from genlib.events import Prefill
-from genlib.generate import generate, stream
+from genlib.settings.config import GenerationSettings
 from tests.conftest import CODE_TARGET, LLAMA2XS, ROOT, STORIES
 
 PROMPTS = {"stories": "Once upon a time",

@@ -345,8 +345,8 @@ def test_show_settings_names_each_source(model_with_generation_config, tmp_path)
 
 
 def test_show_settings_warns_of_ignored_settings(stories, tmp_path):
-    from genlib.config import resolve_settings
-    from genlib.provenance import sources
+    from genlib.settings.config import resolve_settings
+    from genlib.settings.provenance import sources
 
     settings = resolve_settings({"strategy": "greedy", "length_penalty": 2.0,
                                  "temperature": 0.5})

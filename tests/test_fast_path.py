@@ -14,8 +14,8 @@ from genlib.backends.choose import Request, choose_backend
 from genlib.backends.compiled import CompiledStaticBackend
 from genlib.backends.lean import cache_capacity
 from genlib.backends.transformers import TransformersBackend
-from genlib.config import GenerationSettings
 from genlib.errors import ConfigError
+from genlib.settings.config import GenerationSettings
 
 PROMPT = "Once upon a time"
 

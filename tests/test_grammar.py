@@ -18,13 +18,14 @@ pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlab[g
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import generate, grammar, processors
-from genlib.beam import beam_search
-from genlib.config import resolve_settings
+from genlib import generate
+from genlib.decoding.beam import beam_search
+from genlib.decoding.speculative import speculative_stream
 from genlib.errors import ConfigError, GenlabWarning
 from genlib.events import Verify
-from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_model
-from genlib.speculative import speculative_stream
+from genlib.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, ModelSpec, load_model
+from genlib.sampling import grammar, processors
+from genlib.settings.config import resolve_settings
 
 SCHEMA = {
     "type": "object",

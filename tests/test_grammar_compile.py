@@ -19,10 +19,10 @@ import pytest
 
 pytest.importorskip("xgrammar", reason="the grammar extra: pip install 'genlab[grammar]'")
 
-from genlib import grammar, grammar_cache
-from genlib.config import resolve_settings
 from genlib.errors import GenlabWarning
-from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
+from genlib.models.loading import DEFAULT_MODEL, ModelSpec, load_model
+from genlib.sampling import grammar, grammar_cache
+from genlib.settings.config import resolve_settings
 
 ROOT = Path(__file__).resolve().parent.parent
 CODE_TARGET = ROOT.parent / "shared" / "models" / "code-target"

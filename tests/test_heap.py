@@ -1,5 +1,5 @@
 """Where a model loads in a process that is genlab's alone (the CLI's, a Ray worker's),
-the heap loading made is frozen (`genlib.models.freeze_heap`), so a full collection
+the heap loading made is frozen (`genlib.models.loading.freeze_heap`), so a full collection
 mid-decode walks what decoding made, not the ~400,000 objects of loading. A library
 caller's process is left alone."""
 
@@ -11,13 +11,13 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-import genlib.models
+import genlib.models.loading
 from cli.context import ModelFlags, load
 from cli.main import app
-from genlib.compare import Strategy, compare_models
-from genlib.config import resolve_settings
 from genlib.generate import stream
-from genlib.models import ModelSpec
+from genlib.lab.compare import Strategy, compare_models
+from genlib.models.loading import ModelSpec
+from genlib.settings.config import resolve_settings
 from tests.conftest import STORIES, shared_model
 
 
@@ -29,18 +29,18 @@ def frozen(obj: object) -> bool:
 
 @pytest.fixture
 def loads(monkeypatch):
-    """The models `genlib.models.load_model` returns meanwhile (its callers import it
+    """The models `genlib.models.loading.load_model` returns meanwhile (its callers import it
     when they run), each with its tokenizer."""
     if not STORIES.is_dir():
         pytest.skip(f"{STORIES} is not present")
     loaded = []
-    real = genlib.models.load_model
+    real = genlib.models.loading.load_model
 
     def recorded(*args, **kwargs):
         loaded.append(real(*args, **kwargs))
         return loaded[-1]
 
-    monkeypatch.setattr(genlib.models, "load_model", recorded)
+    monkeypatch.setattr(genlib.models.loading, "load_model", recorded)
     gc.unfreeze()
     return loaded
 
@@ -76,7 +76,7 @@ def test_the_clis_compare_across_models_freezes_each_model_it_loads(loads):
 
 
 def test_a_ray_worker_freezes_once_its_model_has_loaded(monkeypatch):
-    from genlib.ray_engine import GenerateWorker
+    from genlib.batch.ray_engine import GenerateWorker
     from tests.test_ray_engine import plan_for
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the worker sends it to stderr

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from cli.errors import user_errors
 from cli.main import app
-from genlib.config import MAX_ROWS, resolve_settings
 from genlib.errors import ConfigError
+from genlib.settings.config import MAX_ROWS, resolve_settings
 from tests.conftest import ROOT, STORIES
 
 runner = CliRunner()
@@ -397,12 +397,12 @@ LONG_NAME = "x" * 300 + ".html"
 ])
 def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(
         args: list[str], fragment: str, monkeypatch):
-    import genlib.models
+    import genlib.models.loading
 
     def no_load(*_: object, **__: object):
         raise AssertionError("the model was loaded before the output path was checked")
 
-    monkeypatch.setattr(genlib.models, "load_model", no_load)
+    monkeypatch.setattr(genlib.models.loading, "load_model", no_load)
     if "--plot" in args:
         pytest.importorskip("matplotlib")  # without it, --plot is refused for that first
     result = invoke(args[0], *MODEL, *args[1:])

@@ -11,8 +11,8 @@ from genlib.backends import kernel
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.lean import lean_model_of
 from genlib.backends.llama import LeanLlama, _mm, _Proj
-from genlib.config import resolve_settings
 from genlib.events import Finish, Prefill
+from genlib.settings.config import resolve_settings
 from tests.conftest import (
     assert_lean_follows_transformers,
     tiny_config,
@@ -217,7 +217,7 @@ def test_qwen2_with_qkv_biases_matches_generate():
 def test_other_architectures_are_not_eligible_and_still_generate(stories_tokenizer):
     from transformers import AutoModelForCausalLM
 
-    from genlib.models import wrap_model
+    from genlib.models.loading import wrap_model
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
@@ -344,7 +344,7 @@ def test_compiled_step_in_bfloat16_reads_exactly_the_cached_tokens():
     instead sums differently and parts from transformers' tokens at the 16th here. (The
     compiled step's fused products sum in their own order, which flips other prompts'
     near-ties in bfloat16: auto gives the CPU the lean forward there, tested below.)"""
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
     from tests.conftest import STORIES
 
     if not STORIES.is_dir():
@@ -360,7 +360,7 @@ def test_auto_in_bfloat16_on_a_cpu_gives_transformers_tokens():
     """One row in bfloat16 on a CPU: auto picks the lean forward, whose greedy tokens are
     generate()'s where the compiled step's part from them (code-draft, this prompt, at
     the 14th token: a near-tie its own order of sums flips)."""
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
     from tests.conftest import CODE_DRAFT
 
     if not CODE_DRAFT.is_dir():

@@ -1,5 +1,5 @@
 """Sizes that cannot fit in memory are refused before any work, in one place
-(genlib.memory, reached through check_prompts, the batch planner and bench's cases), and
+(genlib.models.memory, reached through check_prompts, the batch planner and bench's cases), and
 bench builds its prompts in time linear in the batch size."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import bench, memory
+from genlib.lab import bench
+from genlib.models import memory
 from tests.conftest import STORIES
 
 runner = CliRunner()

@@ -1,4 +1,4 @@
-"""genlib.metrics on hand-made token sequences whose values are worked out by hand."""
+"""genlib.lab.metrics on hand-made token sequences whose values are worked out by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from genlib import metrics
+from genlib.lab import metrics
 
 
 def test_ngrams_in_order():

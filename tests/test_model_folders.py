@@ -16,7 +16,7 @@ from typer.testing import CliRunner
 
 from cli.main import app
 from genlib.errors import ModelLoadError
-from genlib.models import ModelSpec, load_model
+from genlib.models.loading import ModelSpec, load_model
 from tests.conftest import CODE_TARGET, STORIES
 
 runner = CliRunner()

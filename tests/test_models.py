@@ -7,9 +7,9 @@ import shutil
 import pytest
 
 from genlib import generate
-from genlib.config import resolve_settings
 from genlib.errors import ModelLoadError
-from genlib.models import ModelSpec, eos_ids_of, load_model, resolve_model_ref
+from genlib.models.loading import ModelSpec, eos_ids_of, load_model, resolve_model_ref
+from genlib.settings.config import resolve_settings
 from tests.conftest import CODE_DRAFT, STORIES
 
 
@@ -138,7 +138,7 @@ def test_trust_remote_code_is_off_by_default():
 
 
 def test_builtin_models_by_name():
-    from genlib.models import DEFAULT_DRAFT, DEFAULT_MODEL, display_name, model_source
+    from genlib.models.loading import DEFAULT_DRAFT, DEFAULT_MODEL, display_name, model_source
 
     assert display_name(str(DEFAULT_MODEL)) == "builtin:code-small"
     assert display_name(str(DEFAULT_DRAFT) + "/") == "builtin:code-tiny"
@@ -180,7 +180,7 @@ def test_an_unreachable_hub_fails_at_once_with_what_to_do(monkeypatch):
 def test_an_unreachable_hub_loads_a_cached_model_from_the_cache(monkeypatch):
     import huggingface_hub
 
-    from genlib import models
+    from genlib.models import loading as models
 
     monkeypatch.setattr(models, "_hub_reachable", lambda: False)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
@@ -197,7 +197,7 @@ def test_a_models_generation_config_is_read_from_where_the_model_loaded(tmp_path
     """--show-settings and /show read generation_config.json beside the weights; for a
     built-in name or a `~/...` path they missed the file and loaded the whole
     transformers model to ask it instead."""
-    from genlib.provenance import model_generation_config
+    from genlib.settings.provenance import model_generation_config
 
     def no_load():
         raise AssertionError("the model was loaded to read its generation config")

@@ -19,7 +19,7 @@ from genlib.backends.lean import LeanBackend, lean_model_of
 from genlib.backends.llama import LeanLlama
 from genlib.backends.native import NativeBackend
 from genlib.errors import ConfigError
-from genlib.models import wrap_model
+from genlib.models.loading import wrap_model
 from tests.conftest import tiny_config, torch_threads
 from tests.test_lean import genlab_greedy, greedy
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import torch
 
-from genlib import beam, decode
 from genlib.backends.nocache import NoCacheBackend
 from genlib.backends.transformers import TransformersBackend
-from genlib.config import GenerationSettings
+from genlib.decoding import beam
+from genlib.decoding import loop as decode
 from genlib.events import Finish
+from genlib.settings.config import GenerationSettings
 
 
 def _tokens(events) -> list[tuple[int, ...]]:

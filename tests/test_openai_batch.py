@@ -10,8 +10,8 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import batch as gb
-from genlib import openai_batch as ob
+from genlib.batch import jobs as gb
+from genlib.batch import openai as ob
 from tests.conftest import STORIES
 from tests.test_batch import RUN, read_results
 
@@ -40,7 +40,7 @@ def test_requests_map_onto_genlab_settings():
             s.settings.min_new_tokens) == (0.9, 3, 5, 2)
     assert c.messages == [{"role": "user", "content": "hi"}]
     # the seed of a line without one comes from its custom_id, as for a genlab id
-    from genlib.config import derive_seed
+    from genlib.settings.config import derive_seed
 
     assert g.settings.seed == derive_seed(RUN.seed, "g")
 

@@ -318,7 +318,7 @@ def test_every_presets_document_validates(user_presets, command):
 
 
 def test_presets_list_document(user_presets):
-    from genlib.presets import builtin_dir
+    from genlib.settings.presets import builtin_dir
 
     doc = json.loads(run("presets", "list", "--json").stdout)
     rows = {row["name"]: row for row in doc["presets"]}
@@ -339,7 +339,7 @@ def test_presets_list_document(user_presets):
 
 
 def test_presets_show_document_says_where_each_setting_came_from(user_presets):
-    from genlib.presets import builtin_dir
+    from genlib.settings.presets import builtin_dir
 
     doc = json.loads(run("presets", "show", "warm", "--json").stdout)
     assert doc["model"] == "../shared/models/stories260K"
@@ -367,7 +367,7 @@ def test_presets_show_by_path_is_a_file(user_presets, tmp_path):
 
 
 def test_presets_keys_document_lists_every_setting(user_presets):
-    from genlib.config import SPECS
+    from genlib.settings.config import SPECS
 
     doc = json.loads(run("presets", "keys", "--json").stdout)
     keys = {key["key"]: key for key in doc["keys"]}

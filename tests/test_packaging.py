@@ -19,8 +19,8 @@ def test_non_editable_install_finds_builtin_presets(tmp_path):
     for name in ("code-small", "code-tiny"):  # the built-in models ship in the wheel
         assert (target / "genlib" / "assets" / name / "model.safetensors").is_file()
         assert (target / "genlib" / "assets" / name / "tokenizer.json").is_file()
-    code = ("from genlib.presets import available_names, builtin_dir\n"
-            "from genlib.models import DEFAULT_MODEL\n"
+    code = ("from genlib.settings.presets import available_names, builtin_dir\n"
+            "from genlib.models.loading import DEFAULT_MODEL\n"
             "print(builtin_dir()); print(','.join(available_names())); print(DEFAULT_MODEL)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           cwd=tmp_path, env={"PYTHONPATH": str(target),

@@ -8,9 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib.config import resolve_settings
 from genlib.errors import PresetError
-from genlib.presets import (
+from genlib.settings.config import resolve_settings
+from genlib.settings.presets import (
     available_names,
     builtin_dir,
     list_presets,

@@ -9,10 +9,12 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from genlib import config, generate, processors
-from genlib.config import resolve_settings
+from genlib import generate
+from genlib.decoding.step import make_plan
 from genlib.errors import ConfigError
-from genlib.step import make_plan
+from genlib.sampling import processors
+from genlib.settings import config
+from genlib.settings.config import resolve_settings
 
 NEG = float("-inf")
 
@@ -204,7 +206,7 @@ def test_beam_sampling_keeps_as_many_tokens_as_transformers(stories):
     ids + 1 (at least 2), so a beam always has a continuation that does not end; plain
     sampling keeps 1. stories260K has two end ids: top-p 0.01 on a peaked row keeps 1
     token when sampling, 3 with beams."""
-    from genlib import beam
+    from genlib.decoding import beam
 
     assert len(stories.eos_ids) == 2
     peaked = probs([0.96, 0.02, 0.012, 0.008])

@@ -193,7 +193,7 @@ def test_greedy_tokens_on_real_models_are_the_dequantized_forwards(name, stories
 
 @pytest.fixture(scope="module")
 def stories_q8():
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
     from tests.conftest import STORIES
 
     if not STORIES.is_dir():
@@ -249,8 +249,8 @@ PROMPTS = ["Once upon a time", "The little dog", "Tom and Sue went"]
 
 
 def test_a_quantized_batch_gives_each_row_its_tokens_alone(stories_q8):
-    from genlib.config import GenerationSettings
     from genlib.generate import generate, stream
+    from genlib.settings.config import GenerationSettings
 
     settings = GenerationSettings(max_new_tokens=40)
     rows = [stories_q8.encode(p) for p in PROMPTS]
@@ -264,9 +264,9 @@ def test_a_quantized_batch_gives_each_row_its_tokens_alone(stories_q8):
 
 
 def test_one_beam_on_quantized_weights_is_their_greedy_search(stories_q8):
-    from genlib.beam import beam_search
-    from genlib.config import GenerationSettings
+    from genlib.decoding.beam import beam_search
     from genlib.generate import generate
+    from genlib.settings.config import GenerationSettings
 
     ids = stories_q8.encode(PROMPTS[0])
     greedy = generate(stories_q8, [ids], GenerationSettings(max_new_tokens=40))[0]
@@ -278,10 +278,10 @@ def test_one_beam_on_quantized_weights_is_their_greedy_search(stories_q8):
 
 
 def test_a_quantized_draft_of_the_quantized_target_accepts_every_token(stories_q8):
-    from genlib.config import resolve_settings
+    from genlib.decoding.speculative import speculative_stream
     from genlib.events import Finish, Verify
     from genlib.generate import generate
-    from genlib.speculative import speculative_stream
+    from genlib.settings.config import resolve_settings
 
     settings = resolve_settings({"max_new_tokens": 40})
     ids = stories_q8.encode(PROMPTS[1])
@@ -299,7 +299,7 @@ def test_fidelity_compares_each_format_with_float32_position_by_position():
     """Perplexity from the lean forward's own log-softmax, windows from empty caches;
     float32 agrees with itself; a format's KL is positive and its agreement below 1 on
     a random model's flat distributions."""
-    from genlib.fidelity import fidelity
+    from genlib.lab.fidelity import fidelity
 
     lean = LeanLlama.from_model(tiny("llama"))
     torch.manual_seed(5)

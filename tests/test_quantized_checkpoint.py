@@ -1,4 +1,4 @@
-"""genlab's quantized checkpoint (genlib/qformat.py, genlib/qwrite.py,
+"""genlab's quantized checkpoint (genlib/models/qformat.py, genlib/models/qwrite.py,
 scripts/quantize_model.py): the tool writes quant.quantize's codes and reproducible
 bytes; a folder it wrote loads offline, runs its codes as stored on the native kernel
 with the greedy tokens of a float forward over the dequantized weights, and reports its
@@ -18,12 +18,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from genlib import qformat, qwrite
 from genlib.backends import quant
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama
 from genlib.errors import ModelLoadError
-from genlib.models import BUILTIN_MODELS, ModelSpec, load_model
+from genlib.models import qformat, qwrite
+from genlib.models.loading import BUILTIN_MODELS, ModelSpec, load_model
 from tests.conftest import CODE_TARGET, ROOT
 from tests.test_quantized import greedy_lean, greedy_native
 
@@ -169,8 +169,8 @@ def test_the_first_token_dequantizes_no_matrix_of_the_layers(written):
     """The native kernel runs the codes; the torch forward's float copies of the layers'
     matrices (`LeanLlama.layers`) are never made, and the layers' matrices never
     dequantized, for a generation on it."""
-    from genlib.config import resolve_settings
     from genlib.generate import generate
+    from genlib.settings.config import resolve_settings
 
     lm = load_model(ModelSpec(str(written(CODE_SMALL, "nf4"))), quick=True)
     generate(lm, [lm.encode("def f(")], resolve_settings({"max_new_tokens": 2}))

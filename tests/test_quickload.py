@@ -1,4 +1,4 @@
-"""genlib.quickload: checkpoints loaded without transformers behave exactly as the same
+"""genlib.models.quickload: checkpoints loaded without transformers behave exactly as the same
 checkpoints loaded through it (tokens, logits, tokenizer, end ids), fall back to
 transformers for what they do not qualify for, and keep transformers out of
 `genlab generate`'s start."""
@@ -17,9 +17,9 @@ import torch
 from genlib import generate
 from genlib.backends.lean import lean_model_of
 from genlib.backends.llama import LeanLlama
-from genlib.config import resolve_settings
-from genlib.models import DEFAULT_MODEL, ModelSpec, load_model
-from genlib.quickload import quick_load as load_quickly
+from genlib.models.loading import DEFAULT_MODEL, ModelSpec, load_model
+from genlib.models.quickload import quick_load as load_quickly
+from genlib.settings.config import resolve_settings
 from tests.conftest import (
     CODE_TARGET,
     LLAMA2XS,
@@ -47,7 +47,7 @@ def no_transformers_model():
 
 
 def quick_load(spec: ModelSpec, folder: str, device: torch.device):
-    """genlib.quickload.quick_load, its transformers model never to be loaded here."""
+    """genlib.models.quickload.quick_load, its transformers model never to be loaded here."""
     return load_quickly(spec, folder, device, no_transformers_model)
 
 

@@ -18,16 +18,16 @@ import pytest
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import batch as gb
-from genlib.models import ModelSpec
-from genlib.ray_cluster import RayEngineError, check_reachable, private_cluster_env
-from genlib.ray_engine import (
+from genlib.batch import jobs as gb
+from genlib.batch.ray_cluster import RayEngineError, check_reachable, private_cluster_env
+from genlib.batch.ray_engine import (
     SETTINGS_DIFFER,
     GenerateWorker,
     WorkerPlan,
     first_of_each,
     run_on_ray,
 )
+from genlib.models.loading import ModelSpec
 from tests.conftest import ROOT, STORIES, wait_for_lines
 from tests.test_batch import RUN, mixed_prompts, read_results
 
@@ -342,7 +342,7 @@ def same_but_float_noise(a: object, b: object) -> bool:
 
 
 def test_engine_ray_loads_the_model_on_the_backend_asked_for(monkeypatch, tmp_path):
-    import genlib.ray_engine as re_mod
+    import genlib.batch.ray_engine as re_mod
 
     seen = []
 
@@ -361,7 +361,7 @@ def test_engine_ray_loads_the_model_on_the_backend_asked_for(monkeypatch, tmp_pa
 
 
 def test_engine_ray_refuses_an_unknown_backend_before_starting(monkeypatch, tmp_path):
-    import genlib.ray_engine as re_mod
+    import genlib.batch.ray_engine as re_mod
 
     monkeypatch.setattr(re_mod, "require_ray", lambda *a, **k: None)
     monkeypatch.setattr(re_mod, "run_on_ray", lambda *a, **k: pytest.fail("ran"))
@@ -489,7 +489,7 @@ def test_a_line_whose_preset_differs_on_the_worker_fails_alone(cluster, tmp_path
 
 
 def test_reasons_are_the_first_line_of_rays_message():
-    from genlib.ray_engine import _reason
+    from genlib.batch.ray_engine import _reason
 
     assert _reason(RuntimeError("ray::MapWorker.__init__() (pid=1)\n  File ...")) == \
         "ray::MapWorker.__init__() (pid=1)"
@@ -501,8 +501,8 @@ def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys, monkeypatc
     has started."""
     import warnings
 
+    from genlib.batch.ray_engine import GenerateWorker
     from genlib.errors import GenlabWarning
-    from genlib.ray_engine import GenerateWorker
 
     monkeypatch.setattr(sys, "stdout", sys.stdout)  # the worker sends it to stderr
     with warnings.catch_warnings():  # and puts its own showwarning, undone on leaving

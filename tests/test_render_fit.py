@@ -107,8 +107,8 @@ def test_bench_default_table_fits_80_columns_with_the_usual_labels():
 
 def comparison_view(n_strategies: int):
     from cli.compare import View
-    from genlib import compare as cmp
-    from genlib.metrics import METRICS
+    from genlib.lab import compare as cmp
+    from genlib.lab.metrics import METRICS
 
     strategies = cmp.build_strategies([], [], {"max_new_tokens": 12}, samples=2)
     strategies = (strategies * 2)[:n_strategies]
@@ -125,7 +125,7 @@ def comparison_view(n_strategies: int):
 @pytest.mark.parametrize("n_strategies", [2, 6])
 def test_compare_shows_every_text_in_full(width, n_strategies):
     from cli.compare import format_metric
-    from genlib.metrics import METRICS
+    from genlib.lab.metrics import METRICS
 
     view = comparison_view(n_strategies)
     text = render(width, lambda c: c.print(view.render(width)))
@@ -144,7 +144,7 @@ def test_compare_shows_every_text_in_full(width, n_strategies):
 @pytest.mark.parametrize("width", WIDTHS)
 def test_beam_table_shows_texts_in_full_and_scores_whole(width, monkeypatch):
     from cli import render_beam
-    from genlib.beam import Hypothesis
+    from genlib.decoding.beam import Hypothesis
 
     hyps = [Hypothesis((1,) * 40, (-0.5,) * 40, -20.123, -0.5031 - r, f"{LONG}#{r}", "length")
             for r in range(3)]
@@ -175,7 +175,7 @@ def test_presets_tables_fit(width, command, monkeypatch):
     text = console.export_text()
     assert all(len(line) <= width for line in text.splitlines()), text
     if command == "keys":
-        from genlib.config import SPECS
+        from genlib.settings.config import SPECS
 
         for key, spec in SPECS.items():  # each key and its default whole on one line
             assert any(key in line and repr(spec.default) in line
@@ -245,7 +245,7 @@ def test_stats_lines_fit_and_break_between_words(width, monkeypatch):
 
 
 def tree_steps(depth: int):
-    from genlib.beam import TreeCandidate, TreeStep
+    from genlib.decoding.beam import TreeCandidate, TreeStep
 
     return [TreeStep(step, (TreeCandidate(0, 0, 7, " extraordinarily", 0.5, -0.693 * (step + 1),
                                           "kept", 0),
@@ -256,7 +256,7 @@ def tree_steps(depth: int):
 @pytest.mark.parametrize("width", NARROW)
 def test_beam_tree_cuts_its_lines_with_an_ellipsis(width, monkeypatch):
     from cli import render_beam
-    from genlib.beam import BeamResult
+    from genlib.decoding.beam import BeamResult
 
     console = recording(width)
     monkeypatch.setattr(render_beam, "out", console)
@@ -276,7 +276,7 @@ def test_beam_tree_cuts_its_lines_with_an_ellipsis(width, monkeypatch):
 
 
 def speculation_summary():
-    from genlib.speculative import Summary
+    from genlib.decoding.speculative import Summary
 
     return Summary(new_tokens=48, steps=16, proposed=87, accepted=44, rejections=12,
                    draft_seconds=0.4012, target_seconds=0.8543, draft_forwards=87,
@@ -321,7 +321,7 @@ def test_samplers_help_shows_the_whole_default_order(width):
     from typer.testing import CliRunner
 
     from cli.main import app
-    from genlib.config import DEFAULT_SAMPLERS
+    from genlib.settings.config import DEFAULT_SAMPLERS
 
     result = CliRunner().invoke(app, ["generate", "--help"], env={"COLUMNS": str(width)},
                                 terminal_width=width)

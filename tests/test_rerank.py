@@ -1,4 +1,4 @@
-"""Sample and rerank (genlib.rerank, `generate --samples N --rerank ...`): the scores it
+"""Sample and rerank (genlib.decoding.rerank, `generate --samples N --rerank ...`): the scores it
 reports are what they say, and the kept sample is the best by them."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ import torch
 from typer.testing import CliRunner
 
 from cli.main import app
-from genlib import rerank
-from genlib.config import resolve_settings
+from genlib.decoding import rerank
 from genlib.errors import ConfigError
 from genlib.events import Finish, Rerank, Token
 from genlib.generate import stream
+from genlib.settings.config import resolve_settings
 from tests.conftest import CODE_TARGET, LLAMA2XS, STORIES
 from tests.test_output import errors as schema_errors
 
@@ -208,7 +208,7 @@ def test_batch_lines_rerank_as_generate_does_and_never_name_a_model(tmp_path):
 def test_compare_runs_rerank_beside_the_samples_it_chooses_from(stories):
     """Under common random numbers the rerank preset's 8 samples are the 8 samples of
     plain sampling at its temperature: it keeps the one of best mean logprob."""
-    from genlib import compare, metrics
+    from genlib.lab import compare, metrics
 
     strategies = compare.build_strategies(["rerank"], ["temperature=1.0"],
                                           {"max_new_tokens": 12}, samples=8)

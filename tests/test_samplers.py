@@ -12,9 +12,10 @@ import pytest
 import torch
 from transformers.generation import logits_process as hf
 
-from genlib import processors, sampling
-from genlib.config import resolve_settings
 from genlib.errors import ConfigError
+from genlib.sampling import draws as sampling
+from genlib.sampling import processors
+from genlib.settings.config import resolve_settings
 
 
 def logits_of(probs: list[float]) -> torch.Tensor:
@@ -297,7 +298,7 @@ def test_logit_bias_text_is_encoded_with_the_tokenizer(stories_tokenizer):
 
 
 def test_new_keys_load_from_a_yaml_preset(tmp_path, stories_tokenizer):
-    from genlib.presets import load_preset
+    from genlib.settings.presets import load_preset
 
     path = tmp_path / "mine.yaml"
     path.write_text(
@@ -416,7 +417,7 @@ def test_token_texts_go_with_their_tokenizer():
     freed its entry goes, so one created later at the same address never reads them."""
     import gc
 
-    from genlib import processors
+    from genlib.sampling import processors
 
     class Vocab:
         def __init__(self, word: str) -> None:

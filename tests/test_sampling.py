@@ -1,4 +1,4 @@
-"""genlib.sampling's draws: each follows its distribution and never picks a token of
+"""genlib.sampling.draws's draws: each follows its distribution and never picks a token of
 probability 0."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from genlib.errors import ConfigError
-from genlib.sampling import draw
+from genlib.sampling.draws import draw
 
 
 def test_draw_follows_the_probabilities_and_skips_removed_tokens() -> None:
@@ -35,7 +35,7 @@ def test_draw_gives_each_of_a_long_tail_of_unlikely_tokens_its_own_span(monkeypa
     """8,000 tokens of probability 1e-9 after a likely one. Sums near 1 kept in float32
     are 6e-8 apart, so most of these tokens would get no span and a few a span 60 times
     their probability; draw's float64 gives each its own."""
-    from genlib import sampling
+    from genlib.sampling import draws as sampling
 
     head = 1.0 - 8e-6
     probs = torch.cat([torch.tensor([head], dtype=torch.float64),

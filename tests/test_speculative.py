@@ -1,4 +1,4 @@
-"""Speculative decoding (genlib.speculative, genlib.drafters, `genlab speculate`).
+"""Speculative decoding (genlib.decoding.speculative, genlib.decoding.drafters, `genlab speculate`).
 
 Greedy speculation must equal the target's own greedy decoding token for token; speculative
 sampling must follow the processed target distribution (checked against the exact
@@ -22,19 +22,14 @@ from genlib.backends.base import Bans
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.lean import LeanBackend, lean_model_of
 from genlib.backends.native import NativeBackend
-from genlib.config import resolve_settings
-from genlib.drafters import (
+from genlib.decoding.drafters import (
     LookupFirstDrafter,
     ModelDrafter,
     PromptLookupDrafter,
     lookup,
     prefill_all_but_last,
 )
-from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
-from genlib.events import Finish, Prefill, Token, Verify
-from genlib.generate import generate
-from genlib.models import LoadedModel, ModelSpec, load_model
-from genlib.speculative import (
+from genlib.decoding.speculative import (
     GammaSchedule,
     Summary,
     make_drafter,
@@ -46,7 +41,12 @@ from genlib.speculative import (
     start,
     summarize,
 )
-from genlib.step import draft_bans, make_plan
+from genlib.decoding.step import draft_bans, make_plan
+from genlib.errors import ConfigError, ContextLengthError, ModelLoadError
+from genlib.events import Finish, Prefill, Token, Verify
+from genlib.generate import generate
+from genlib.models.loading import LoadedModel, ModelSpec, load_model
+from genlib.settings.config import resolve_settings
 from tests.conftest import torch_threads, transformers_backend
 
 MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
@@ -385,8 +385,8 @@ def test_speculative_sampling_follows_target_distribution(flags, gamma, drafter)
 def test_verify_sampled_on_hand_written_p_and_q() -> None:
     """One position: the token kept (accepted draft or residual draw) follows p, even
     where q puts no mass on tokens p likes (q truncated by top-k)."""
-    from genlib.drafters import Draft
-    from genlib.speculative import verify_sampled
+    from genlib.decoding.drafters import Draft
+    from genlib.decoding.speculative import verify_sampled
 
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0], [0.25, 0.25, 0.25, 0.25]])
     q = torch.tensor([[0.1, 0.0, 0.6, 0.3]])

@@ -1,4 +1,4 @@
-"""Per-step detail (genlib.stepdetail) on the one event stream: the recorded final
+"""Per-step detail (genlib.decoding.detail) on the one event stream: the recorded final
 distribution is the tensor the sampler drew from; each stage's removals on hand-built
 logits; --logprobs values against transformers' compute_transition_scores; branches
 keep the random stream; inverse-CDF (common random numbers) sampling follows the
@@ -11,12 +11,15 @@ import math
 import pytest
 import torch
 
-from genlib import config, processors, sampling, stepdetail
-from genlib.config import resolve_settings
+from genlib.decoding import detail as stepdetail
+from genlib.decoding.detail import Detail
 from genlib.events import Finish, Token
-from genlib.explain import divergence, explain
 from genlib.generate import stream
-from genlib.stepdetail import Detail
+from genlib.lab.explain import divergence, explain
+from genlib.sampling import draws as sampling
+from genlib.sampling import processors
+from genlib.settings import config
+from genlib.settings.config import resolve_settings
 
 
 def tokens_of(lm, ids, settings, detail):
@@ -183,7 +186,7 @@ def test_crn_gives_two_settings_the_same_draws(stories):
 
 @pytest.mark.parametrize("crn", [True, False])
 def test_compare_draws_by_inverse_cdf_with_crn_only(stories, crn):
-    from genlib.compare import build_strategies, compare, with_seed
+    from genlib.lab.compare import build_strategies, compare, with_seed
 
     strategies = with_seed(build_strategies([], ["temperature=1.2", "top_k=20"],
                                             {"max_new_tokens": 8, "ignore_eos": True}), 9)
@@ -200,7 +203,7 @@ def test_compare_draws_by_inverse_cdf_with_crn_only(stories, crn):
 def test_speculative_logprobs_equal_the_plain_loops(stories):
     """Greedy speculation (prompt lookup) emits the plain loop's tokens; their records
     (raw and processed logprobs, alternatives) must be the plain loop's too."""
-    from genlib.speculative import Drafting
+    from genlib.decoding.speculative import Drafting
 
     settings = resolve_settings({"strategy": "greedy", "repetition_penalty": 1.2,
                                  "max_new_tokens": 12})

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from genlib.backends import kernel, weightcache
-from genlib.models import ModelSpec, load_model
+from genlib.models.loading import ModelSpec, load_model
 from tests.conftest import CODE_TARGET, ROOT, STORIES
 
 KEY = {"file": "/models/m/model.safetensors", "size": 1, "mtime_ns": 2, "weights": "float32"}
@@ -200,7 +200,7 @@ def test_the_native_path_keeps_no_float_copy_of_the_matrices(cache_home):
 
 PEAK = textwrap.dedent("""
     import resource, sys
-    from genlib.models import ModelSpec, load_model
+    from genlib.models.loading import ModelSpec, load_model
     def start(path):
         lm = load_model(ModelSpec(path), quick=True)
         step = lm.lean.native_step()

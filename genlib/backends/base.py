@@ -30,7 +30,7 @@ import torch
 from genlib.errors import ConfigError
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ token-identical to transformers' `generate()`):
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
 | one row of an unquantized float32 model on a GPU | compiled |
 | `--quantize` on a CPU, a Llama-style model (any rows) | native, its matrices quantized |
-| a quantized checkpoint (genlib.qformat) on a CPU (any rows) | native, its codes as stored |
+| a quantized checkpoint (genlib.models.qformat) on a CPU (any rows) | native, its codes as stored |
 | several rows otherwise, a bitsandbytes model, or any other model | transformers |
 | speculation on a GPU without the lean forward | transformers |
 
@@ -51,7 +51,7 @@ from genlib.errors import ConfigError, not_one_of
 if TYPE_CHECKING:
     from genlib.backends.base import Backend
     from genlib.backends.llama import LeanLlama
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 BACKENDS = ("auto", "transformers", "lean", "compiled", "native")
 # The native kernel's format for each --quantize on a CPU (genlib.backends.quant): 4bit
@@ -79,13 +79,13 @@ class Request:
     def kernel_weights(self, lm: LoadedModel) -> str:
         """The matrices the native kernel reads for this request on `lm`: the ones
         `weights` asks for, else the model's quantized format (`lm.weights`), else the
-        format its checkpoint stores (genlib.qformat: the codes as stored), else its
+        format its checkpoint stores (genlib.models.qformat: the codes as stored), else its
         float32 matrices."""
         return self.weights or lm.weights or stored_format(lm) or "float32"
 
 
 def stored_format(lm: LoadedModel) -> str | None:
-    """The quantized format `lm`'s checkpoint stores its matrices in (genlib.qformat);
+    """The quantized format `lm`'s checkpoint stores its matrices in (genlib.models.qformat);
     None for a float checkpoint."""
     stored = getattr(lm, "stored", None)
     return stored.format if stored is not None else None

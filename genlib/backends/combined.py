@@ -1,4 +1,4 @@
-"""The combining backend: one backend per model of a `genlib.combine.Combination`, each
+"""The combining backend: one backend per model of a `genlib.sampling.combine.Combination`, each
 chosen by `choose_backend` as for that model alone (two float32 Llama-style models both
 run on the native kernel), stepped together; its logits are the combined log-scores.
 
@@ -17,11 +17,11 @@ import torch
 
 from genlib.backends.base import Backend, Capabilities
 from genlib.backends.choose import Request, choose_backend
-from genlib.combine import Combination, combination_of
+from genlib.sampling.combine import Combination, combination_of
 
 if TYPE_CHECKING:
-    from genlib.config import GenerationSettings
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 
 def for_generation(lm: LoadedModel, prompts: Sequence[Sequence[int]],

@@ -20,7 +20,7 @@ from genlib.backends.lean import LeanBackend, cache_capacity
 from genlib.backends.transformers import accepts_logits_to_keep, cache_keyword, cache_kwargs
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 
 class CompiledLeanBackend(LeanBackend):

@@ -21,7 +21,7 @@ Every weight is read once per call however many tokens it feeds, so verifying k 
 tokens, or stepping B rows, costs one pass over the weights plus the tokens' arithmetic
 (each token's sums run as a one-token call runs them: the same bits). The kernel reads
 the weight matrices packed in panels of rows (`pack`, `pack_weights`). A model mapped
-from its file (genlib.quickload) has them packed once and cached on disk
+from its file (genlib.models.quickload) has them packed once and cached on disk
 (`packed_weights`, genlib.backends.weightcache), mapped on later starts: the process then
 holds one copy of each matrix, the packed one; the float matrices stay in the mapped
 model file, unread, until the torch forward needs them (`LeanLlama.layers`, made on first
@@ -309,7 +309,7 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
     `.gate`, `.up`, `.down`. `tensor(name)` gives a float matrix (out, in) by its
     state-dict name, or a quantized checkpoint's (codes, scales) in format `weights`
-    (genlib.qformat), packed as stored; `head` is the output projection's (the
+    (genlib.models.qformat), packed as stored; `head` is the output projection's (the
     embeddings' when tied)."""
     def matrix(*names: str) -> torch.Tensor:
         rows = [tensor(name) for name in names]
@@ -333,10 +333,10 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
 def packed_weights(lean: Any, panel: int, weights: str,
                    notify: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """`pack_weights` over `lean`'s matrices: through the weight cache where they were
-    mapped from a file (`lean.weights_file`, genlib.quickload), read from that file one
+    mapped from a file (`lean.weights_file`, genlib.models.quickload), read from that file one
     at a time when the cache misses (so the float matrices are never all in memory);
     packed in memory from `lean.tensors` otherwise (a model loaded by transformers). A
-    quantized checkpoint's matrices (`lean.stored`, genlib.qformat) in its own format are
+    quantized checkpoint's matrices (`lean.stored`, genlib.models.qformat) in its own format are
     packed from its codes as stored, through the weight cache too."""
     from genlib.backends import weightcache
 

@@ -14,7 +14,7 @@ from genlib.backends.base import Backend, Capabilities
 from genlib.backends.llama import LeanCache, LeanLlama
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 STATIC_BUCKET = 256  # cache capacities are rounded up to this (compiled steps get reused)
 _lean_models: weakref.WeakKeyDictionary[Any, LeanLlama | None] = weakref.WeakKeyDictionary()
@@ -27,7 +27,7 @@ def cache_capacity(needed: int, max_positions: int | None) -> int:
 
 
 def lean_model_of(lm: LoadedModel) -> LeanLlama | None:
-    """`lm`'s lean forward: the one genlib.quickload built without transformers, else one
+    """`lm`'s lean forward: the one genlib.models.quickload built without transformers, else one
     over its transformers model's weights (built once per model); None when the model is
     not plain Llama-style (`llama.eligible`)."""
     if lm.lean is not None:

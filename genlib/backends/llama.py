@@ -338,8 +338,8 @@ class LeanLlama:
         self.intermediate = tensors["model.layers.0.mlp.down_proj.weight"].shape[1]
         self.dtype = self.embed.dtype
         self.device = self.embed.device
-        self.weights_file: Path | None = None  # set by genlib.quickload: the file mapped
-        self.stored: Any = None  # genlib.qformat.Stored: a quantized checkpoint's codes
+        self.weights_file: Path | None = None  # set by genlib.models.quickload: the file mapped
+        self.stored: Any = None  # genlib.models.qformat.Stored: a quantized checkpoint's codes
         self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
         self.local_cos, self.local_sin = (self.cos, self.sin) if local_rope is None else \
             self._rotary_tables(*local_rope)
@@ -401,8 +401,9 @@ class LeanLlama:
         gate/up weights into another: one product instead of three (two), with the same
         dot products, so the same values where the BLAS kernel sums them in the same
         order (`_Proj.stacked` checks, and multiplies block by block otherwise;
-        tests/test_lean.py checks the logits are bit-identical). All of them are written into one buffer of 2 MiB pages
-        (genlib.backends.hugepages), which the decode step streams faster."""
+        tests/test_lean.py checks the logits are bit-identical). All of them are written
+        into one buffer of 2 MiB pages (genlib.backends.hugepages), which the decode
+        step streams faster."""
         groups = [[tensors[f"model.layers.{i}.{name}.weight"] for name in names]
                   for i in range(layers) for names in (_QKV, _GATE_UP)]
         sizes = [sum(w.numel() for w in group) for group in groups]

@@ -24,7 +24,7 @@ from genlib.backends.lean import cache_capacity
 from genlib.backends.llama import LeanCache, LeanLlama
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 
 class NativeBackend(Backend):

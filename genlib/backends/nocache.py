@@ -18,7 +18,7 @@ from genlib.backends.base import Backend, Capabilities
 from genlib.backends.transformers import left_pad
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 
 class NoCacheBackend(Backend):

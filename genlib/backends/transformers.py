@@ -22,7 +22,7 @@ import torch
 from genlib.backends.base import Backend, Capabilities
 
 if TYPE_CHECKING:
-    from genlib.modelinfo import LoadedModel
+    from genlib.models.info import LoadedModel
 
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_id: int, device: torch.device

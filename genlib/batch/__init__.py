@@ -1,0 +1,1 @@
+"""JSONL batches, results files, OpenAI batch files, and Ray."""

@@ -1,0 +1,1 @@
+"""The decode loop, beam search, speculative decoding and its drafters."""

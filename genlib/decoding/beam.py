@@ -1,0 +1,652 @@
+"""Beam search over genlib's KV cache: plain, sampled, diverse and constrained.
+
+Keep the k most probable sequences at each step (seed notes: ("The", "dog", "has") wins
+over ("The", "nice", "woman") because 0.4 * 0.9 > 0.5 * 0.4). Every prompt is prefilled
+once, its cache rows repeated to k beams, and all beams of all prompts go through one
+batched forward per step; the cache rows are then reordered by parent beam.
+
+Scoring follows transformers' `generate(num_beams=k)` (v5 `_beam_search`), so results are
+token-identical to it: each step keeps the top `max(2, 1 + n_eos) * k` continuations; a
+continuation that ends (end id, stop string, token budget) among the first k becomes a
+finished hypothesis with score `sum_logprob / generated_length ** length_penalty`
+(the end token counts); the others continue. `early_stopping`: True stops when k
+hypotheses are finished; False stops when the best running beam, scored at its current
+length, cannot beat the worst finished one; "never" scores it at the longest possible
+length when length_penalty > 0 (the canonical stopping rule).
+
+Diverse beam search (Vijayakumar et al., 2016, "Diverse Beam Search"): the beams form
+`num_beam_groups` groups searched one after the other at each step; a group's scores are
+lowered by `diversity_penalty` times the number of times earlier groups picked the token
+at this step (Hamming diversity). Constrained beam search: see `genlib.sampling.constraints`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Generator, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from genlib.backends.base import Backend
+from genlib.backends.choose import Request
+from genlib.backends.combined import for_generation
+from genlib.decoding.detok import IncrementalDecoder, token_text
+from genlib.decoding.step import (
+    Row,
+    advance,
+    check_prompts,
+    context_of,
+    finish_row,
+    new_row,
+    process_logits,
+    row_seeds,
+    suppress_eos_for,
+)
+from genlib.events import BeamStep, Event, Prefill
+from genlib.models.loading import LoadedModel
+from genlib.sampling import constraints as cons
+from genlib.sampling import draws as sampling
+from genlib.sampling import grammar, processors
+from genlib.sampling.stopping import StopStrings
+from genlib.settings.config import GenerationSettings
+
+DEAD = -1.0e9  # score of beams that must not be extended (as transformers uses)
+
+
+def length_score(sum_logprob: Any, length: int, length_penalty: float) -> Any:
+    """A hypothesis's ranking score: its summed logprob (a float or a tensor of them)
+    over `length ** length_penalty` (transformers' BeamHypotheses.add; length >= 1)."""
+    return sum_logprob / (max(length, 1) ** length_penalty)
+
+
+@dataclass(frozen=True)
+class Hypothesis:
+    """One finished sequence. `logprobs` are the model's per-token log-probabilities
+    (before processors); `sum_logprob` is their sum; `score` is the search's ranking
+    score, `sum of processed logprobs / len ** length_penalty` (transformers'
+    `sequences_scores`; it equals sum_logprob / len ** lp when no processor or diversity
+    penalty changed the distribution). `constraints_satisfied` is None without
+    constraints."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    sum_logprob: float
+    score: float
+    text: str
+    finish_reason: str
+    constraints_satisfied: bool | None = None
+
+
+@dataclass(frozen=True)
+class TreeCandidate:
+    """One continuation considered at a step: `parent` is the index of the beam it
+    extends in the previous step's `kept` order (0 at the first step: the prompt's one
+    live beam); `status` is kept,
+    finished, pruned (not among the best) or rejected (ended before its constraints
+    were met, or after the search stopped accepting)."""
+
+    group: int
+    parent: int
+    token_id: int
+    token: str
+    prob: float
+    score: float
+    status: str
+    slot: int | None = None  # its beam index next step, when kept
+
+
+@dataclass(frozen=True)
+class TreeStep:
+    step: int
+    candidates: tuple[TreeCandidate, ...]
+
+
+@dataclass
+class BeamResult:
+    """The n-best hypotheses of one prompt, best first, and the search tree if recorded."""
+
+    prompt_index: int
+    hypotheses: list[Hypothesis]
+    tree: list[TreeStep] | None = None
+    steps: int = 0
+
+    @property
+    def interrupted(self) -> bool:
+        """Whether Ctrl-C cut the search short (its hypotheses are the best so far)."""
+        return any(h.finish_reason == "interrupted" for h in self.hypotheses)
+
+
+@dataclass
+class _Beam:
+    tokens: list[int]
+    logprobs: list[float]
+    state: cons.State = ()
+
+
+@dataclass
+class _Done:
+    score: float
+    beam: _Beam
+    reason: str
+    satisfied: bool
+    # Extends a DEAD placeholder (fewer live continuations than beams): it counts for the
+    # stopping rule, as in transformers, but is no sequence the search found.
+    placeholder: bool = False
+
+
+@dataclass
+class _Search:
+    """One prompt's group of beams."""
+
+    prompt_index: int
+    group: int
+    prompt_ids: tuple[int, ...]
+    running: list[_Beam]
+    scores: torch.Tensor  # (group_size,) float32 summed processed logprobs
+    generator: torch.Generator | None
+    finished: list[_Done] = field(default_factory=list)
+    improvable: bool = True
+    done: bool = False
+
+
+@dataclass
+class _Plan:
+    settings: GenerationSettings
+    group_size: int
+    groups: int
+    n_keep: int
+    eos: frozenset[int]
+    chain: list[processors.Stage]
+    suppress_eos: processors.Processor | None
+    constraints: tuple[cons.Constraint, ...]
+    tokenizer: Any
+    deadline: float | None
+    record_tree: bool
+    one_row: bool = False
+    tree: dict[int, list[TreeStep]] = field(default_factory=dict)
+
+
+def backend_request(prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+                    backend: str) -> Request:
+    """What the search needs of its backend: every prompt's beams at once, reordered."""
+    return Request(rows=len(prompts_ids) * settings.num_beams, reorder=True, backend=backend)
+
+
+def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+                settings: GenerationSettings, *, record_tree: bool = False,
+                seeds: Sequence[int] | None = None, backend: Backend | None = None
+                ) -> list[BeamResult]:
+    """Beam search (plain, sampled with `do_sample`, diverse with `num_beam_groups`,
+    constrained with `force_words` / `force_any`) for every prompt; one BeamResult per
+    prompt holding its `num_return_sequences` best hypotheses. `seeds`: one per prompt
+    for beam sampling (default: derived from settings.seed). `backend`: default the one
+    `choose_backend` picks under the model's --backend."""
+    run = search(lm, prompts_ids, settings, record_tree=record_tree, seeds=seeds,
+                 backend=backend)
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+           settings: GenerationSettings, *, record_tree: bool = False,
+           seeds: Sequence[int] | None = None, backend: Backend | None = None
+           ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
+    """`beam_search` as it runs: yields the Prefill event and a BeamStep per prompt and
+    step (with the tree's candidates when `record_tree`), returns the results. Ctrl-C
+    thrown into it (`.throw(KeyboardInterrupt)`) ends the search with the best beams so
+    far, marked interrupted."""
+    check_prompts(lm, prompts_ids, settings)
+    if backend is None:
+        backend = for_generation(lm, prompts_ids, settings,
+                                 backend_request(prompts_ids, settings, lm.backend))
+    return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
+
+
+def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
+           backend: Backend, *, seeds: Sequence[int] | None = None,
+           record_tree: bool = False) -> Iterator[Event]:
+    """Beam search as genlib's event stream: Prefill; per step and prompt a BeamStep
+    (the running best, the tree's candidates with `record_tree`) and Token events for
+    the best row's newly settled tokens; then per returned sequence its remaining
+    Token events and a Finish (row = prompt_index * num_return_sequences + rank,
+    `score` set). `seeds`: one per row, as the plain loop takes them."""
+    start = time.perf_counter()
+    n = settings.num_return_sequences
+    rows = [new_row(lm, p, prompt, settings)
+            for p, prompt in enumerate(prompts_ids) for _ in range(n)]
+    prompt_seeds = None if seeds is None else list(seeds)[::n]
+    run = _run(lm, backend, prompts_ids, settings, record_tree, prompt_seeds)
+    while True:
+        try:
+            event = next(run)
+        except StopIteration as stop:
+            results: list[BeamResult] = stop.value
+            break
+        yield event
+        if isinstance(event, _Settled):
+            row = event.prompt_index * n
+            _first_step(rows[row:row + n], event.time)
+            yield from _tokens(lm, rows[row], row, event.ids, event.logprobs)
+    for result in results:
+        for rank, hyp in enumerate(result.hypotheses):
+            number = result.prompt_index * n + rank
+            yield from _tokens(lm, rows[number], number, hyp.token_ids, hyp.logprobs)
+            for finish in finish_row(rows[number], number, hyp.finish_reason, start):
+                yield dataclasses.replace(finish, score=hyp.score)
+
+
+def _first_step(rows: Sequence[Row], now: float) -> None:
+    """The search's first step chose every row's first token, though none is settled
+    yet: its time is the rows' first token, so the decode time (and tokens/s) runs from
+    there, not from the end, where most of a beam's tokens are settled at once."""
+    for row in rows:
+        if row.first_token is None:
+            row.first_token = now
+
+
+def _tokens(lm: LoadedModel, row: Row, number: int, ids: Sequence[int],
+            logprobs: Sequence[float]) -> Iterator[Event]:
+    """Token events for `ids[len(row.ids):]`: the part of a hypothesis not streamed yet."""
+    now = time.perf_counter()
+    for i in range(len(row.ids), len(ids)):
+        event, _ = advance(lm, row, number, ids[i], logprobs[i], i, now)
+        if event is not None:
+            yield event
+
+
+@dataclass(frozen=True)
+class _Settled(BeamStep):
+    """A BeamStep that also carries the settled tokens of its prompt's best row (for
+    `stream`; consumers see a BeamStep)."""
+
+    ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+
+
+def _run(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
+         settings: GenerationSettings, record_tree: bool, seeds: Sequence[int] | None
+         ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
+    """The search, as a generator that yields the Prefill event and a BeamStep per
+    prompt and step, and returns the results."""
+    plan = _make_plan(lm, settings, record_tree, max(len(p) for p in prompts_ids))
+    searches = _make_searches(lm, prompts_ids, plan, seeds)
+    start = time.perf_counter()
+    logits, context = _prefill_beams(lm, backend, prompts_ids, plan)
+    yield Prefill(tuple(len(p) for p in prompts_ids), time.perf_counter() - start,
+                  time.perf_counter(), backend.name, backend.reason)
+    steps = 0
+    interrupted = False
+    try:
+        for number in range(settings.max_new_tokens):
+            steps = number + 1
+            parents, tokens = _search_step(plan, searches, logits, context, number)
+            for p in range(len(prompts_ids)):
+                yield _beam_step(plan, searches, p, number)
+            if all(s.done for s in searches):
+                break
+            rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
+            new = torch.tensor(tokens, dtype=torch.long, device=lm.device)
+            if parents != list(range(len(parents))):  # no cache copy when no beam moved
+                backend.reorder(rows)
+                context = context.index_select(0, rows) if context is not None else None
+            if context is not None:
+                context = torch.cat([context, new[:, None]], dim=1)
+            logits = backend.step(new)
+    except KeyboardInterrupt:  # Ctrl-C: the best beams so far, marked "interrupted"
+        interrupted = True
+    return [_result(plan, searches, p, steps, interrupted) for p in range(len(prompts_ids))]
+
+
+def _beam_step(plan: _Plan, searches: list[_Search], prompt_index: int, number: int
+               ) -> _Settled:
+    """The step's event for one prompt: its best running beam, the tree's candidates
+    of this step (when recorded), and the tokens every beam that can still win shares
+    (running beams and finished hypotheses alike)."""
+    mine = [s for s in searches if s.prompt_index == prompt_index]
+    running = [(length_score(sc, len(b.tokens), plan.settings.length_penalty), b)
+               for s in mine for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    alive = [b for _, b in running] + [d.beam for s in mine for d in s.finished]
+    best_score, best = max(running, key=lambda pair: pair[0], default=(0.0, _Beam([], [])))
+    shared = _shared_prefix([b.tokens for b in alive])
+    tree = plan.tree.get(prompt_index, []) if plan.record_tree else []
+    candidates = tree[-1].candidates if tree and tree[-1].step == number else ()
+    head = alive[0] if alive else best
+    return _Settled(number, prompt_index, tuple(best.tokens), float(best_score), candidates,
+                    time.perf_counter(), tuple(head.tokens[:shared]),
+                    tuple(head.logprobs[:shared]))
+
+
+def _shared_prefix(sequences: list[list[int]]) -> int:
+    if not sequences:
+        return 0
+    n = min(len(s) for s in sequences)
+    first = sequences[0]
+    for i in range(n):
+        if any(s[i] != first[i] for s in sequences):
+            return i
+    return n
+
+
+def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
+               prompt_width: int) -> _Plan:
+    # GenerationSettings has checked num_beams against groups and outputs already.
+    group_size = settings.num_beams // settings.num_beam_groups
+    eos = frozenset() if settings.ignore_eos else frozenset(lm.eos_ids)
+    constraints = cons.build_constraints(lm.tokenizer, settings.force_words, settings.force_any,
+                                         settings.max_new_tokens, settings.stop_strings)
+    suppress = suppress_eos_for(lm, settings)
+    one_row = _one_row(settings, constraints)
+    # transformers keeps max(2, 1 + n_eos) * k continuations, so k can still run on
+    # even if the best ones all end; beam sampling's truncations leave as many per beam.
+    # One row keeps its one continuation, as greedy decoding and sampling do.
+    per_beam = 1 if one_row else max(2, 1 + len(eos))
+    n_keep = min(per_beam * group_size, group_size * lm.vocab_size)
+    deadline = time.perf_counter() + settings.max_time if settings.max_time else None
+    constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
+    chain = processors.build_processors(settings, prompt_width=prompt_width,
+                                        tokenizer=lm.tokenizer, constraint=constraint,
+                                        vocab_size=lm.vocab_size, min_keep=per_beam)
+    return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
+                 constraints, lm.tokenizer, deadline, record_tree, one_row)
+
+
+def _one_row(settings: GenerationSettings, constraints: Sequence[cons.Constraint]) -> bool:
+    """Whether the search is one unconstrained beam: transformers' generate(num_beams=1)
+    decodes that greedily or samples it (processors on the logits, one token drawn from
+    what they leave), so a beam of one must too."""
+    return settings.num_beams == 1 and not constraints
+
+
+def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: _Plan,
+                   seeds: Sequence[int] | None) -> list[_Search]:
+    """One search per (prompt, group); beam 0 of each starts at score 0 and the others
+    at DEAD, so the first step does not pick the same token k times."""
+    s = plan.settings
+    # One generator per prompt, seeded as decode seeds its rows.
+    prompt_seeds = row_seeds(s, len(prompts_ids), seeds) if s.do_sample else None
+    searches = []
+    for p, prompt in enumerate(prompts_ids):
+        generator = (sampling.make_generator(prompt_seeds[p], lm.device)
+                     if prompt_seeds is not None else None)
+        for g in range(plan.groups):
+            scores = torch.full((plan.group_size,), DEAD, dtype=torch.float32, device=lm.device)
+            scores[0] = 0.0
+            beams = [_Beam([], [], cons.initial_state(plan.constraints))
+                     for _ in range(plan.group_size)]
+            searches.append(_Search(p, g, tuple(prompt), beams, scores, generator))
+    return searches
+
+
+def _prefill_beams(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
+                   plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Prefill each prompt once, then repeat its cache rows to num_beams rows."""
+    logits = backend.prefill(prompts_ids, max(map(len, prompts_ids)) +
+                             plan.settings.max_new_tokens)
+    assert logits is not None  # prompts are never empty here
+    rows = torch.arange(len(prompts_ids), device=lm.device).repeat_interleave(
+        plan.settings.num_beams)
+    backend.reorder(rows)
+    context = context_of(prompts_ids, lm.device).index_select(0, rows) \
+        if plan.chain else None
+    return logits.index_select(0, rows), context
+
+
+def _processed_logprobs(plan: _Plan, context: torch.Tensor | None, logits: torch.Tensor,
+                        logprobs: torch.Tensor, step: int) -> torch.Tensor:
+    """The core's processors applied as transformers applies them: to the
+    log-probabilities in beam search, to the logits (then normalised) for one row."""
+    if plan.one_row:
+        return process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logits,
+                              step).log_softmax(dim=-1)
+    return process_logits(plan.settings, plan.chain, plan.suppress_eos, context, logprobs,
+                          step)
+
+
+def _search_step(plan: _Plan, searches: list[_Search], logits: torch.Tensor,
+                 context: torch.Tensor | None, step: int) -> tuple[list[int], list[int]]:
+    """Advance every search by one token; return each new row's parent row and token."""
+    raw = logits.log_softmax(dim=-1)
+    processed = _processed_logprobs(plan, context, logits, raw, step)
+    last = step + 1 == plan.settings.max_new_tokens or (
+        plan.deadline is not None and time.perf_counter() >= plan.deadline)
+    parents: list[int] = []
+    tokens: list[int] = []
+    picked: list[int] = []  # tokens earlier groups of this prompt chose at this step
+    for number, search in enumerate(searches):
+        if search.group == 0:
+            picked = []
+        first = number * plan.group_size
+        rows = slice(first, first + plan.group_size)
+        if search.done:
+            parents.extend(range(first, first + plan.group_size))
+            tokens.extend([0] * plan.group_size)
+            continue
+        scores = _diversity(plan, processed[rows], picked)
+        chosen = _group_step(plan, search, scores, raw[rows], step, last)
+        parents.extend(first + b for b, _ in chosen)
+        tokens.extend(t for _, t in chosen)
+        picked.extend(t for _, t in chosen)
+    return parents, tokens
+
+
+def _diversity(plan: _Plan, scores: torch.Tensor, picked: list[int]) -> torch.Tensor:
+    """Hamming diversity (Vijayakumar et al., 2016): lower each token's score by
+    diversity_penalty times how often earlier groups chose it at this step."""
+    if not picked or plan.settings.diversity_penalty == 0:
+        return scores
+    counts = torch.bincount(torch.tensor(picked, device=scores.device),
+                            minlength=scores.shape[-1]).to(scores.dtype)
+    return scores - plan.settings.diversity_penalty * counts
+
+
+def _candidates(plan: _Plan, search: _Search, acc: torch.Tensor) -> torch.Tensor:
+    """Flat indices (beam * vocab + token) of the continuations to consider, in the
+    order beams are allocated: best first, or banked round robin with constraints."""
+    flat = acc.reshape(-1)
+    if search.generator is not None:
+        probs = sampling.finite(flat.softmax(-1))
+        count = min(plan.n_keep, int((probs > 0).sum()))
+        index = torch.multinomial(probs, count, generator=search.generator)
+        index = index[flat[index].argsort(descending=True, stable=True)]
+    else:
+        index = torch.topk(flat, plan.n_keep).indices
+    if not plan.constraints:
+        return index
+    return _banked(plan, search, flat, index, acc.shape[-1])
+
+
+def _banked(plan: _Plan, search: _Search, flat: torch.Tensor, index: torch.Tensor,
+            vocab: int) -> torch.Tensor:
+    """Add, for every live beam, the tokens that advance its constraints, then order all
+    candidates by bank round robin (Post & Vilar, 2018)."""
+    chosen = index.tolist()
+    seen = set(chosen)
+    for b, beam in enumerate(search.running):
+        if search.scores[b] <= DEAD / 2:
+            continue
+        for token in sorted(cons.advancing_tokens(plan.constraints, beam.state)):
+            # a token a processor banned (score -inf) cannot advance anything
+            if b * vocab + token not in seen and flat[b * vocab + token] > DEAD / 2:
+                seen.add(b * vocab + token)
+                chosen.append(b * vocab + token)
+    scores = flat[torch.tensor(chosen, device=flat.device)].tolist()
+    banks = [cons.bank(plan.constraints, cons.advance(plan.constraints,
+             search.running[i // vocab].state, i % vocab)) for i in chosen]
+    order = cons.round_robin(banks, scores)
+    return torch.tensor([chosen[i] for i in order], device=flat.device)
+
+
+def _group_step(plan: _Plan, search: _Search, scores: torch.Tensor, raw: torch.Tensor,
+                step: int, last: bool) -> list[tuple[int, int]]:
+    """One step of one group: pick continuations, finish or keep them, update the
+    stopping heuristic. Returns (parent beam, token) for the group's new beams."""
+    k = plan.group_size
+    total = scores + search.scores[:, None]
+    index = _candidates(plan, search, total)
+    acc = total.reshape(-1)[index]
+    kept, leftovers, records = _sort_out(plan, search, index, acc, raw, step, last)
+    _trim_finished(search, k)
+    live = len(kept)
+    # Like transformers: if fewer than k continuations go on, ended ones fill the beam
+    # with a DEAD score so they are never extended into a result.
+    kept += leftovers[:k - live]
+    new_scores = acc[torch.tensor([rank for rank, _, _ in kept], device=acc.device)]
+    new_scores[live:] += DEAD
+    if len(kept) < k:  # fewer candidates than beams (sampling from a cut distribution)
+        pad = k - len(kept)
+        kept += [kept[0]] * pad  # copies of a real continuation, never extended
+        new_scores = torch.cat([new_scores, new_scores.new_full((pad,), DEAD)])
+    search.running = [beam for _, beam, _ in kept]
+    search.scores = new_scores
+    if plan.record_tree:
+        plan.tree.setdefault(search.prompt_index, []).append(TreeStep(step, tuple(records)))
+    _update_stop(plan, search, step, last or live == 0)
+    return [(b, beam.tokens[-1]) for _, beam, b in kept]
+
+
+Picked = list[tuple[int, _Beam, int]]  # (candidate rank, beam, parent beam index)
+
+
+def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tensor,
+              raw: torch.Tensor, step: int, last: bool
+              ) -> tuple[Picked, Picked, list[TreeCandidate]]:
+    """Walk the candidates in order: an ending one among the first k becomes a finished
+    hypothesis, the first k others go on; the rest are pruned."""
+    s = plan.settings
+    k = plan.group_size
+    vocab = raw.shape[-1]
+    finished_scores = length_score(acc, step + 1, s.length_penalty).tolist()
+    accepting = search.improvable and not (len(search.finished) == k and s.early_stopping is True)
+    kept: Picked = []
+    leftovers: Picked = []
+    records: list[TreeCandidate] = []
+    skipped = 0  # ended before meeting its constraints: takes no finishing slot
+    for rank, (flat, lp) in enumerate(zip(index.tolist(), raw.reshape(-1)[index].tolist())):
+        b, token = divmod(flat, vocab)
+        parent = search.running[b]
+        beam = _Beam(parent.tokens + [token], parent.logprobs + [lp],
+                     cons.advance(plan.constraints, parent.state, token)
+                     if plan.constraints else ())
+        reason = _end_reason(plan, search, beam, token, last)
+        status = "pruned"
+        if reason is not None:
+            status = "rejected"
+            ok = cons.satisfied(beam.state)
+            if reason == "eos" and not ok:
+                skipped += 1
+            elif rank - skipped < k and accepting:
+                search.finished.append(_Done(finished_scores[rank], beam, reason, ok,
+                                             float(acc[rank]) <= DEAD / 2))
+                status = "finished"
+            leftovers.append((rank, beam, b))
+        elif len(kept) < k:
+            kept.append((rank, beam, b))
+            status = "kept"
+        if plan.record_tree:
+            records.append(TreeCandidate(search.group, b, token, token_text(plan.tokenizer, token),
+                                         math.exp(lp), float(acc[rank]), status,
+                                         len(kept) - 1 if status == "kept" else None))
+    return kept, leftovers, records
+
+
+def _end_reason(plan: _Plan, search: _Search, beam: _Beam, token: int, last: bool
+                ) -> str | None:
+    if token in plan.eos:
+        return "eos"
+    if plan.settings.stop_strings and _hits_stop(plan, search, beam):
+        return "stop"
+    if last:
+        over = plan.deadline is not None and time.perf_counter() >= plan.deadline
+        return "time" if over and len(beam.tokens) < plan.settings.max_new_tokens else "length"
+    return None
+
+
+def _hits_stop(plan: _Plan, search: _Search, beam: _Beam) -> bool:
+    """Whether the beam's newest text completes a stop string. Only a window of recent
+    tokens is decoded (a stop string of n characters spans at most n tokens), with one
+    token of left context so a leading space survives; a match must end after it."""
+    stops = plan.settings.stop_strings
+    window = max(len(stop) for stop in stops) + 1
+    ids = (search.prompt_ids[-1:] + tuple(beam.tokens))[-window:]
+    context = len(_plain_decode(plan.tokenizer, ids[:1]))
+    text = _plain_decode(plan.tokenizer, ids)
+    return any(text.find(stop, max(0, context - len(stop) + 1)) >= 0 for stop in stops)
+
+
+def _plain_decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(list(ids), skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False))
+
+
+def _trim_finished(search: _Search, k: int) -> None:
+    """Keep the k best finished hypotheses (met constraints first)."""
+    search.finished.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
+    del search.finished[k:]
+
+
+def _update_stop(plan: _Plan, search: _Search, step: int, ended: bool) -> None:
+    """transformers' early-stop rule: stop once k hypotheses are finished and the best
+    running beam, scored at its best hypothetical length, cannot beat the worst."""
+    s = plan.settings
+    k = plan.group_size
+    full = len(search.finished) == k
+    if full and search.improvable:
+        length = step + 1
+        if s.early_stopping == "never" and s.length_penalty > 0:
+            length = s.max_new_tokens
+        best = length_score(search.scores.max(), length, s.length_penalty).item()
+        search.improvable = best > min(d.score for d in search.finished)
+    search.done = ended or not search.improvable or (full and s.early_stopping is True)
+
+
+def _decode(tokenizer: Any, prompt_ids: Sequence[int], ids: Sequence[int]) -> str:
+    """The text of `ids` after the prompt, as the streaming decoder would print it."""
+    decoder = IncrementalDecoder(tokenizer, tuple(prompt_ids))
+    return "".join(decoder.push(t) for t in ids) + decoder.flush()
+
+
+def _result(plan: _Plan, searches: list[_Search], prompt_index: int, steps: int,
+            interrupted: bool = False) -> BeamResult:
+    """Merge the groups' finished hypotheses, best first, leaving out placeholders (so
+    fewer than num_return_sequences when fewer sequences could be found, e.g. under a
+    grammar). With constraints, only those that meet them, possibly fewer again; if none
+    does, the best ones flagged constraints_satisfied=False. An interrupted search ranks
+    its running beams with the finished ones and marks every result "interrupted": none
+    of them is the search's answer."""
+    mine = [s for s in searches if s.prompt_index == prompt_index]
+    cut = interrupted and not all(s.done for s in mine)  # this prompt's search was cut
+    done = [d for s in mine for d in s.finished if not d.placeholder]
+    if cut or not done:  # the running beams compete (of the searches still running)
+        done += [_Done(length_score(float(sc), len(b.tokens), plan.settings.length_penalty),
+                       b, "length", cons.satisfied(b.state))
+                 for s in mine if not (cut and s.done)
+                 for b, sc in zip(s.running, s.scores.tolist()) if sc > DEAD / 2]
+    done.sort(key=lambda d: (d.satisfied, d.score), reverse=True)
+    if done and done[0].satisfied:  # outputs that miss a forced phrase are shown only if all do
+        done = [d for d in done if d.satisfied]
+    prompt = mine[0].prompt_ids
+    hyps = [_hypothesis(plan, prompt, d) for d in done[:plan.settings.num_return_sequences]]
+    if cut:  # texts as their own ends left them (stop strings trimmed), then relabelled
+        hyps = [dataclasses.replace(h, finish_reason="interrupted") for h in hyps]
+    return BeamResult(prompt_index, hyps, plan.tree.get(prompt_index) if plan.record_tree
+                      else None, steps)
+
+
+def _hypothesis(plan: _Plan, prompt: tuple[int, ...], done: _Done) -> Hypothesis:
+    text = _decode(plan.tokenizer, prompt, done.beam.tokens)
+    if done.reason == "stop":
+        stops = StopStrings(plan.settings.stop_strings)
+        stops.feed(text)
+        text = stops.final_text
+    reason = grammar.finish_reason(processors.grammar_of(plan.chain), done.beam.tokens,
+                                   done.reason)
+    return Hypothesis(tuple(done.beam.tokens), tuple(done.beam.logprobs),
+                      float(sum(done.beam.logprobs)), done.score, text, reason,
+                      cons.satisfied(done.beam.state) if plan.constraints else None)

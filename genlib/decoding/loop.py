@@ -1,0 +1,130 @@
+"""genlib's plain decode loop: prefill once, then one token per row per step against the
+KV cache, yielding typed events (`genlib.events`). Greedy and sampling share this one
+loop; greedy is just the argmax sampler. `genlib.generate.stream` routes here.
+
+    events = stream(lm, [lm.encode("Once upon a time")], settings, backend)
+
+Batches of prompts of different lengths are left-padded; each row stops on its own
+(end id, token budget, stop string, time) and leaves the batch when it does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from genlib.backends.base import Backend
+from genlib.decoding.detail import Detail
+from genlib.decoding.step import (
+    Plan,
+    Row,
+    advance,
+    check_prompts,
+    choose_tokens,
+    choose_with_detail,
+    context_of,
+    expand_prompts,
+    finish_row,
+    make_plan,
+    new_row,
+)
+from genlib.events import Event, Prefill
+from genlib.models.loading import LoadedModel
+from genlib.sampling import grammar, processors
+from genlib.settings.config import GenerationSettings
+
+
+def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+           backend: Backend, *, seeds: Sequence[int] | None = None,
+           detail: Detail | None = None) -> Iterator[Event]:
+    """Generate for every prompt (`num_return_sequences` rows each) on `backend`; yield
+    events. `seeds` gives each row its own sampling seed (default: derived from
+    settings.seed); `detail` asks for per-step records on the Token events
+    (`genlib.decoding.detail`). On KeyboardInterrupt thrown into the generator (see
+    `step.interrupt`), the rows still running finish with reason "interrupted"."""
+    check_prompts(lm, prompts, settings)
+    expanded = expand_prompts(prompts, settings.num_return_sequences)
+    plan = make_plan(lm, settings, len(expanded), seeds, max(len(p) for p in prompts),
+                     detail)
+    single_token_texts: dict[int, str] = {}
+    rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
+    yield from _decode_loop(lm, backend, plan, rows)
+
+
+def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
+                 ) -> Iterator[Event]:
+    settings = plan.settings
+    start = time.perf_counter()
+    deadline = start + settings.max_time if settings.max_time else None
+    prompts = [r.prompt_ids for r in rows]
+    active = list(range(len(rows)))  # batch position -> row number
+    try:
+        capacity = max(len(p) for p in prompts) + settings.max_new_tokens
+        logits = backend.prefill(prompts, capacity)
+        assert logits is not None  # prompts are never empty here
+        context = context_of(prompts, lm.device) if plan.needs_context else None
+        yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
+                      time.perf_counter(), backend.name, backend.reason)
+        for step in range(settings.max_new_tokens):
+            details = None
+            if plan.records:
+                tokens, logprobs, details = choose_with_detail(plan, context, logits, step)
+            else:
+                tokens, logprobs = choose_tokens(plan, context, logits, step)
+            now = time.perf_counter()
+            done: list[int] = []
+            for pos, (tok, lp) in enumerate(_host_values(tokens, logprobs)):
+                row = rows[active[pos]]
+                event, reason = advance(lm, row, active[pos], tok, lp, step, now,
+                                        details[pos] if details else None)
+                if event is not None:
+                    yield event
+                if reason is None and deadline is not None and now >= deadline:
+                    reason = "time"
+                if reason is None and step + 1 == settings.max_new_tokens:
+                    reason = "length"
+                if reason is not None:
+                    reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
+                                                   reason)
+                    yield from finish_row(row, active[pos], reason, start)
+                    done.append(pos)
+            if len(done) == len(active):
+                return
+            if done:
+                keep = _drop_rows(backend, plan, active, done, lm.device)
+                tokens = tokens.index_select(0, keep)
+                context = context.index_select(0, keep) if context is not None else None
+            if context is not None:
+                context = torch.cat([context, tokens[:, None]], dim=1)
+            logits = backend.step(tokens)
+    except KeyboardInterrupt:
+        for row_number in active:
+            if not rows[row_number].finished:
+                yield from finish_row(rows[row_number], row_number, "interrupted", start)
+
+
+def _host_values(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:
+    """A step's tokens and logprobs as Python numbers. On a GPU in one host read (each
+    read is a synchronisation; token ids < 2**24 are exact in float32); on a CPU each
+    read as it is, which costs less than stacking them: right after a step has streamed
+    the weights through the caches, the stack's allocation and copy run cold."""
+    if tokens.device.type == "cpu":
+        return list(zip(tokens.tolist(), logprobs.tolist()))
+    picked = torch.stack([tokens.float(), logprobs.float()]).tolist()
+    return list(zip(map(int, picked[0]), picked[1]))
+
+
+def _drop_rows(backend: Backend, plan: Plan, active: list[int], done: list[int],
+               device: torch.device) -> torch.Tensor:
+    """Remove finished rows from the batch (cache, generators); return kept indices."""
+    finished = set(done)
+    keep = [pos for pos in range(len(active)) if pos not in finished]
+    index = torch.tensor(keep, dtype=torch.long, device=device)
+    backend.reorder(index)
+    processors.reorder(plan.chain, index)
+    if plan.generators is not None:
+        plan.generators = [plan.generators[p] for p in keep]
+    active[:] = [active[p] for p in keep]
+    return index

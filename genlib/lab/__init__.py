@@ -1,0 +1,1 @@
+"""Seeing how decoding behaves: compare, bench, explain, metrics, fidelity."""

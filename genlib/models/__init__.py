@@ -1,0 +1,1 @@
+"""Loading models: folders, hub ids and built-ins; checkpoints; model facts; memory."""

@@ -1,0 +1,1 @@
+"""A step's logits to a token: processors, draws, stops, constraints, grammars."""

@@ -1,0 +1,1 @@
+"""Generation settings: their declaration, presets and provenance."""
