@@ -22,6 +22,7 @@ same Python/torch versions, --seed and --threads, a rebuild gives the same weigh
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -101,6 +102,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--chat-fraction", type=float, default=None,
                    help="share of windows drawn from the chat pairs (default 0.15; "
                    "twice that in the last quarter of the steps)")
+    p.add_argument("--checkpoint-every", type=int, default=25,
+                   help="save the run's state every N steps; a rerun resumes from it")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many steps in all, at a checkpoint (tests resuming)")
     p.add_argument("--holdout-every", type=int, default=20,
                    help="every Nth file of the sorted corpus is held out")
     p.add_argument("--eval-tokens", type=int, default=None,
@@ -231,8 +236,43 @@ def draw_windows(ids: Any, count: int, seq_len: int, gen: Any) -> Any:
     return ids[starts[:, None] + torch.arange(seq_len + 1)]
 
 
+class Checkpoint:
+    """A run's state every `every` steps (weights, optimizer, batch generator, history,
+    time spent), so a stopped build resumes where it stopped and ends with the same
+    weights as one that never stopped. Keyed by everything that shapes the run."""
+
+    def __init__(self, out: Path, plan: RunPlan, args: argparse.Namespace, corpus_sha: str):
+        skip = ("out", "checkpoint_every", "stop_after")
+        fields = {k: str(v) for k, v in sorted(vars(args).items()) if k not in skip}
+        key = json.dumps([asdict(plan), fields, corpus_sha], sort_keys=True)
+        self.key = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = out / f".{plan.name}-{self.key}.ckpt"
+        self.every = args.checkpoint_every
+
+    def load(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.path.exists():
+            return None
+        return torch.load(self.path, weights_only=False)
+
+    def save(self, step: int, model: Any, opt: Any, gen: Any, history: list[Any],
+             minutes: float, cpu_minutes: float) -> None:
+        import torch
+
+        state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                 "gen": gen.get_state(), "history": history, "minutes": minutes,
+                 "cpu_minutes": cpu_minutes}
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: Any,
-                chat_ids: Any, val_ids: Any) -> tuple[Any, dict[str, Any]]:
+                chat_ids: Any, val_ids: Any, ckpt: Checkpoint) -> tuple[Any, dict[str, Any]]:
     import torch
 
     model = build_model(plan.size, vocab, args.seq_len, args.seed)
@@ -247,10 +287,19 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for both models
     use_ac = not args.no_autocast
     t0, c0 = time.time(), time.process_time()
-    history = []
+    history: list[Any] = []
+    first, before, cpu_before = 0, 0.0, 0.0
+    state = ckpt.load()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        first, history = state["step"], state["history"]
+        before, cpu_before = state["minutes"], state["cpu_minutes"]
+        log(f"{plan.name}: resumed at step {first} from {ckpt.path.name}")
     model.train()
     eval_every = max(1, plan.steps // 4)
-    for step in range(plan.steps):
+    for step in range(first, plan.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, plan.steps, plan.lr, args.warmup)
         n_chat = chat_rows(step, plan.steps, args.batch_size, args.chat_fraction)
@@ -265,15 +314,21 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == plan.steps - 1:
             elapsed = time.time() - t0
-            tps = (step + 1) * args.batch_size * args.seq_len / max(elapsed, 1e-9)
+            tps = (step + 1 - first) * args.batch_size * args.seq_len / max(elapsed, 1e-9)
             log(f"{plan.name} step {step}/{plan.steps} loss {loss.item():.3f} "
                 f"lr {opt.param_groups[0]['lr']:.2e} {tps:,.0f} tok/s {elapsed / 60:.1f} min")
         if (step + 1) % eval_every == 0 and step + 1 < plan.steps:
             val = evaluate(model, val_ids, args.seq_len, use_ac)
             history.append({"step": step + 1, "val_loss": round(val, 4)})
             log(f"{plan.name} step {step + 1} held-out loss {val:.3f}")
-    minutes = (time.time() - t0) / 60
-    cpu_minutes = (time.process_time() - c0) / 60
+        if (step + 1) % ckpt.every == 0 and step + 1 < plan.steps:
+            ckpt.save(step + 1, model, opt, gen, history, before + (time.time() - t0) / 60,
+                      cpu_before + (time.process_time() - c0) / 60)
+            if args.stop_after is not None and step + 1 >= args.stop_after:
+                log(f"{plan.name}: stopped at step {step + 1} (--stop-after)")
+                sys.exit(3)
+    minutes = before + (time.time() - t0) / 60
+    cpu_minutes = cpu_before + (time.process_time() - c0) / 60
     stats = {"params": n_params, "steps": plan.steps, "batch_size": args.batch_size,
              "seq_len": args.seq_len, "tokens_seen": plan.steps * args.batch_size * args.seq_len,
              "peak_lr": plan.lr, "train_minutes": round(minutes, 2),
@@ -499,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict[str, Any]] = {}
     for plan in plans:
-        model, info = train_model(plan, args, vocab, train_ids, chat_ids, val_ids)
+        ckpt = Checkpoint(args.out, plan, args, corpus.sha256)
+        model, info = train_model(plan, args, vocab, train_ids, chat_ids, val_ids, ckpt)
         save_model(model, tokenizer, args.out / plan.name)
         stats[plan.name] = info
+        ckpt.remove()
         del model
 
     small, tok = reload(args.out / "code-small")
