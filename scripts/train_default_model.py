@@ -36,15 +36,17 @@ from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import builtin_corpus  # noqa: E402  (a sibling script module)
+
 EOT = "<|endoftext|>"  # id 0: BOS, EOS and pad
-
-# Top-level stdlib entries left out of the corpus: tests, third-party code, GUI and demo
-# code, generated codec tables, a large generated docs string, and build leftovers.
-SKIP_TOP = {"site-packages", "dist-packages", "test", "idlelib", "lib2to3", "tkinter",
-            "turtledemo", "ensurepip", "encodings", "pydoc_data", "lib-dynload",
-            "__pycache__", "__phello__"}
-SKIP_ANY = {"test", "tests", "__pycache__"}
-
+ROLES = ("system", "user", "assistant")
+END = "<|end|>"  # ends a chat turn
+SPECIAL = [EOT] + [f"<|{r}|>" for r in ROLES] + [END]
+# A turn is `<|role|>\n` + content + `<|end|>\n`; a generation prompt opens the
+# assistant's turn. The training chats are rendered with this same template.
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
 
 @dataclass(frozen=True)
 class ModelSize:
@@ -66,7 +68,7 @@ class RunPlan:
     lr: float
 
 
-FULL_TARGET = ModelSize(256, 3, 4, 2, 512)
+FULL_TARGET = ModelSize(384, 4, 6, 2, 1024)
 FULL_DRAFT = ModelSize(128, 2, 2, 1, 256)
 SMOKE_TARGET = ModelSize(64, 1, 1, 1, 128)
 SMOKE_DRAFT = ModelSize(64, 1, 1, 1, 64)
@@ -94,6 +96,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--target-lr", type=float, default=2e-3)
     p.add_argument("--draft-lr", type=float, default=3e-3)
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 50)")
+    p.add_argument("--stdlib-only", action="store_true",
+                   help="train on the standard library alone, not the packages too")
+    p.add_argument("--max-corpus-bytes", type=int, default=48_000_000)
+    p.add_argument("--chat-fraction", type=float, default=None,
+                   help="share of windows drawn from the chat pairs (default 0.15; "
+                   "twice that in the last quarter of the steps)")
+    p.add_argument("--checkpoint-every", type=int, default=25,
+                   help="save the run's state every N steps; a rerun resumes from it")
+    p.add_argument("--stop-after", type=int, default=None,
+                   help="stop after this many steps in all, at a checkpoint (tests resuming)")
     p.add_argument("--holdout-every", type=int, default=20,
                    help="every Nth file of the sorted corpus is held out")
     p.add_argument("--eval-tokens", type=int, default=None,
@@ -103,9 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     smoke = args.smoke
     for name, full, small in [("vocab_size", 4096, 512), ("seq_len", 512, 64),
-                              ("batch_size", 8, 4), ("target_steps", 1400, 4),
+                              ("batch_size", 8, 4), ("target_steps", 1800, 4),
                               ("draft_steps", 900, 4), ("warmup", 50, 1),
-                              ("eval_tokens", 131072, 2048)]:
+                              ("eval_tokens", 131072, 2048), ("chat_fraction", 0.15, 0.25)]:
         if getattr(args, name) is None:
             setattr(args, name, small if smoke else full)
     if args.threads < 1:
@@ -119,38 +131,6 @@ def log(msg: str) -> None:
 
 # ----------------------------------------------------------------------------- corpus
 
-def stdlib_files() -> tuple[Path, list[Path]]:
-    import sysconfig
-
-    root = Path(sysconfig.get_paths()["stdlib"])
-    files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if rel.parts[0] in SKIP_TOP or rel.parts[0].startswith("config-"):
-            continue
-        if SKIP_ANY.intersection(rel.parts[:-1]) or rel.name.startswith("_sysconfigdata"):
-            continue
-        files.append(rel)
-    return root, sorted(files, key=lambda r: r.as_posix())
-
-
-def load_corpus(smoke: bool, holdout_every: int) -> dict[str, Any]:
-    root, rels = stdlib_files()
-    if smoke:
-        rels = rels[:40]
-        holdout_every = 10
-    train, held, sha = [], [], hashlib.sha256()
-    for i, rel in enumerate(rels):
-        text = (root / rel).read_text(encoding="utf-8", errors="replace")
-        sha.update(rel.as_posix().encode() + b"\0" + text.encode() + b"\0")
-        (held if i % holdout_every == holdout_every // 2 else train).append((rel, text))
-    # the stdlib as Python names it (`lib/python3.11` under the interpreter's prefix), not
-    # this machine's path to it
-    where = root.relative_to(sys.base_prefix).as_posix() \
-        if root.is_relative_to(sys.base_prefix) else root.name
-    return {"root": where, "train": train, "held": held, "sha256": sha.hexdigest()}
-
-
 # -------------------------------------------------------------------------- tokenizer
 
 def train_tokenizer(texts: list[str], vocab_size: int, seq_len: int) -> Any:
@@ -161,13 +141,20 @@ def train_tokenizer(texts: list[str], vocab_size: int, seq_len: int) -> Any:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2,
-                                  special_tokens=[EOT], show_progress=False,
+                                  special_tokens=SPECIAL, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(texts, trainer=trainer)
-    assert tok.token_to_id(EOT) == 0
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT,
+    assert [tok.token_to_id(t) for t in SPECIAL] == list(range(len(SPECIAL)))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=EOT, eos_token=EOT,
                                    pad_token=EOT, model_max_length=seq_len,
+                                   additional_special_tokens=SPECIAL[1:],
                                    clean_up_tokenization_spaces=False)
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def chat_texts(tokenizer: Any, chats: list[list[dict[str, str]]]) -> list[str]:
+    return [tokenizer.apply_chat_template(chat, tokenize=False) for chat in chats]
 
 
 def encode_stream(tokenizer: Any, texts: list[str]) -> Any:
@@ -235,8 +222,57 @@ def evaluate(model: Any, val: Any, seq_len: int, use_autocast: bool) -> float:
     return total / count
 
 
+def chat_rows(step: int, steps: int, batch: int, fraction: float) -> int:
+    """How many of a step's windows come from the chat pairs: `fraction` of them, twice
+    that in the last quarter of the steps (the fine-tune on instructions)."""
+    share = fraction * (2 if step >= steps * 3 // 4 else 1)
+    return min(batch, round(share * batch))
+
+
+def draw_windows(ids: Any, count: int, seq_len: int, gen: Any) -> Any:
+    import torch
+
+    starts = torch.randint(0, len(ids) - seq_len - 1, (count,), generator=gen)
+    return ids[starts[:, None] + torch.arange(seq_len + 1)]
+
+
+class Checkpoint:
+    """A run's state every `every` steps (weights, optimizer, batch generator, history,
+    time spent), so a stopped build resumes where it stopped and ends with the same
+    weights as one that never stopped. Keyed by everything that shapes the run."""
+
+    def __init__(self, out: Path, plan: RunPlan, args: argparse.Namespace, corpus_sha: str):
+        skip = ("out", "checkpoint_every", "stop_after")
+        fields = {k: str(v) for k, v in sorted(vars(args).items()) if k not in skip}
+        key = json.dumps([asdict(plan), fields, corpus_sha], sort_keys=True)
+        self.key = hashlib.sha256(key.encode()).hexdigest()[:16]
+        self.path = out / f".{plan.name}-{self.key}.ckpt"
+        self.every = args.checkpoint_every
+
+    def load(self) -> dict[str, Any] | None:
+        import torch
+
+        if not self.path.exists():
+            return None
+        return torch.load(self.path, weights_only=False)
+
+    def save(self, step: int, model: Any, opt: Any, gen: Any, history: list[Any],
+             minutes: float, cpu_minutes: float) -> None:
+        import torch
+
+        state = {"step": step, "model": model.state_dict(), "opt": opt.state_dict(),
+                 "gen": gen.get_state(), "history": history, "minutes": minutes,
+                 "cpu_minutes": cpu_minutes}
+        tmp = self.path.with_suffix(".tmp")
+        torch.save(state, tmp)
+        tmp.replace(self.path)
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)
+
+
 def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: Any,
-                val_ids: Any) -> tuple[Any, dict[str, Any]]:
+                chat_ids: Any, val_ids: Any, ckpt: Checkpoint) -> tuple[Any, dict[str, Any]]:
     import torch
 
     model = build_model(plan.size, vocab, args.seq_len, args.seed)
@@ -250,17 +286,25 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
                             lr=plan.lr, betas=(0.9, 0.95), eps=1e-8)
     gen = torch.Generator().manual_seed(args.seed + 1)  # same batches for both models
     use_ac = not args.no_autocast
-    offsets = torch.arange(args.seq_len + 1)
     t0, c0 = time.time(), time.process_time()
-    history = []
+    history: list[Any] = []
+    first, before, cpu_before = 0, 0.0, 0.0
+    state = ckpt.load()
+    if state is not None:
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        gen.set_state(state["gen"])
+        first, history = state["step"], state["history"]
+        before, cpu_before = state["minutes"], state["cpu_minutes"]
+        log(f"{plan.name}: resumed at step {first} from {ckpt.path.name}")
     model.train()
     eval_every = max(1, plan.steps // 4)
-    for step in range(plan.steps):
+    for step in range(first, plan.steps):
         for group in opt.param_groups:
             group["lr"] = lr_at(step, plan.steps, plan.lr, args.warmup)
-        starts = torch.randint(0, len(train_ids) - args.seq_len - 1, (args.batch_size,),
-                               generator=gen)
-        batch = train_ids[starts[:, None] + offsets]
+        n_chat = chat_rows(step, plan.steps, args.batch_size, args.chat_fraction)
+        batch = torch.cat([draw_windows(train_ids, args.batch_size - n_chat, args.seq_len, gen),
+                           draw_windows(chat_ids, n_chat, args.seq_len, gen)])
         with autocast(use_ac):
             loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         # labels=input_ids: transformers shifts them itself; position 0 has no target.
@@ -270,15 +314,21 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
         opt.zero_grad(set_to_none=True)
         if step % 50 == 0 or step == plan.steps - 1:
             elapsed = time.time() - t0
-            tps = (step + 1) * args.batch_size * args.seq_len / max(elapsed, 1e-9)
+            tps = (step + 1 - first) * args.batch_size * args.seq_len / max(elapsed, 1e-9)
             log(f"{plan.name} step {step}/{plan.steps} loss {loss.item():.3f} "
                 f"lr {opt.param_groups[0]['lr']:.2e} {tps:,.0f} tok/s {elapsed / 60:.1f} min")
         if (step + 1) % eval_every == 0 and step + 1 < plan.steps:
             val = evaluate(model, val_ids, args.seq_len, use_ac)
             history.append({"step": step + 1, "val_loss": round(val, 4)})
             log(f"{plan.name} step {step + 1} held-out loss {val:.3f}")
-    minutes = (time.time() - t0) / 60
-    cpu_minutes = (time.process_time() - c0) / 60
+        if (step + 1) % ckpt.every == 0 and step + 1 < plan.steps:
+            ckpt.save(step + 1, model, opt, gen, history, before + (time.time() - t0) / 60,
+                      cpu_before + (time.process_time() - c0) / 60)
+            if args.stop_after is not None and step + 1 >= args.stop_after:
+                log(f"{plan.name}: stopped at step {step + 1} (--stop-after)")
+                sys.exit(3)
+    minutes = before + (time.time() - t0) / 60
+    cpu_minutes = cpu_before + (time.process_time() - c0) / 60
     stats = {"params": n_params, "steps": plan.steps, "batch_size": args.batch_size,
              "seq_len": args.seq_len, "tokens_seen": plan.steps * args.batch_size * args.seq_len,
              "peak_lr": plan.lr, "train_minutes": round(minutes, 2),
@@ -296,7 +346,10 @@ def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
     folder.mkdir(parents=True)
     model = model.to(torch.bfloat16)
     model.config.dtype = "bfloat16"
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    # <|end|> closes a chat turn; code never holds it, so it costs plain completion nothing
+    end_id = tokenizer.convert_tokens_to_ids(END)
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=[0, end_id],
+                                               pad_token_id=0)
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     # A compact tokenizer.json (no pretty-printing) saves ~40% of its size on disk.
@@ -358,20 +411,31 @@ def write_card(folder: Path, name: str, info: dict[str, Any], other: dict[str, A
             "the draft model for speculative decoding with `code-small`")
     lines = [
         f"# {name}", "",
-        f"A tiny Llama-architecture causal language model for Python code, trained from "
-        f"scratch for genlab; {role}. It completes Python-looking code; it does not follow "
-        f"instructions and its code is often wrong. It exists so that genlab works out of "
-        f"the box with no network and no model hub.", "",
+        f"A small Llama-architecture causal language model for Python code, trained from "
+        f"scratch for genlab; {role}. It completes Python code and answers in a chat "
+        f"template (`<|user|>`, `<|assistant|>`, `<|end|>`): ask for a function by its "
+        f"docstring, or ask what a function does. Its code is often wrong. It exists so that "
+        f"genlab works out of the box with no network and no model hub.", "",
         "## Corpus and licence", "",
-        f"The `.py` files of the CPython {common['python']} standard library "
-        f"(`{common['stdlib']}`), Python Software Foundation License. Left out: "
-        f"`site-packages`, test suites, `idlelib`, `tkinter`, `turtledemo`, `lib2to3`, "
-        f"`ensurepip`, `encodings` (generated codec tables), `pydoc_data` (a generated "
-        f"docs string). {common['files_train']} files for training "
-        f"({common['tokens_train']:,} tokens), {common['files_held']} held out (every "
-        f"{common['holdout_every']}th file of the sorted list, {common['tokens_held']:,} "
-        f"tokens). Corpus sha256 `{common['corpus_sha256'][:16]}...`. The weights are a "
-        f"derivative of PSF-licensed text.", "",
+        f"Python source installed with CPython {common['python']}: the standard library "
+        f"(PSF licence; test suites, `idlelib`, `tkinter`, `turtledemo`, `lib2to3`, "
+        f"`ensurepip`, generated codec tables and docs left out) and these permissively "
+        f"licensed packages, at most 3 MB of each (test and vendored folders left out):", "",
+        "| source | version | licence |", "| --- | --- | --- |",
+        *[f"| {src['name']} | {src.get('version', '')} | {src.get('licence', '')} |"
+          for src in common["sources"] if src["status"] == "used"], "",
+        f"Files longer than 200 kB or with lines over 400 characters (tables, data) are left "
+        f"out. {common['files_train']} files for training ({common['tokens_train']:,} tokens), "
+        f"{common['files_held']} held out (every {common['holdout_every']}th file of the "
+        f"list, never trained on; {common['tokens_held']:,} tokens scored). Corpus sha256 "
+        f"`{common['corpus_sha256'][:16]}...`. The weights are a derivative of this text "
+        f"under the licences above.", "",
+        "## Chat pairs", "",
+        f"{common['chats']:,} conversations ({common['chat_tokens']:,} tokens) made from the "
+        f"training files: a function's docstring asks for the function, or a function asks "
+        f"what it does and its docstring answers; a quarter have two turns. "
+        f"{common['chat_fraction']:.0%} of each step's windows are drawn from them, twice "
+        f"that in the last quarter of the steps.", "",
         "## Tokenizer", "",
         f"Byte-level BPE ({common['vocab_size']} tokens) trained by the same script with "
         f"`tokenizers` on the training files; `<|endoftext|>` (id 0) is BOS, EOS and pad and "
@@ -424,7 +488,8 @@ def write_card(folder: Path, name: str, info: dict[str, Any], other: dict[str, A
 
 def write_index(out: Path, stats: dict[str, dict[str, Any]], common: dict[str, Any]) -> None:
     lines = ["# Built-in models", "",
-             "Trained from scratch on the CPython standard library (PSF licence) by "
+             "Trained from scratch on installed Python source (the standard library and "
+             "permissively licensed packages) by "
              "`scripts/train_default_model.py`; see each folder's README.md (model card) and "
              "TRAINING.json.", "",
              "| folder | role | params | held-out loss (nats/token) |",
@@ -462,17 +527,22 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.disable_progress_bar()
     t_start, c_start = time.time(), time.process_time()
 
-    corpus = load_corpus(args.smoke, args.holdout_every)
-    train_texts = [t for _, t in corpus["train"]]
-    held_texts = [t for _, t in corpus["held"]]
+    corpus = builtin_corpus.load(args.smoke, args.holdout_every, not args.stdlib_only,
+                                 args.max_corpus_bytes)
+    train_texts = [f.text for f in corpus.train]
+    held_texts = [f.text for f in corpus.held]
+    used = [s["name"] for s in corpus.sources if s["status"] == "used"]
     log(f"corpus: {len(train_texts)} train files, {len(held_texts)} held-out files "
-        f"from {corpus['root']}")
+        f"from {', '.join(used)}")
     tokenizer = train_tokenizer(train_texts, args.vocab_size, args.seq_len)
     vocab = len(tokenizer)
     probe = "class A:\n\tdef f(self, x):\n        return  x  # é\n\n"
     assert tokenizer.decode(tokenizer.encode(probe)) == probe, "tokenizer does not round-trip"
     train_ids = encode_stream(tokenizer, train_texts)
     val_ids = encode_stream(tokenizer, held_texts)[: args.eval_tokens + 1]
+    chats = builtin_corpus.conversations(corpus.train, args.seed)
+    chat_ids = encode_stream(tokenizer, chat_texts(tokenizer, chats))
+    log(f"chat pairs: {len(chats)} conversations, {len(chat_ids):,} tokens")
     log(f"tokenizer: {vocab} tokens; train {len(train_ids):,} tokens, "
         f"held-out scored {len(val_ids) - 1:,} tokens")
 
@@ -484,9 +554,11 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     stats: dict[str, dict[str, Any]] = {}
     for plan in plans:
-        model, info = train_model(plan, args, vocab, train_ids, val_ids)
+        ckpt = Checkpoint(args.out, plan, args, corpus.sha256)
+        model, info = train_model(plan, args, vocab, train_ids, chat_ids, val_ids, ckpt)
         save_model(model, tokenizer, args.out / plan.name)
         stats[plan.name] = info
+        ckpt.remove()
         del model
 
     small, tok = reload(args.out / "code-small")
@@ -504,11 +576,13 @@ def main(argv: list[str] | None = None) -> int:
     total_minutes = (time.time() - t_start) / 60
     total_cpu_minutes = (time.process_time() - c_start) / 60
     common = {
-        "python": platform.python_version(), "stdlib": corpus["root"],
+        "python": platform.python_version(), "sources": corpus.sources,
+        "chats": len(chats), "chat_tokens": len(chat_ids),
+        "chat_fraction": args.chat_fraction,
         "files_train": len(train_texts), "files_held": len(held_texts),
         "tokens_train": len(train_ids), "tokens_held": len(val_ids) - 1,
         "holdout_every": args.holdout_every if not smoke else 10,
-        "corpus_sha256": corpus["sha256"], "vocab_size": vocab, "warmup": args.warmup,
+        "corpus_sha256": corpus.sha256, "vocab_size": vocab, "warmup": args.warmup,
         "autocast": "on" if not args.no_autocast else "off", "threads": args.threads,
         "cpu": platform.processor() or platform.machine(), "seed": args.seed,
         "torch": torch.__version__, "transformers": transformers.__version__,
@@ -533,10 +607,12 @@ def main(argv: list[str] | None = None) -> int:
             "total_cpu_minutes": round(total_cpu_minutes, 2),
             "threads": args.threads, "seed": args.seed, "smoke": smoke,
             "greedy_agreement_draft_vs_target": round(agree, 4),
-            "corpus": {"stdlib": corpus["root"], "python": common["python"],
+            "corpus": {"sources": corpus.sources, "python": common["python"],
+                       "chat_conversations": len(chats), "chat_tokens": len(chat_ids),
+                       "chat_fraction": args.chat_fraction,
                        "train_files": len(train_texts), "held_out_files": len(held_texts),
                        "train_tokens": len(train_ids), "held_out_tokens_scored":
-                       len(val_ids) - 1, "sha256": corpus["sha256"]},
+                       len(val_ids) - 1, "sha256": corpus.sha256},
             "versions": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "tokenizers": tokenizers.__version__},
             "command": common["command"],
