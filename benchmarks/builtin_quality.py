@@ -61,7 +61,8 @@ def held_out_loss(model_ref: str, max_tokens: int) -> tuple[float, object]:
     import torch
     import torch.nn.functional as F
 
-    from genlib.models import ModelSpec, load_model, model_source
+    from genlib.models.info import ModelSpec
+    from genlib.models.loading import load_model, model_source
 
     lm = load_model(ModelSpec(model_source(model_ref)))
     corpus = builtin_corpus.load(False, 20, True, 48_000_000)
