@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -41,6 +42,12 @@ LLAMA2XS = SHARED_MODELS / "llama2xs"
 CODE_TARGET = SHARED_MODELS / "code-target"
 CODE_DRAFT = SHARED_MODELS / "code-draft"
 
+
+# A shell starts a background job (`pytest ... &` in a script, a CI runner's step) with
+# SIGINT ignored, and the commands the tests start inherit that: their Ctrl-C tests would
+# then test nothing. Take SIGINT back, so children start with its default action.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 @pytest.fixture(autouse=True)
 def _thaw_the_heap():
