@@ -31,6 +31,22 @@ def huge_kib_at(address: int) -> int:
     return 0
 
 
+def kernel_gives_huge_pages() -> bool:
+    """Whether a fresh mapping, advised and written without genlib, gets a huge page
+    now: the kernel backs one only while it has a free 2 MiB page, which a long run can
+    leave it without."""
+    import ctypes
+    import mmap
+
+    # private and anonymous, as malloc's are (a shared mapping is shmem, another policy);
+    # 6 MiB holds a whole aligned 2 MiB page wherever it lands
+    probe = mmap.mmap(-1, 6 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    probe.madvise(mmap.MADV_HUGEPAGE)
+    probe.write(b"\1" * len(probe))
+    address = ctypes.addressof(ctypes.c_char.from_buffer(probe))
+    return huge_kib_at(address) >= 2048
+
+
 def test_empty_is_aligned_and_writable():
     t = hugepages.empty(3 << 20, torch.float32, torch.device("cpu"))
     assert t.numel() == 3 << 20 and t.dtype == torch.float32
@@ -45,6 +61,8 @@ def test_lean_fused_weights_sit_in_huge_pages(code_target):
     lean = LeanLlama.from_model(code_target.model)
     qkv = lean.layers[0].qkv.w
     assert qkv.data_ptr() % hugepages.PAGE == 0  # the buffer's first matrix
+    if huge_kib_at(qkv.data_ptr()) < 2048 and not kernel_gives_huge_pages():
+        pytest.skip("the kernel gives no huge page to any buffer now (memory fragmented)")
     assert huge_kib_at(qkv.data_ptr()) >= 2048
     # Every layer's fused matrices share the one buffer.
     storages = {p.w.untyped_storage().data_ptr() for layer in lean.layers
