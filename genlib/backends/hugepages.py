@@ -7,7 +7,9 @@ fused q/k/v and gate/up weights from them waits less on address translation.
 
 Linux gives an anonymous mapping 2 MiB pages ("transparent huge pages") when the mapping
 is 2 MiB-aligned and `madvise(MADV_HUGEPAGE)` asks for them before the pages are first
-written, which is all `empty` does. Elsewhere (another OS, a kernel with them switched
+written, which is all `empty` does, on a mapping of its own: memory from the allocator
+can be pages already written (glibc serves large blocks from its heap once its mmap
+threshold has risen), which stay 4 KiB pages. Elsewhere (another OS, a kernel with them switched
 off, a device other than the CPU) it returns an ordinary tensor: the values are the same
 either way.
 """
@@ -15,6 +17,7 @@ either way.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import sys
 
 import torch
@@ -28,12 +31,14 @@ def empty(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     advised into 2 MiB pages where the platform allows (see the module doc)."""
     if device.type != "cpu" or not sys.platform.startswith("linux"):
         return torch.empty(numel, dtype=dtype, device=device)
-    size = torch.empty((), dtype=dtype).element_size()
-    raw = torch.empty(numel + PAGE // size, dtype=dtype)
-    start = (-raw.data_ptr() % PAGE) // size
-    out = raw[start:start + numel]  # a view: it keeps the whole allocation alive
-    _advise(out.data_ptr(), numel * size)
-    return out
+    length = numel * torch.empty((), dtype=dtype).element_size()
+    mapping = mmap.mmap(-1, length + PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    view = ctypes.c_char.from_buffer(mapping)
+    address = ctypes.addressof(view)
+    del view  # the mapping stays open: the tensor holds it
+    offset = -address % PAGE
+    _advise(address + offset, length)
+    return torch.frombuffer(mapping, dtype=dtype, count=numel, offset=offset)
 
 
 def _advise(address: int, length: int) -> bool:
