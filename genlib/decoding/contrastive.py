@@ -34,11 +34,12 @@ from genlib.decoding.step import (
     make_plan,
     new_row,
     process_logits,
+    stop_reason,
 )
 from genlib.errors import ConfigError
 from genlib.events import Event, Prefill
 from genlib.models.loading import LoadedModel
-from genlib.sampling import grammar, processors
+from genlib.sampling import processors
 from genlib.settings.config import GenerationSettings
 
 
@@ -93,13 +94,8 @@ def _search(lm: LoadedModel, backend: Backend, plan: Plan, row: Row) -> Iterator
             event, reason = advance(lm, row, 0, token, logprob, step, now)
             if event is not None:
                 yield event
-            if reason is None and deadline is not None and now >= deadline:
-                reason = "time"
-            if reason is None and step + 1 == settings.max_new_tokens:
-                reason = "length"
+            reason = stop_reason(plan, row, reason, step, now, deadline)
             if reason is not None:
-                reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
-                                               reason)
                 yield from finish_row(row, 0, reason, start)
                 return
             logits, hidden = next_logits, torch.cat([hidden, next_hidden])

@@ -29,10 +29,11 @@ from genlib.decoding.step import (
     finish_row,
     make_plan,
     new_row,
+    stop_reason,
 )
 from genlib.events import Event, Prefill
 from genlib.models.loading import LoadedModel
-from genlib.sampling import grammar, processors
+from genlib.sampling import processors
 from genlib.settings.config import GenerationSettings
 
 
@@ -81,13 +82,8 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
                                         details[pos] if details else None)
                 if event is not None:
                     yield event
-                if reason is None and deadline is not None and now >= deadline:
-                    reason = "time"
-                if reason is None and step + 1 == settings.max_new_tokens:
-                    reason = "length"
+                reason = stop_reason(plan, row, reason, step, now, deadline)
                 if reason is not None:
-                    reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
-                                                   reason)
                     yield from finish_row(row, active[pos], reason, start)
                     done.append(pos)
             if len(done) == len(active):

@@ -204,6 +204,20 @@ def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: flo
     return event, None
 
 
+def stop_reason(plan: Plan, row: Row, reason: str | None, step: int, now: float,
+                deadline: float | None) -> str | None:
+    """Why a row ends after its token at `step`: the reason `advance` gave (end id, stop
+    string), else "time" past the deadline, else "length" at the last step; as the
+    grammar reports it where one constrains the row. None: the row goes on."""
+    if reason is None and deadline is not None and now >= deadline:
+        reason = "time"
+    if reason is None and step + 1 == plan.settings.max_new_tokens:
+        reason = "length"
+    if reason is None:
+        return None
+    return grammar.finish_reason(processors.grammar_of(plan.chain), row.ids, reason)
+
+
 def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
     """The Finish event, carrying any text still pending (`tail`)."""
     row.finished = True
