@@ -139,6 +139,7 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
 
     from genlib.backends import kernel
     from genlib.backends.choose import native_allowed, stored_format
+    from genlib.backends.native import native_step
 
     stored = stored_format(lm)
     if lm.weights is not None:  # --quantize on the native kernel: the format's build
@@ -159,7 +160,7 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
             and packs in weights:
         # The packed weights now, mapped from the cache (or packed and cached), so a
         # cache that cannot be written is said once, before any output.
-        lm.lean.native_step(packs, warn)
+        native_step(lm.lean, packs, warn)
     for kind in weights:  # each build ran once above; this only reads what it said
         notice = kernel.build_for(kind).notice
         if notice:

@@ -5,6 +5,8 @@ the choice `auto` makes."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -129,11 +131,12 @@ def test_lean_backends_refuse_models_that_are_not_plain_llama(tiny, name):
     if tiny.ref in ("tiny-llama", "tiny-qwen2"):
         pytest.skip("a plain Llama-style model")
     arch = tiny.ref.removeprefix("tiny-")
-    with pytest.raises(ConfigError, match=f"the {name} backend runs llama, mistral, qwen2, "
-                                          f"qwen3, granite, phi3, gemma2, gemma3_text "
-                                          f"models, and cannot run "
-                                          f"{tiny.ref}: model_type '{arch}' is not one the "
-                                          f"lean forward"):
+    with pytest.raises(ConfigError, match=f"the {name} backend runs the lean forward, which "
+                                          f"cannot run {tiny.ref}: model_type '{arch}' is "
+                                          f"not one the lean forward runs \\(llama, mistral, "
+                                          f"qwen2, qwen3, granite, phi3, gemma2, gemma3_text\\)"
+                                          f"; use --backend compiled or transformers "
+                                          f"\\(or auto\\)$"):
         choose_backend(tiny, Request(backend=name))
 
 
@@ -152,7 +155,7 @@ def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
     quantized Llama is refused for what it is, not as another architecture."""
     import dataclasses
 
-    from genlib.backends import choose
+    from genlib.backends import native
     from genlib.models.loading import ModelSpec, load_model
 
     half = load_model(ModelSpec(stories.ref, dtype="bfloat16"))
@@ -166,10 +169,12 @@ def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
     with pytest.raises(ConfigError, match=r"^the native backend does not run quantized "
                                           r"models; use --backend transformers \(or auto\)$"):
         choose_backend(quantized, Request(backend="native"))
-    monkeypatch.setattr(choose, "_kernel_missing", lambda lean, weights=None: "no C compiler found")
-    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend lean \(or"):
+    monkeypatch.setattr(native, "kernel_applies", lambda lean, weights=None: "no C compiler found")
+    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend lean or "
+                                          r"compiled or transformers \(or auto\)$"):
         choose_backend(stories, Request(backend="native"))
-    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend transformers"):
+    with pytest.raises(ConfigError, match=r"no C compiler found; use --backend transformers "
+                                          r"\(or auto\)$"):
         choose_backend(stories, Request(rows=3, backend="native"))
     with pytest.raises(ConfigError, match=r"beam search; use --backend transformers \(or"):
         choose_backend(stories, Request(rows=4, reorder=True, backend="lean"))
@@ -194,10 +199,12 @@ def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
     lm = wrap_model(model, stories_tokenizer, ref=f"tiny-{arch}")
     backend = choose_backend(lm, Request(crop=True))
     assert backend.name == "transformers"
-    assert backend.reason == ("one row in bfloat16 on cpu, GENLAB_LEAN=0" if arch == "llama"
-                              else "one row in bfloat16 on cpu, no lean forward: model_type "
-                                   "'gpt2' is not one the lean forward runs (llama, mistral, "
-                                   "qwen2, qwen3, granite, phi3, gemma2, gemma3_text)")
+    assert backend.reason == (
+        "transformers' forward; GENLAB_LEAN=0 keeps auto off the lean forward"
+        if arch == "llama" else
+        "transformers' forward; the native backend runs the lean forward, which cannot run "
+        "tiny-gpt2: model_type 'gpt2' is not one the lean forward runs (llama, mistral, "
+        "qwen2, qwen3, granite, phi3, gemma2, gemma3_text)")
     ids, settings = [1, 37, 99, 4, 250], GenerationSettings(max_new_tokens=12)
     [plain] = generate(lm, [ids], settings, backend="transformers")
     [drafted] = generate(lm, [ids], settings, drafter=Drafting(prompt_lookup=2))
@@ -215,18 +222,20 @@ def test_auto_picks_native_lean_or_transformers_and_says_why(stories, tiny, monk
     native = kernel.build().library is not None
     backend = choose_backend(stories, Request())
     assert backend.name == ("native" if native else "lean")
-    assert backend.reason == ("a float32 llama model on the CPU" if native
-                              else f"no native kernel: {kernel.build().reason}")
+    assert backend.reason == ("a float32 llama model on the CPU" if native else
+                              f"the lean forward; the native backend cannot run here: "
+                              f"{kernel.build().reason}")
     many = "native" if native else "transformers"
     assert choose_backend(stories, Request(rows=2)).name == many
     assert choose_backend(stories, Request(rows=4, reorder=True)).name == many
     assert choose_backend(tiny, Request(rows=2)).name == \
         ("transformers" if tiny.ref in ("tiny-gpt2", "tiny-gpt_neox") else many)
     monkeypatch.setenv("GENLAB_NATIVE", "0")
+    off = "GENLAB_NATIVE=0 keeps auto off the native kernel"
     assert (choose_backend(stories, Request()).name,
-            choose_backend(stories, Request()).reason) == ("lean", "GENLAB_NATIVE=0")
+            choose_backend(stories, Request()).reason) == ("lean", f"the lean forward; {off}")
     assert choose_backend(stories, Request(rows=4, reorder=True)).reason == \
-        "beam search, and no native kernel (GENLAB_NATIVE=0): the lean forward runs one row"
+        f"transformers' forward; {off}"
     monkeypatch.setenv("GENLAB_LEAN", "0")
     assert choose_backend(stories, Request()).name == "transformers"
 
@@ -349,3 +358,40 @@ def test_auto_keeps_bfloat16_on_a_gpu_to_the_exact_lean_forward(stories):
     assert backend_name(dataclasses.replace(half, device=gpu), Request()) == "lean"
     assert backend_name(dataclasses.replace(stories, device=gpu), Request()) == "compiled"
     assert backend_name(half, Request()) == "lean"
+
+
+@pytest.mark.parametrize("request_", [Request(), Request(rows=3), Request(rows=4, reorder=True),
+                                      Request(crop=True), Request(hidden="DoLa"),
+                                      Request(rows=2, hidden="DoLa")],
+                         ids=["one", "rows", "beam", "crop", "hidden", "hidden-rows"])
+def test_auto_and_each_refusal_come_from_the_backends_own_answers(stories, request_,
+                                                                   monkeypatch):
+    """auto takes the first backend in `order()` that serves and is not passed over; a
+    backend asked for that cannot serve is refused with its own answer and the names of
+    exactly the backends that answer that they serve, each of which then builds."""
+    from genlib.backends import choose
+
+    for native_off in ("1", "0"):
+        monkeypatch.setenv("GENLAB_NATIVE", native_off)
+        answers = {kind.name: (kind.supports(stories, request_),
+                               kind.passed_over(stories, request_)) for kind in choose.order()}
+        takers = [name for name, (no, passed) in answers.items() if no is None and passed is None]
+        if takers:
+            assert choose.backend_name(stories, request_) == takers[0]
+        else:
+            with pytest.raises(ConfigError) as refused:
+                choose.backend_name(stories, request_)
+            assert str(refused.value) == answers["lean"][0]
+        serving = [name for name, (no, _) in answers.items() if no is None]
+        assert choose.serving(stories, request_) == serving
+        for name, (no, _) in answers.items():
+            asked = dataclasses.replace(request_, backend=name)
+            if no is None:
+                assert choose_backend(stories, asked).name == name
+                continue
+            with pytest.raises(ConfigError) as refused:
+                choose_backend(stories, asked)
+            others = [other for other in serving if other != name]
+            assert str(refused.value) == (f"{no}; use --backend {' or '.join(others)} (or auto)"
+                                          if others else
+                                          f"{no}; no backend serves this generation here")

@@ -3,12 +3,15 @@ generate(): the same logits, the same greedy tokens, on real and tiny random mod
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 
 from genlib import generate
-from genlib.backends import kernel
+from genlib.backends import compiled, kernel
 from genlib.backends.choose import Request, choose_backend
+from genlib.backends.compiled import lean_compiled_step
 from genlib.backends.lean import lean_model_of
 from genlib.backends.llama import LeanLlama, _mm, _Proj
 from genlib.events import Finish, Prefill
@@ -54,7 +57,7 @@ def lean_greedy(lean: LeanLlama, ids: list[int], n: int, compiled: bool = False,
     """Greedy over the lean forward, never picking `eos` (as min_new_tokens does)."""
     cache = lean.new_cache(len(ids) + n)
     logits = lean.prefill(torch.tensor([ids]), cache)
-    step = lean.compiled_step if compiled else lean.step
+    step = partial(lean_compiled_step, lean) if compiled else lean.step
     out: list[int] = []
     for _ in range(n):
         token = logits.index_fill(-1, torch.tensor([eos]), float("-inf")).argmax(-1, keepdim=True)
@@ -226,9 +229,10 @@ def test_other_architectures_are_not_eligible_and_still_generate(stories_tokeniz
     assert lean_model_of(lm) is None
     backend = choose_backend(lm, Request())
     assert backend.name == "transformers"
-    assert backend.reason == ("no lean forward: model_type 'gpt2' is not one the lean "
-                              "forward runs (llama, mistral, qwen2, qwen3, granite, phi3, "
-                              "gemma2, gemma3_text)")
+    assert backend.reason == ("transformers' forward; the native backend runs the lean "
+                              "forward, which cannot run tiny-gpt2: model_type 'gpt2' is not "
+                              "one the lean forward runs (llama, mistral, qwen2, qwen3, "
+                              "granite, phi3, gemma2, gemma3_text)")
     ids = lm.encode("Once upon a time")
     assert genlab_greedy(lm, ids, 30, backend="auto") == hf_generate(lm, ids, 30)
 
@@ -248,10 +252,11 @@ def test_genlab_lean_0_switches_the_lean_path_off(stories, monkeypatch):
     assert choose_backend(stories, Request()).name in ("lean", "native")
     monkeypatch.setenv("GENLAB_LEAN", "0")
     backend = choose_backend(stories, Request())
-    assert backend.name == "transformers" and backend.reason == "GENLAB_LEAN=0"
+    off = "transformers' forward; GENLAB_LEAN=0 keeps auto off genlib's own forwards"
+    assert backend.name == "transformers" and backend.reason == off
     ids = stories.encode("Once upon a time")
     events = list(generate.stream(stories, [ids], greedy(10)))
-    assert (events[0].backend, events[0].backend_reason) == ("transformers", "GENLAB_LEAN=0")
+    assert (events[0].backend, events[0].backend_reason) == ("transformers", off)
     assert list(events[-1].token_ids) == hf_generate(stories, ids, 10)
 
 
@@ -275,11 +280,11 @@ def test_generations_on_one_model_interleave(stories, backend):
 
 
 def count_compiled_steps(monkeypatch) -> list[int]:
-    """A list that grows by one on every call of `LeanLlama.compiled_step`."""
+    """A list that grows by one on every call of the compiled lean step."""
     calls: list[int] = []
-    real = LeanLlama.compiled_step
-    monkeypatch.setattr(LeanLlama, "compiled_step",
-                        lambda self, *args: calls.append(1) or real(self, *args))
+    real = compiled.lean_compiled_step
+    monkeypatch.setattr(compiled, "lean_compiled_step",
+                        lambda *args: calls.append(1) or real(*args))
     return calls
 
 
@@ -303,13 +308,13 @@ def test_compiled_lean_step_gives_identical_tokens(stories, tiny_llama, monkeypa
     for i in range(12):
         token = logits.argmax(-1, keepdim=True)
         mixed.append(int(token))
-        logits = (lean.compiled_step if i // 4 == 1 else lean.step)(token, cache)
+        logits = (partial(lean_compiled_step, lean) if i // 4 == 1 else lean.step)(token, cache)
     assert mixed == eager[:12]
     # Back to the first buffer size, in newly allocated buffers, with another prompt: the
     # graph compiled for that size is called directly, reading the new buffers.
     other = [1, 77, 300, 12]
     assert lean_greedy(lean, other, 40, compiled=True) == lean_greedy(lean, other, 40)
-    assert lean._compiled.direct_keys == [44, 64]
+    assert compiled._lean_steps[lean].direct_keys == [44, 64]
 
 
 @pytest.mark.parametrize("sliding_window", [None, 64])
@@ -387,7 +392,7 @@ def test_compiled_step_from_an_empty_cache(stories):
             out.append(int(token))
         return out
 
-    assert run(lean.compiled_step) == run(lean.step)
+    assert run(partial(lean_compiled_step, lean)) == run(lean.step)
 
 
 def test_compiled_step_compiles_where_sdpa_chooses_its_kernel_by_length(tiny_llama,
@@ -415,4 +420,4 @@ def test_compiled_step_compiles_where_sdpa_chooses_its_kernel_by_length(tiny_lla
     monkeypatch.setattr(LeanLlama, "_static_step", step_with_an_unhinted_position)
     lean = LeanLlama.from_model(tiny_llama)
     assert lean_greedy(lean, prompt, 20, compiled=True) == expected
-    assert lean._compiled.direct_keys == [24]
+    assert compiled._lean_steps[lean].direct_keys == [24]

@@ -13,11 +13,12 @@ import pytest
 import torch
 
 from genlib import generate
-from genlib.backends import kernel
+from genlib.backends import compiled, kernel
 from genlib.backends.choose import Request, choose_backend
+from genlib.backends.compiled import is_small, lean_compiled_step
 from genlib.backends.lean import LeanBackend, lean_model_of
 from genlib.backends.llama import LeanLlama
-from genlib.backends.native import NativeBackend
+from genlib.backends.native import NativeBackend, native_step
 from genlib.errors import ConfigError
 from genlib.models.loading import wrap_model
 from tests.conftest import tiny_config, torch_threads
@@ -189,40 +190,42 @@ def test_the_kernel_runs_on_torchs_threads_however_small_the_model(library,
     for threads in (1, 2):
         with torch_threads(threads):
             lean = lean_model_of(tiny_lm(stories_tokenizer))
-            assert lean._small()
-            assert lean.native_step().threads == threads
+            assert is_small(lean)
+            assert native_step(lean).threads == threads
 
 
 def test_auto_picks_native_and_genlab_native_0_picks_lean(library, stories_tokenizer,
                                                            monkeypatch):
     lm = tiny_lm(stories_tokenizer)
     backend = choose_backend(lm, Request())
-    assert isinstance(backend, NativeBackend) and backend.kernel is lean_model_of(lm).native_step()
+    assert isinstance(backend, NativeBackend) and backend.kernel is native_step(lean_model_of(lm))
     assert backend.reason == "a float32 llama model on the CPU"
     for rows, reorder in ((2, False), (1, True)):  # batches and beams run on it too
         several = choose_backend(lm, Request(rows=rows, reorder=reorder))
         assert several.name == "native" and several.reason == backend.reason
     monkeypatch.setenv("GENLAB_NATIVE", "0")
     backend = choose_backend(lm, Request())
-    assert type(backend) is LeanBackend and backend.reason == "GENLAB_NATIVE=0"
+    assert type(backend) is LeanBackend and backend.reason == \
+        "the lean forward; GENLAB_NATIVE=0 keeps auto off the native kernel"
     # The switch keeps auto off the kernel; asked for by name it still runs.
     assert isinstance(choose_backend(lm, Request(backend="native")), NativeBackend)
     ids = [1, 5, 9, 200]
     events = list(generate.stream(lm, [ids], greedy(20)))
-    assert (events[0].backend, events[0].backend_reason) == ("lean", "GENLAB_NATIVE=0")
+    assert (events[0].backend, events[0].backend_reason) == \
+        ("lean", "the lean forward; GENLAB_NATIVE=0 keeps auto off the native kernel")
     assert list(events[-1].token_ids) == genlab_greedy(lm, ids, 20, backend="native")
 
 
 def test_the_compiled_step_is_torch_compile_where_the_kernel_applies(library):
     lean = LeanLlama.from_model(tiny("llama"))
-    assert isinstance(lean.native_step(), kernel.NativeStep)
+    assert isinstance(native_step(lean), kernel.NativeStep)
     eager, cache = lean.new_cache(8), lean.new_cache(8)
     logits = lean.prefill(torch.tensor([[1, 2]]), cache)
     lean.prefill(torch.tensor([[1, 2]]), eager)
     token = logits.argmax(-1, keepdim=True)
-    torch.testing.assert_close(lean.compiled_step(token, cache), lean.step(token, eager),
+    torch.testing.assert_close(lean_compiled_step(lean, token, cache), lean.step(token, eager),
                                rtol=1e-5, atol=1e-4)
-    assert lean._compiled is not None and cache.native is None  # the kernel never ran
+    assert lean in compiled._lean_steps and cache.native is None  # the kernel never ran
 
 
 def test_without_a_compiler_auto_picks_lean_and_native_is_refused(monkeypatch, tmp_path,
@@ -233,11 +236,12 @@ def test_without_a_compiler_auto_picks_lean_and_native_is_refused(monkeypatch, t
     try:
         lean = LeanLlama.from_model(tiny("llama"))
         assert "could not build lean_step.c" in kernel.applies(lean)
-        assert lean.native_step() is None
+        assert native_step(lean) is None
         lm = tiny_lm(stories_tokenizer)
         backend = choose_backend(lm, Request())
         assert type(backend) is LeanBackend
-        assert backend.reason.startswith("no native kernel: could not build lean_step.c")
+        assert backend.reason.startswith("the lean forward; the native backend cannot run "
+                                         "here: could not build lean_step.c")
         with pytest.raises(ConfigError, match="the native backend cannot run here: could "
                                               "not build lean_step.c.*--backend lean"):
             choose_backend(lm, Request(backend="native"))

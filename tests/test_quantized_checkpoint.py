@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 from genlib.backends import quant
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama
+from genlib.backends.native import native_step
 from genlib.errors import ModelLoadError
 from genlib.models import qformat, qwrite
 from genlib.models.loading import BUILTIN_MODELS, ModelSpec, load_model
@@ -142,7 +143,7 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
         patched.setattr(quant, "quantize", no_quantizing)
         backend = choose_backend(lm, Request())  # packs the kernel's weights
     assert backend.name == "native" and f"weights {fmt} as stored" in backend.reason
-    step = lm.lean.native_step(fmt)
+    step = native_step(lm.lean, fmt)
     ids = lm.encode(PROMPT)
     reference = load_model(ModelSpec(str(folder)), quick=False).model
     assert reference.dtype == torch.float32

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from genlib.backends import kernel, weightcache
+from genlib.backends.native import native_step
 from genlib.models.loading import ModelSpec, load_model
 from tests.conftest import CODE_TARGET, ROOT, STORIES
 
@@ -185,7 +186,7 @@ def _lean_of_transformers():
 
 def test_the_native_path_keeps_no_float_copy_of_the_matrices(cache_home):
     lm = quick_code_target()
-    lm.lean.native_step()
+    native_step(lm.lean)
     step = kernel.NativeStep(lm.lean, 2)  # a second step: mapped from the cache
     # the torch forward's fused matrices and output projection were never made
     assert "layers" not in vars(lm.lean) and "lm_head" not in vars(lm.lean)
@@ -200,10 +201,11 @@ def test_the_native_path_keeps_no_float_copy_of_the_matrices(cache_home):
 
 PEAK = textwrap.dedent("""
     import resource, sys
+    from genlib.backends.native import native_step
     from genlib.models.loading import ModelSpec, load_model
     def start(path):
         lm = load_model(ModelSpec(path), quick=True)
-        step = lm.lean.native_step()
+        step = native_step(lm.lean)
         cache = lm.lean.new_cache(64)
         step.extend(list(range(1, 33)), cache)
         step(5, cache)

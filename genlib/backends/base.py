@@ -30,6 +30,7 @@ import torch
 from genlib.errors import ConfigError
 
 if TYPE_CHECKING:
+    from genlib.backends.fit import Request
     from genlib.models.info import LoadedModel
 
 
@@ -68,6 +69,31 @@ class Backend(ABC):
     def __init__(self, lm: LoadedModel) -> None:
         self.lm = lm
         self.length = 0  # cached slots (padding included)
+
+    # --- Whether it serves a generation (asked by genlib.backends.choose) --------------
+
+    @classmethod
+    def supports(cls, lm: LoadedModel, request: Request) -> str | None:
+        """Why this backend cannot serve `request` on `lm`, in one line naming what it
+        lacks; None when it can."""
+        raise NotImplementedError(f"{cls.__name__} is not one of choose.ORDER")
+
+    @classmethod
+    def passed_over(cls, lm: LoadedModel, request: Request) -> str | None:
+        """Why `auto` leaves a request this backend could serve to a later backend in
+        `choose.ORDER` (an environment switch, or inexact or slower here); None: auto
+        takes it."""
+        return None
+
+    @classmethod
+    def picked(cls, lm: LoadedModel, request: Request) -> str:
+        """What it is good for here, as --stats, --json and bench say why auto took it."""
+        return f"the {cls.name} backend"
+
+    @classmethod
+    def build(cls, lm: LoadedModel, request: Request) -> Backend:
+        """A fresh backend for one generation, which `supports` said it serves."""
+        return cls(lm)
 
     # --- The operations, checked against the capabilities ------------------------------
 

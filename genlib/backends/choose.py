@@ -1,7 +1,10 @@
-"""Which backend runs a generation: the one place that knows the rules, reads the
-environment switches and takes the user's `--backend`.
+"""Which backend runs a generation. Each backend class answers for itself
+(`Backend.supports`: why it cannot serve a request; `Backend.passed_over`: why auto
+leaves it to a later one); this module asks them in auto's order (`order()`), takes the
+user's `--backend`, and refuses one that cannot serve with its own answer and the names
+of the backends that can (`serving`).
 
-`auto` picks the fastest backend that is exact for the request (greedy and beam search
+So `auto` picks the fastest backend that is exact for the request (greedy and beam search
 token-identical to transformers' `generate()`):
 
 | request and model | auto picks |
@@ -41,17 +44,27 @@ precision moves its speed and acceptance, never the output.
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from genlib.backends.arch import ARCHITECTURES
+from genlib.backends.fit import (
+    Request,
+    lean_allowed,
+    lean_of,
+    lean_refusal,
+    native_allowed,
+    stored_format,
+)
 from genlib.errors import ConfigError, not_one_of
 
 if TYPE_CHECKING:
     from genlib.backends.base import Backend
-    from genlib.backends.llama import LeanLlama
     from genlib.models.info import LoadedModel
+
+__all__ = ["BACKENDS", "NATIVE_FORMATS", "ONE_ROW", "Request", "architecture", "backend_name",
+           "check_draft_weights", "check_name", "choose_backend", "draft_request",
+           "lean_allowed", "lean_refusal", "native_allowed", "native_quantization",
+           "serving", "stored_format"]
 
 BACKENDS = ("auto", "transformers", "lean", "compiled", "native")
 # The native kernel's format for each --quantize on a CPU (genlib.backends.quant): 4bit
@@ -59,51 +72,21 @@ BACKENDS = ("auto", "transformers", "lean", "compiled", "native")
 # run on the native kernel alone.
 NATIVE_FORMATS = {"8bit": "q8_0", "4bit": "nf4", "q8_0": "q8_0", "nf4": "nf4",
                   "q4_0": "q4_0"}
-
-
-@dataclass(frozen=True)
-class Request:
-    """What a generation needs of its backend. `rows`: rows held at once (prompts times
-    outputs, or beams); `reorder`: beam search; `crop`: speculative rollback; `weights`:
-    how the native kernel stores the matrices (float32 or bfloat16, `kernel.WEIGHTS`;
-    None: the model's own, on any backend); `hidden`: the method that needs the lean
-    forward's hidden states (which the lean backend alone gives)."""
-
-    rows: int = 1
-    reorder: bool = False
-    crop: bool = False
-    backend: str = "auto"
-    weights: str | None = None
-    hidden: str | None = None  # what needs hidden states ("contrastive search", "DoLa")
-
-    def kernel_weights(self, lm: LoadedModel) -> str:
-        """The matrices the native kernel reads for this request on `lm`: the ones
-        `weights` asks for, else the model's quantized format (`lm.weights`), else the
-        format its checkpoint stores (genlib.models.qformat: the codes as stored), else its
-        float32 matrices."""
-        return self.weights or lm.weights or stored_format(lm) or "float32"
-
-
-def stored_format(lm: LoadedModel) -> str | None:
-    """The quantized format `lm`'s checkpoint stores its matrices in (genlib.models.qformat);
-    None for a float checkpoint."""
-    stored = getattr(lm, "stored", None)
-    return stored.format if stored is not None else None
-
-
-# The backends that run one row per forward (no batches, no beam search).
-ONE_ROW = ("lean", "compiled")
 DRAFT_WEIGHTS = ("auto", "float32", "bfloat16")
+ONE_ROW = ("lean", "compiled")  # the backends whose `supports` refuses several rows
 
 
-def lean_allowed() -> bool:
-    """False when GENLAB_LEAN=0 keeps generations (and quick loading) off the lean forward."""
-    return os.environ.get("GENLAB_LEAN", "1") != "0"
+def order() -> tuple[type[Backend], ...]:
+    """The backends in auto's order of preference: auto takes the first that serves a
+    request and is not passed over (`Backend.supports`, `Backend.passed_over`). The
+    compiled step comes after the lean forward: auto takes it on a GPU in float32
+    alone, where the lean forward passes itself over for it."""
+    from genlib.backends.compiled import CompiledBackend
+    from genlib.backends.lean import LeanBackend
+    from genlib.backends.native import NativeBackend
+    from genlib.backends.transformers import TransformersBackend
 
-
-def native_allowed() -> bool:
-    """False when GENLAB_NATIVE=0 keeps auto off the native kernel."""
-    return os.environ.get("GENLAB_NATIVE", "1") != "0"
+    return (NativeBackend, LeanBackend, CompiledBackend, TransformersBackend)
 
 
 def check_name(name: str) -> str:
@@ -115,8 +98,8 @@ def check_name(name: str) -> str:
 def choose_backend(lm: LoadedModel, request: Request) -> Backend:
     """A fresh backend for one generation on `lm` (see the module doc); its `reason`
     says why it was picked."""
-    name, reason = _pick(lm, request)
-    backend = _build(name, lm, request.kernel_weights(lm))
+    kind, reason = _pick(lm, request)
+    backend = kind.build(lm, request)
     backend.reason = reason
     return backend
 
@@ -124,7 +107,76 @@ def choose_backend(lm: LoadedModel, request: Request) -> Backend:
 def backend_name(lm: LoadedModel, request: Request) -> str:
     """The name of the backend `choose_backend` gives `request`, without building it; the
     same ConfigError for an explicit backend that cannot serve it."""
-    return _pick(lm, request)[0]
+    return _pick(lm, request)[0].name
+
+
+def serving(lm: LoadedModel, request: Request) -> list[str]:
+    """The names of the backends that can serve `request` on `lm`, fastest first."""
+    return [kind.name for kind in order() if kind.supports(lm, request) is None]
+
+
+def _pick(lm: LoadedModel, request: Request) -> tuple[type[Backend], str]:
+    """The backend and why: auto's choice, or the one asked for, which is refused with a
+    ConfigError naming the backends that would serve when it cannot serve `request`."""
+    name = check_name(request.backend)
+    if name == "auto":
+        return _auto(lm, request)
+    [kind] = [kind for kind in order() if kind.name == name]
+    refusal = kind.supports(lm, request)
+    if refusal is not None:
+        raise ConfigError(_refused(refusal, lm, request))
+    reason = "asked for with --backend"
+    if lm.weights is not None or (name == "native" and stored_format(lm)):
+        reason += f", weights {request.kernel_weights(lm)}"
+    return kind, reason
+
+
+def _auto(lm: LoadedModel, request: Request) -> tuple[type[Backend], str]:
+    """The first backend in `order()` that serves `request` and is not passed over; the
+    reason names what it is good for here and the answer of a backend before it
+    (`_why_not_earlier`)."""
+    answers: dict[str, str] = {}
+    refused: list[str] = []
+    for kind in order():
+        refusal = kind.supports(lm, request)
+        if refusal is not None:
+            answers[kind.name] = refusal
+            refused.append(refusal)
+            continue
+        passed = kind.passed_over(lm, request)
+        if passed is None:
+            return kind, "; ".join([kind.picked(lm, request),
+                                    *_why_not_earlier(list(answers.values()), refused)])
+        answers[kind.name] = passed
+    raise ConfigError(_nothing_serves(answers, request))
+
+
+def _why_not_earlier(answers: list[str], refused: list[str]) -> list[str]:
+    """The one answer of the backends auto left that says most: an environment switch
+    the user set, else the first refusal (what this model or machine lacks), else the
+    first backend passed over."""
+    switches = [answer for answer in answers if answer.startswith("GENLAB_")]
+    return (switches or refused or answers)[:1]
+
+
+def _refused(refusal: str, lm: LoadedModel, request: Request) -> str:
+    """A refusal of an explicit --backend, naming the backends that would serve."""
+    others = [name for name in serving(lm, request) if name != request.backend]
+    if not others:
+        return f"{refusal}; no backend serves this generation here"
+    return f"{refusal}; use --backend {' or '.join(others)} (or auto)"
+
+
+def _nothing_serves(answers: dict[str, str], request: Request) -> str:
+    """Why auto found no backend: the answer of the one backend that gives what the
+    request needs (the lean forward's hidden states; the native kernel's quantized
+    matrices)."""
+    if request.hidden is None:
+        return answers["native"]
+    lean = answers["lean"]
+    if lean.startswith(request.hidden):  # it says what the method needs already
+        return lean
+    return f"{request.hidden} needs the lean forward's hidden states, and {lean}"
 
 
 def native_quantization(quantize: str, device_type: str, dtype: str, backend: str,
@@ -171,7 +223,8 @@ def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Reque
     request = Request(rows=1, crop=True, backend=backend)
     if check_draft_weights(weights) != "auto":
         asked = replace(request, weights=weights)
-        name, reason = _pick(lm, asked)
+        kind, reason = _pick(lm, asked)
+        name = kind.name
         if name != "native":
             other = " or --backend native" if backend != "auto" else ""
             raise ConfigError(f"--draft-weights {weights} is how the native backend stores "
@@ -180,129 +233,12 @@ def draft_request(lm: LoadedModel, backend: str, weights: str = "auto") -> Reque
         return asked
     if backend_name(lm, request) != "native" or lm.weights is not None or stored_format(lm):
         return request  # a quantized draft reads its own format
-    lean = _lean(lm)
+    from genlib.backends.kernel import applies
+
+    lean = lean_of(lm)
     assert lean is not None  # the native backend runs it
-    bfloat16 = _kernel_missing(lean, "bfloat16") is None
+    bfloat16 = applies(lean, "bfloat16") is None
     return replace(request, weights="bfloat16") if bfloat16 else request
-
-
-def _pick(lm: LoadedModel, request: Request) -> tuple[str, str]:
-    """The backend's name and why: auto's choice, or the one asked for, which is refused
-    with a ConfigError naming what would work when it cannot serve `request` on `lm`."""
-    name = check_name(request.backend)
-    if request.hidden is not None:
-        return _hidden(name, lm, request)
-    if name == "auto":
-        name, reason = _auto(lm, request)
-    else:
-        refusal = _refusal(name, lm, request)
-        if refusal is not None:
-            raise ConfigError(refusal)
-        reason = "asked for with --backend"
-        if lm.weights is not None or (name == "native" and stored_format(lm)):
-            reason += f", weights {request.kernel_weights(lm)}"
-    return name, reason
-
-
-def _auto(lm: LoadedModel, request: Request) -> tuple[str, str]:
-    one_row = request.rows == 1 and not request.reorder
-    many = "beam search" if request.reorder else f"{request.rows} rows"
-    if lm.weights is not None:
-        return _quantized(lm, request)
-    if lm.quantize != "none":
-        return "transformers", "a bitsandbytes model runs on transformers' forward"
-    if lm.device.type != "cpu" or lm.dtype != torch_float32():
-        if not one_row:
-            return "transformers", f"{many} in {lm.dtype_name} on {lm.device.type}"
-        if lm.dtype != torch_float32():
-            return _low_precision(lm)
-        if _static_cache_must_crop(lm, request):
-            why = "GENLAB_LEAN=0" if not lean_allowed() else _no_compiled_lean(lm)
-            return "transformers", (f"speculative decoding in {lm.dtype_name} on "
-                                    f"{lm.device.type} and no compiled lean step ({why}): "
-                                    f"a compiled static cache cannot roll back")
-        return "compiled", f"one row in {lm.dtype_name} on {lm.device.type}: a compiled step"
-    if not lean_allowed():
-        return "transformers", "GENLAB_LEAN=0"
-    lean = _lean(lm)
-    if lean is None:
-        return "transformers", f"no lean forward: {lean_refusal(lm)}"
-    why_not = "GENLAB_NATIVE=0" if not native_allowed() \
-        else _kernel_missing(lean, request.kernel_weights(lm))
-    if why_not is None and stored_format(lm) is not None:
-        return "native", f"a {stored_format(lm)} checkpoint: weights {stored_format(lm)} as stored"
-    if why_not is None:
-        return "native", f"a float32 {lean.arch.name} model on the CPU"
-    if one_row:
-        return "lean", why_not if why_not == "GENLAB_NATIVE=0" else \
-            f"no native kernel: {why_not}"
-    return "transformers", f"{many}, and no native kernel ({why_not}): the lean forward " \
-                           f"runs one row"
-
-
-def _hidden(name: str, lm: LoadedModel, request: Request) -> tuple[str, str]:
-    """The lean backend, the one that gives hidden states, for `request.hidden`; a
-    ConfigError where it cannot run or another backend is asked for."""
-    what = request.hidden
-    if name not in ("auto", "lean"):
-        raise ConfigError(f"the {name} backend gives no hidden states, which {what} needs; "
-                          f"use --backend lean (or auto)")
-    if request.rows > 1 or request.reorder:
-        raise ConfigError(f"{what} runs one row: give one prompt and one output "
-                          f"(num_return_sequences 1, no beams)")
-    why = None
-    if lm.weights is not None or lm.quantize != "none":
-        why = f"--quantize {lm.quantize} (quantized matrices)"
-    elif not lean_allowed():
-        why = "GENLAB_LEAN=0"
-    elif _lean(lm) is None:
-        why = lean_refusal(lm)
-    if why is not None:
-        raise ConfigError(f"{what} needs the lean forward's hidden states, and it cannot "
-                          f"run {lm.ref}: {why}; use an unquantized Llama-style model")
-    return "lean", f"{what} needs hidden states: the lean forward"
-
-
-def _quantized(lm: LoadedModel, request: Request) -> tuple[str, str]:
-    """A model whose matrices the native kernel quantizes: native, the one backend that
-    reads them (refused with one line where its kernel cannot run)."""
-    refusal = _refusal("native", lm, request)
-    if refusal is not None:
-        raise ConfigError(refusal)
-    return "native", f"--quantize {lm.quantize}: weights {request.kernel_weights(lm)}"
-
-
-def _low_precision(lm: LoadedModel) -> tuple[str, str]:
-    """One row in bfloat16/float16, on a CPU or a GPU: the lean forward, whose products
-    and norms are transformers' own operations. A compiled step fuses them and sums in
-    its own order, which in these dtypes moves a logit by a rounding step often enough to
-    flip greedy tokens at near-ties (on a CPU and on an H100 alike: docs/performance.md)."""
-    dtype, device = lm.dtype_name, lm.device.type
-    if not lean_allowed():
-        return "transformers", f"one row in {dtype} on {device}, GENLAB_LEAN=0"
-    if _lean(lm) is None:
-        return "transformers", (f"one row in {dtype} on {device}, no lean forward: "
-                                f"{lean_refusal(lm)}")
-    return "lean", (f"one row in {dtype} on {device}: the lean forward, exact; a compiled "
-                    f"step sums in another order")
-
-
-def _kernel_missing(lean: LeanLlama, weights: str) -> str | None:
-    from genlib.backends import kernel
-
-    return kernel.applies(lean, weights)
-
-
-def torch_float32() -> object:
-    import torch
-
-    return torch.float32
-
-
-def _lean(lm: LoadedModel) -> LeanLlama | None:
-    from genlib.backends.lean import lean_model_of
-
-    return lean_model_of(lm)
 
 
 def architecture(lm: LoadedModel) -> str:
@@ -310,106 +246,3 @@ def architecture(lm: LoadedModel) -> str:
     if lm.lean is not None:
         return lm.lean.arch.name
     return str(getattr(getattr(lm.model, "config", None), "model_type", None) or "unknown")
-
-
-def lean_refusal(lm: LoadedModel) -> str:
-    """Why `lm` has no lean forward, in one line naming the config key or the
-    architecture."""
-    from genlib.backends.llama import refusal
-
-    return refusal(lm.model) or "no lean forward"
-
-
-def _compiled_lean(lm: LoadedModel) -> LeanLlama | None:
-    """The lean forward the compiled backend compiles; None: it compiles transformers'
-    forward over a static cache (also for a sliding window, which its one graph over
-    every attention length does not hold)."""
-    lean = _lean(lm) if lean_allowed() else None
-    return lean if lean is not None and lean.arch.uncompiled() is None else None
-
-
-def _no_compiled_lean(lm: LoadedModel) -> str:
-    lean = _lean(lm)
-    if lean is None:
-        return lean_refusal(lm)
-    return lean.arch.uncompiled() or "no compiled lean step"
-
-
-def _static_cache_must_crop(lm: LoadedModel, request: Request) -> bool:
-    """Whether the compiled backend would compile transformers' forward over a static
-    cache, which cannot roll back, for a request that rolls back (speculation)."""
-    return request.crop and _compiled_lean(lm) is None
-
-
-def _refusal(name: str, lm: LoadedModel, request: Request) -> str | None:
-    """Why the named backend cannot serve `request` on `lm`, naming only backends that
-    can; None when it can."""
-    if lm.weights is not None and name != "native":
-        return (f"the {name} backend does not read the native kernel's {lm.weights} "
-                f"weights (--quantize {lm.quantize} on a CPU); use --backend native (or "
-                f"auto), or --quantize 8bit or 4bit with --backend transformers for "
-                f"bitsandbytes")
-    if name == "transformers":
-        return None
-    if name in ONE_ROW and (request.rows > 1 or request.reorder):
-        what = "beam search" if request.reorder else f"{request.rows} rows at once"
-        native = "native or " if _refusal("native", lm, request) is None else ""
-        return (f"the {name} backend runs one row, and this generation needs {what}; use "
-                f"--backend {native}transformers (or auto)")
-    if lm.quantize != "none" and lm.weights is None:
-        how = " (torch.compile cannot trace bitsandbytes' layers)" if name == "compiled" else ""
-        return (f"the {name} backend does not run quantized models{how}; use --backend "
-                f"transformers (or auto)")
-    if name == "compiled":
-        if _static_cache_must_crop(lm, request):
-            return ("the compiled backend over transformers' static cache cannot roll it "
-                    "back, which speculative decoding needs; use --backend transformers "
-                    "(or auto)")
-        return None
-    lean = _lean(lm)
-    if lean is None:
-        return (f"the {name} backend runs {', '.join(ARCHITECTURES)} models, and cannot "
-                f"run {lm.ref}: {lean_refusal(lm)}; use --backend transformers (or auto)")
-    why_not = _kernel_missing(lean, request.kernel_weights(lm)) if name == "native" else None
-    if why_not is not None:
-        instead = "lean" if request.rows == 1 and not request.reorder else "transformers"
-        if lm.weights is not None:
-            instead = "transformers with --quantize 8bit or 4bit (bitsandbytes)"
-        return f"the native backend cannot run here: {why_not}; use --backend {instead} " \
-               f"(or auto)"
-    return None
-
-
-def _build(name: str, lm: LoadedModel, weights: str) -> Backend:
-    """The named backend over `lm`, which `_pick` found can serve the request (the
-    native kernel's matrices stored as `weights`)."""
-    if name == "transformers":
-        from genlib.backends.transformers import TransformersBackend
-
-        return TransformersBackend(lm)
-    if name == "compiled":
-        return _compiled(lm)
-    lean = _lean(lm)
-    assert lean is not None  # _auto picks it only then, and _refusal refused it otherwise
-    if name == "lean":
-        from genlib.backends.lean import LeanBackend
-
-        return LeanBackend(lm, lean)
-    return _native(lm, lean, weights)
-
-
-def _native(lm: LoadedModel, lean: LeanLlama, weights: str) -> Backend:
-    from genlib.backends.native import NativeBackend
-
-    step = lean.native_step(weights)
-    assert step is not None  # _refusal refused it otherwise (the kernel applies)
-    return NativeBackend(lm, lean, step)
-
-
-def _compiled(lm: LoadedModel) -> Backend:
-    from genlib.backends.compiled import CompiledLeanBackend, CompiledStaticBackend
-
-    lean = _compiled_lean(lm)
-    if lean is not None:
-        return CompiledLeanBackend(lm, lean)
-    return CompiledStaticBackend(lm)

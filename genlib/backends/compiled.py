@@ -1,7 +1,7 @@
 """The compiled backend: a one-token step under torch.compile over a fixed-size cache.
 
 Over the lean forward where the model allows it (its step compiled as one graph that
-reads the cache length from a tensor, `LeanLlama.compiled_step`); otherwise over
+reads the cache length from a tensor, `lean_compiled_step`); otherwise over
 transformers' forward with a static cache (every shape fixed, as gpt-fast does), which
 serves any unquantized model on any device. The first step compiles (seconds); the
 prompt runs uncompiled."""
@@ -15,12 +15,46 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genlib.backends.base import Backend, Capabilities
-from genlib.backends.direct import compile_errors
+from genlib.backends.direct import DirectCompiled, compile_errors
+from genlib.backends.fit import compiled_lean, compiled_refusal
 from genlib.backends.lean import LeanBackend, cache_capacity
+from genlib.backends.llama import LeanCache, LeanLlama
 from genlib.backends.transformers import accepts_logits_to_keep, cache_keyword, cache_kwargs
 
 if TYPE_CHECKING:
+    from genlib.backends.fit import Request
     from genlib.models.info import LoadedModel
+
+
+class CompiledBackend(Backend):
+    """The compiled backend as `choose` asks it: `build` gives the lean forward's step
+    compiled (`CompiledLeanBackend`) where the model has one that compiles, else
+    transformers' forward over a static cache (`CompiledStaticBackend`)."""
+
+    name = "compiled"
+
+    @classmethod
+    def supports(cls, lm: LoadedModel, request: Request) -> str | None:
+        return compiled_refusal(lm, request)
+
+    @classmethod
+    def passed_over(cls, lm: LoadedModel, request: Request) -> str | None:
+        if lm.dtype_name != "float32":
+            return (f"in {lm.dtype_name} a compiled step sums in another order than "
+                    f"transformers' and flips greedy near-ties (--backend compiled asks "
+                    f"for it)")
+        if lm.device.type == "cpu":
+            return "on a CPU auto leaves the compiled step to --backend compiled"
+        return None
+
+    @classmethod
+    def picked(cls, lm: LoadedModel, request: Request) -> str:
+        return f"one row in {lm.dtype_name} on {lm.device.type}: a compiled step"
+
+    @classmethod
+    def build(cls, lm: LoadedModel, request: Request) -> Backend:
+        lean = compiled_lean(lm)
+        return CompiledLeanBackend(lm, lean) if lean is not None else CompiledStaticBackend(lm)
 
 
 class CompiledLeanBackend(LeanBackend):
@@ -29,7 +63,57 @@ class CompiledLeanBackend(LeanBackend):
     name = "compiled"
 
     def _one_token(self, token: torch.Tensor) -> torch.Tensor:
-        return self.lean.compiled_step(token, self._cache())
+        return lean_compiled_step(self.lean, token, self._cache())
+
+
+SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
+_lean_steps: weakref.WeakKeyDictionary[LeanLlama, DirectCompiled] = weakref.WeakKeyDictionary()
+
+
+@torch.inference_mode()
+def lean_compiled_step(lean: LeanLlama, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
+    """`lean.step` under torch.compile (`LeanLlama._static_step`; the first call per
+    cache capacity compiles, and later ones skip dynamo's guards: DirectCompiled); the
+    first token of an empty cache runs eagerly (see `_static_step`)."""
+    if cache.length >= cache.capacity:
+        raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
+                         f"{cache.capacity}")
+    if cache.length == 0:
+        return lean.step(token, cache)
+    compiled = _lean_steps.get(lean)
+    if compiled is None:
+        compiled = _lean_steps[lean] = DirectCompiled(
+            lean._static_step, compile_options(lean),
+            dynamo_config={"capture_scalar_outputs": True})
+    cache.position.fill_(cache.length)
+    cache.token.copy_(token)  # the same input tensor on every step, as the position
+    with compile_errors(lean.dtype, lean.device, uncompiled="lean"):
+        logits = compiled(cache.capacity, cache.token, cache.position, cache.keys,
+                          cache.values)
+    cache.length += 1
+    return logits
+
+
+def is_small(lean: LeanLlama) -> bool:
+    """Whether `lean`'s matrices are small enough to run its compiled step on one thread."""
+    projections = [lean.lm_head] + [p for layer in lean.layers
+                                    for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    return sum(p.w.numel() * p.w.element_size() for p in projections) < SMALL_BYTES
+
+
+def compile_options(lean: LeanLlama) -> dict[str, Any]:
+    """Inductor's options for `lean`'s step. The C++ wrapper saves a Python call per
+    kernel. Inductor inlines a pointwise producer into the reduction that reads it, so
+    each product's inner loop would recompute its normalized input (the residual adds,
+    the RMS scale, the norm weight) for every output row, several loads and a division
+    per 16 weights: with no opcount allowance every pointwise result is stored once and
+    the products are plain dot products (about a quarter faster where the weights are in
+    cache). A small model's kernels are shorter than waking a second thread for each of
+    them: run those on one."""
+    options: dict[str, Any] = {"cpp_wrapper": True, "realize_opcount_threshold": 0}
+    if is_small(lean):
+        options["cpp.threads"] = 1
+    return options
 
 
 _compiled_steps: weakref.WeakKeyDictionary[Any, Callable[..., torch.Tensor]] = \

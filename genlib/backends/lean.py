@@ -4,20 +4,27 @@ fraction of its per-step bookkeeping; every operation but several rows and reord
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from genlib.backends.base import Backend, Capabilities
+from genlib.backends.fit import (
+    bitsandbytes_refusal,
+    common_refusal,
+    compiled_refusal,
+    lean_allowed,
+    no_lean_refusal,
+)
+from genlib.backends.fit import lean_of as lean_model_of
 from genlib.backends.llama import LeanCache, LeanLlama
 
 if TYPE_CHECKING:
+    from genlib.backends.fit import Request
     from genlib.models.info import LoadedModel
 
 STATIC_BUCKET = 256  # cache capacities are rounded up to this (compiled steps get reused)
-_lean_models: weakref.WeakKeyDictionary[Any, LeanLlama | None] = weakref.WeakKeyDictionary()
 
 
 def cache_capacity(needed: int, max_positions: int | None) -> int:
@@ -26,25 +33,41 @@ def cache_capacity(needed: int, max_positions: int | None) -> int:
     return min(length, max_positions) if max_positions else length
 
 
-def lean_model_of(lm: LoadedModel) -> LeanLlama | None:
-    """`lm`'s lean forward: the one genlib.models.quickload built without transformers, else one
-    over its transformers model's weights (built once per model); None when the model is
-    not plain Llama-style (`llama.eligible`)."""
-    if lm.lean is not None:
-        return lm.lean
-    if lm.model not in _lean_models:
-        lean = LeanLlama.from_model(lm.model)
-        if lean is not None:  # a quantized checkpoint's: the kernel packs its codes as stored
-            lean.stored = getattr(lm, "stored", None)
-        _lean_models[lm.model] = lean
-    return _lean_models[lm.model]
-
-
 class LeanBackend(Backend):
     """One row through a `LeanLlama`, its cache a `LeanCache` of its own."""
 
     name = "lean"
     capabilities = Capabilities(rows=1, reorder=False, extend=True, crop=True, hidden=True)
+
+    @classmethod
+    def supports(cls, lm: LoadedModel, request: Request) -> str | None:
+        return (common_refusal(cls.name, lm, request, hidden=True, one_row=True)
+                or bitsandbytes_refusal(cls.name, lm) or no_lean_refusal(cls.name, lm))
+
+    @classmethod
+    def passed_over(cls, lm: LoadedModel, request: Request) -> str | None:
+        if not lean_allowed():
+            return "GENLAB_LEAN=0 keeps auto off the lean forward"
+        if lm.device.type != "cpu" and lm.dtype_name == "float32" and request.hidden is None:
+            if compiled_refusal(lm, request) is None:
+                return (f"on {lm.device.type} the compiled step is faster than the lean "
+                        f"forward's eager one")
+        return None
+
+    @classmethod
+    def picked(cls, lm: LoadedModel, request: Request) -> str:
+        if request.hidden is not None:
+            return f"{request.hidden} needs hidden states: the lean forward"
+        if lm.dtype_name != "float32":
+            return (f"one row in {lm.dtype_name} on {lm.device.type}: the lean forward, "
+                    f"exact; a compiled step sums in another order")
+        return "the lean forward"
+
+    @classmethod
+    def build(cls, lm: LoadedModel, request: Request) -> Backend:
+        lean = lean_model_of(lm)
+        assert lean is not None  # `supports` said so
+        return cls(lm, lean)
 
     def __init__(self, lm: LoadedModel, lean: LeanLlama) -> None:
         super().__init__(lm)

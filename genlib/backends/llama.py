@@ -19,13 +19,12 @@ The weights are shared; each generation has its own `LeanCache`, so generations 
 model may interleave (a draft model that is the target itself, a generation started
 while another one waits).
 
-`compiled_step` is the same step under torch.compile (`native_step` is it as one native
-kernel, `genlib.backends.kernel`, the whole step in one C function): the
-KV buffers are updated in place at a position held in a 0-d tensor and attention reads
-as many cached tokens as that position says, a size the graph reads from the tensor, so
-one graph serves every step; after the first, it is called without dynamo's per-call
-guards (`genlib.backends.direct.DirectCompiled`). Neither uses torch.mm for its products: the
-logits differ in the last bits, the tokens do not in the tests.
+`_static_step` is the step written for torch.compile (genlib.backends.compiled compiles
+it; genlib.backends.native runs the whole step as one C function instead): the KV
+buffers are updated in place at a position held in a 0-d tensor and attention reads as
+many cached tokens as that position says, a size the graph reads from the tensor, so one
+graph serves every step. Neither uses torch.mm for its products: the logits differ in
+the last bits, the tokens do not in the tests.
 """
 
 from __future__ import annotations
@@ -41,12 +40,10 @@ import torch.nn.functional as F
 
 from genlib.backends import hugepages
 from genlib.backends.arch import LAYER_TYPES, Arch, Unsupported, describe
-from genlib.backends.direct import DirectCompiled, compile_errors
-from genlib.backends.kernel import MLP_NORM, NativeStep, qkv_bias
+from genlib.backends.kernel import MLP_NORM, qkv_bias
 from genlib.backends.kernel import QKV as _QKV
 
 _GATE_UP = ("mlp.gate_proj", "mlp.up_proj")
-SMALL_BYTES = 8 << 20  # weights below this run their compiled step on one thread
 
 
 SPLIT_BYTES = 1 << 20  # one-row products of weights this large run split across threads
@@ -100,7 +97,7 @@ class _Proj:
         split one wide one-row product otherwise than its narrower parts."""
         blocks = tuple(w.split(sizes, dim=1))
         x = torch.randn(max(_PROBE_ROWS), w.shape[0],
-                        generator=torch.Generator().manual_seed(0)).to(w.dtype)
+                        generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
         same = all(torch.equal(torch.mm(x[:rows], w),
                                torch.cat([torch.mm(x[:rows], b) for b in blocks], 1))
                    for rows in _PROBE_ROWS)
@@ -347,8 +344,6 @@ class LeanLlama:
             torch.tensor(self.arch.embed_scale).to(self.dtype)  # as gemma's embeddings do
         self._ones = torch.ones(1, max(self.arch.window, 1), dtype=torch.bool,
                                 device=self.device)
-        self._compiled: DirectCompiled | None = None
-        self._native: dict[str, NativeStep | None] = {}  # by how it stores the matrices
 
     @functools.cached_property
     def lm_head(self) -> _Proj:
@@ -787,55 +782,3 @@ class LeanLlama:
             x = self._mlp(layer, x, _matvec)
         return self._logits(x, _matvec)
 
-    def _small(self) -> bool:
-        projections = [self.lm_head] + [p for layer in self.layers
-                                        for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        return sum(p.w.numel() * p.w.element_size() for p in projections) < SMALL_BYTES
-
-    def _compile_options(self) -> dict[str, Any]:
-        # The C++ wrapper saves a Python call per kernel. Inductor inlines a pointwise
-        # producer into the reduction that reads it, so each product's inner loop would
-        # recompute its normalized input (the residual adds, the RMS scale, the norm
-        # weight) for every output row, several loads and a division per 16 weights: with
-        # no opcount allowance every pointwise result is stored once and the products are
-        # plain dot products (about a quarter faster where the weights are in cache).
-        # A small model's kernels are shorter than waking a second thread for each of
-        # them: run those on one.
-        options: dict[str, Any] = {"cpp_wrapper": True, "realize_opcount_threshold": 0}
-        if self._small():
-            options["cpp.threads"] = 1
-        return options
-
-    def native_step(self, weights: str = "float32",
-                    notify: Callable[[str], None] | None = None) -> NativeStep | None:
-        """The step as one native kernel (genlib.backends.kernel) reading its matrices as
-        `weights` (bfloat16: a draft model's), None where it does not apply
-        (`kernel.applies` says why); made once for each, on torch's thread count whatever
-        the model's size: unlike the compiled step's ~100 parallel regions, the kernel
-        has one parallel region a step, so even a small model gains from a second thread
-        (benchmarks/bench_threads.py measures it). `notify` hears what the weight cache
-        has to say, when this call makes the step (`kernel.packed_weights`)."""
-        if weights not in self._native:
-            self._native[weights] = NativeStep.of(self, torch.get_num_threads(), weights,
-                                                  notify)
-        return self._native[weights]
-
-    @torch.inference_mode()
-    def compiled_step(self, token: torch.Tensor, cache: LeanCache) -> torch.Tensor:
-        """`step` under torch.compile (the first call per cache capacity compiles); the
-        first token of an empty cache runs eagerly (see `_static_step`)."""
-        if cache.length >= cache.capacity:
-            raise ValueError(f"{cache.length + 1} tokens exceed the KV buffers' "
-                             f"{cache.capacity}")
-        if cache.length == 0:
-            return self.step(token, cache)
-        if self._compiled is None:
-            self._compiled = DirectCompiled(self._static_step, self._compile_options(),
-                                            dynamo_config={"capture_scalar_outputs": True})
-        cache.position.fill_(cache.length)
-        cache.token.copy_(token)  # the same input tensor on every step, as the position
-        with compile_errors(self.dtype, self.device, uncompiled="lean"):
-            logits = self._compiled(cache.capacity, cache.token, cache.position, cache.keys,
-                                    cache.values)
-        cache.length += 1
-        return logits

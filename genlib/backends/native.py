@@ -13,17 +13,29 @@ moves caches and copies the duplicated ones.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import torch
 
 from genlib.backends.base import Backend, Bans, Capabilities
+from genlib.backends.fit import (
+    bitsandbytes_refusal,
+    common_refusal,
+    lean_allowed,
+    lean_of,
+    native_allowed,
+    no_lean_refusal,
+    stored_format,
+)
 from genlib.backends.kernel import NativeStep
+from genlib.backends.kernel import applies as kernel_applies
 from genlib.backends.lean import cache_capacity
 from genlib.backends.llama import LeanCache, LeanLlama
 
 if TYPE_CHECKING:
+    from genlib.backends.fit import Request
     from genlib.models.info import LoadedModel
 
 
@@ -33,6 +45,48 @@ class NativeBackend(Backend):
     name = "native"
     capabilities = Capabilities(rows=None, reorder=True, extend=True, crop=True,
                                 dtypes=("float32",), devices=("cpu",), greedy_draft=True)
+
+    @classmethod
+    def supports(cls, lm: LoadedModel, request: Request) -> str | None:
+        refusal = (common_refusal(cls.name, lm, request, native=True)
+                   or bitsandbytes_refusal(cls.name, lm) or no_lean_refusal(cls.name, lm))
+        if refusal is not None:
+            return refusal
+        if lm.device.type != "cpu" or lm.dtype_name != "float32":
+            return "the native backend cannot run here: the native step runs float32 on the CPU"
+        lean = lean_of(lm)
+        assert lean is not None  # no_lean_refusal said so
+        missing = kernel_applies(lean, request.kernel_weights(lm))
+        return f"the native backend cannot run here: {missing}" if missing else None
+
+    @classmethod
+    def passed_over(cls, lm: LoadedModel, request: Request) -> str | None:
+        if lm.weights is not None:  # --quantize for this kernel: nothing else reads it
+            return None
+        if not lean_allowed():
+            return "GENLAB_LEAN=0 keeps auto off genlib's own forwards"
+        if not native_allowed():
+            return "GENLAB_NATIVE=0 keeps auto off the native kernel"
+        return None
+
+    @classmethod
+    def picked(cls, lm: LoadedModel, request: Request) -> str:
+        stored = stored_format(lm)
+        if lm.weights is not None:
+            return f"--quantize {lm.quantize}: weights {request.kernel_weights(lm)}"
+        if stored is not None:
+            return f"a {stored} checkpoint: weights {stored} as stored"
+        lean = lean_of(lm)
+        assert lean is not None
+        return f"a float32 {lean.arch.name} model on the CPU"
+
+    @classmethod
+    def build(cls, lm: LoadedModel, request: Request) -> Backend:
+        lean = lean_of(lm)
+        assert lean is not None  # `supports` said so
+        step = native_step(lean, request.kernel_weights(lm))
+        assert step is not None  # `supports` said the kernel applies
+        return cls(lm, lean, step)
 
     def __init__(self, lm: LoadedModel, lean: LeanLlama, kernel: NativeStep) -> None:
         super().__init__(lm)
@@ -124,3 +178,21 @@ class NativeBackend(Backend):
     def _update_length(self) -> None:
         self.length = max((cache.length for cache in self.caches), default=0)
 
+
+
+_steps: weakref.WeakKeyDictionary[LeanLlama, dict[str, NativeStep | None]] = \
+    weakref.WeakKeyDictionary()
+
+
+def native_step(lean: LeanLlama, weights: str = "float32",
+                notify: Callable[[str], None] | None = None) -> NativeStep | None:
+    """`lean`'s step as one native kernel (genlib.backends.kernel) reading its matrices as
+    `weights` (bfloat16: a draft model's), None where it does not apply (`kernel.applies`
+    says why); made once for each, on torch's thread count whatever the model's size:
+    the kernel has one parallel region a step, so even a small model gains from a second
+    thread (benchmarks/bench_threads.py measures it). `notify` hears what the weight
+    cache has to say, when this call makes the step (`kernel.packed_weights`)."""
+    steps = _steps.setdefault(lean, {})
+    if weights not in steps:
+        steps[weights] = NativeStep.of(lean, torch.get_num_threads(), weights, notify)
+    return steps[weights]

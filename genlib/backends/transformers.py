@@ -20,8 +20,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from genlib.backends.base import Backend, Capabilities
+from genlib.backends.fit import common_refusal
 
 if TYPE_CHECKING:
+    from genlib.backends.fit import Request
     from genlib.models.info import LoadedModel
 
 
@@ -85,6 +87,16 @@ class TransformersBackend(Backend):
 
     name = "transformers"
     capabilities = Capabilities(rows=None, reorder=True, extend=True, crop=True)
+
+    @classmethod
+    def supports(cls, lm: LoadedModel, request: Request) -> str | None:
+        return common_refusal(cls.name, lm, request)
+
+    @classmethod
+    def picked(cls, lm: LoadedModel, request: Request) -> str:
+        if lm.quantize != "none":
+            return "a bitsandbytes model runs on transformers' forward"
+        return "transformers' forward"
 
     def __init__(self, lm: LoadedModel) -> None:
         super().__init__(lm)
