@@ -293,7 +293,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     strategies that ran, and whether Ctrl-C hit."""
     from rich.live import Live
 
-    from genlib.lab.compare import StrategyDone, stream_comparison
+    from genlib.lab.compare import StrategyDone, comparison_events
 
     view = View(strategies, prompt)
     interrupted = False
@@ -303,7 +303,7 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     if live is not None:
         live.start()
     try:
-        for index, event in stream_comparison(lm, prompt_ids, strategies, crn, logprobs):
+        for index, event in comparison_events(lm, prompt_ids, strategies, crn, logprobs):
             view.on_event(index, event)
             now = time.perf_counter()
             if live is not None and (isinstance(event, StrategyDone)

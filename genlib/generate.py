@@ -14,8 +14,7 @@ from dataclasses import replace
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.combined import for_generation
-from genlib.decoding import beam, contrastive, rerank, speculative
-from genlib.decoding import loop as decode
+from genlib.decoding import beam, contrastive, loop, rerank, speculative
 from genlib.decoding.detail import Detail
 from genlib.decoding.dola import dola_backend
 from genlib.decoding.speculative import Drafting
@@ -58,12 +57,12 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                           "contrastive decoding cannot be its target: drop one of them")
     _check_layer_methods(lm, settings, drafter, detail)
     if drafter is not None:
-        yield from speculative.stream(lm, prompts, settings, drafter, backend or lm.backend,
+        yield from speculative.speculate(lm, prompts, settings, drafter, backend or lm.backend,
                                       detail)
     elif settings.strategy == "beam":
         request = beam.backend_request(prompts, settings, backend or lm.backend)
         check_prompts(lm, prompts, settings)
-        yield from beam.stream(lm, prompts, settings,
+        yield from beam.search_events(lm, prompts, settings,
                                for_generation(lm, prompts, settings, request),
                                seeds=seeds, record_tree=record_tree)
     else:
@@ -72,11 +71,11 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                           backend=backend or lm.backend)
         if settings.penalty_alpha is not None:
             searcher = choose_backend(lm, replace(request, hidden="contrastive search"))
-            yield from contrastive.stream(lm, prompts, settings, searcher, seeds=seeds)
+            yield from contrastive.search(lm, prompts, settings, searcher, seeds=seeds)
             return
-        yield from decode.stream(lm, prompts, settings,
-                                 _plain_backend(lm, prompts, settings, request),
-                                 seeds=seeds, detail=detail)
+        yield from loop.decode(lm, prompts, settings,
+                               _plain_backend(lm, prompts, settings, request),
+                               seeds=seeds, detail=detail)
 
 
 def _plain_backend(lm: LoadedModel, prompts: Sequence[Sequence[int]],
@@ -116,7 +115,7 @@ def _reranked(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Gener
     method = rerank.prepare(lm, prompts, settings, scorer)
     events = stream(lm, prompts, rerank.sampling_settings(settings), backend=backend,
                     seeds=rerank.sample_seeds(seeds, settings.samples or 1), detail=detail)
-    yield from rerank.stream(events, prompts, settings, method, scorer)
+    yield from rerank.reranked(events, prompts, settings, method, scorer)
 
 
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,

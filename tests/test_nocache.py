@@ -8,8 +8,7 @@ import torch
 
 from genlib.backends.nocache import NoCacheBackend
 from genlib.backends.transformers import TransformersBackend
-from genlib.decoding import beam
-from genlib.decoding import loop as decode
+from genlib.decoding import beam, loop
 from genlib.events import Finish
 from genlib.settings.config import GenerationSettings
 
@@ -22,8 +21,8 @@ def _tokens(events) -> list[tuple[int, ...]]:
 def test_a_batch_of_unequal_prompts_gets_the_cached_tokens(stories):
     prompts = [stories.encode("Once upon a time"), stories.encode("The dog ran")]
     settings = GenerationSettings(max_new_tokens=24)
-    naive = _tokens(decode.stream(stories, prompts, settings, NoCacheBackend(stories)))
-    cached = _tokens(decode.stream(stories, prompts, settings, TransformersBackend(stories)))
+    naive = _tokens(loop.decode(stories, prompts, settings, NoCacheBackend(stories)))
+    cached = _tokens(loop.decode(stories, prompts, settings, TransformersBackend(stories)))
     assert naive == cached
     assert len(set(naive[0])) > 3  # the tokens vary: the check means something
 
@@ -31,8 +30,8 @@ def test_a_batch_of_unequal_prompts_gets_the_cached_tokens(stories):
 def test_beam_search_reorders_its_rows(stories):
     prompt = [stories.encode("Once upon a time")]
     settings = GenerationSettings(strategy="beam", num_beams=3, max_new_tokens=16)
-    naive = _tokens(beam.stream(stories, prompt, settings, NoCacheBackend(stories)))
-    cached = _tokens(beam.stream(stories, prompt, settings, TransformersBackend(stories)))
+    naive = _tokens(beam.search_events(stories, prompt, settings, NoCacheBackend(stories)))
+    cached = _tokens(beam.search_events(stories, prompt, settings, TransformersBackend(stories)))
     assert naive == cached
 
 

@@ -209,9 +209,10 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
 
 
-def stream(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
-           backend: Backend, *, seeds: Sequence[int] | None = None,
-           record_tree: bool = False) -> Iterator[Event]:
+def search_events(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+                  settings: GenerationSettings, backend: Backend, *,
+                  seeds: Sequence[int] | None = None,
+                  record_tree: bool = False) -> Iterator[Event]:
     """Beam search as genlib's event stream: Prefill; per step and prompt a BeamStep
     (the running best, the tree's candidates with `record_tree`) and Token events for
     the best row's newly settled tokens; then per returned sequence its remaining
@@ -264,7 +265,7 @@ def _tokens(lm: LoadedModel, row: Row, number: int, ids: Sequence[int],
 @dataclass(frozen=True)
 class _Settled(BeamStep):
     """A BeamStep that also carries the settled tokens of its prompt's best row (for
-    `stream`; consumers see a BeamStep)."""
+    `search_events`; consumers see a BeamStep)."""
 
     ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()

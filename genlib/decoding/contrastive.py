@@ -13,31 +13,20 @@ model's confidence against the degeneration penalty. The k candidates run as one
 forward of k rows at the same position; the chosen one's logits are the next step's,
 so a token costs one forward of k rows (`Backend.candidates`).
 
-    events = stream(lm, [lm.encode("Once upon a time")], settings, backend)
+    events = search(lm, [lm.encode("Once upon a time")], settings, backend)
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 
 import torch
 
 from genlib.backends.base import Backend
-from genlib.decoding.step import (
-    Plan,
-    Row,
-    advance,
-    check_prompts,
-    context_of,
-    finish_row,
-    make_plan,
-    new_row,
-    process_logits,
-    stop_reason,
-)
+from genlib.decoding import loop
+from genlib.decoding.step import Plan, check_prompts, make_plan, new_row, process_logits
 from genlib.errors import ConfigError
-from genlib.events import Event, Prefill
+from genlib.events import Event
 from genlib.models.loading import LoadedModel
 from genlib.sampling import processors
 from genlib.settings.config import GenerationSettings
@@ -59,51 +48,57 @@ def rank(probs: torch.Tensor, context: torch.Tensor, candidates: torch.Tensor,
     return int(score.argmax())
 
 
-def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+def search(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            backend: Backend, *, seeds: Sequence[int] | None = None) -> Iterator[Event]:
     """Contrastive search for one prompt on a backend that gives hidden states (the
-    lean one); yield events as the plain decode loop does."""
+    lean one): the plain decode loop (`loop.run`) with `Candidates` as its step."""
     check_prompts(lm, prompts, settings)
     if settings.top_k > lm.vocab_size:
         raise ConfigError(f"top_k {settings.top_k} is more candidates than the model's "
                           f"{lm.vocab_size} tokens")
     plan = make_plan(lm, settings, 1, seeds, len(prompts[0]))
-    yield from _search(lm, backend, plan, new_row(lm, 0, prompts[0], settings))
+    row = new_row(lm, 0, prompts[0], settings)
+    yield from loop.run(lm, backend, plan, [row], Candidates())
 
 
-def _search(lm: LoadedModel, backend: Backend, plan: Plan, row: Row) -> Iterator[Event]:
-    settings = plan.settings
-    start = time.perf_counter()
-    deadline = start + settings.max_time if settings.max_time else None
-    prompt = row.prompt_ids
-    try:
-        logits, states = backend.prefill_states(prompt, len(prompt) + settings.max_new_tokens,
-                                                (_final_layer(backend),), spare=settings.top_k)
-        hidden = states[0]
-        context = context_of([prompt], lm.device) if plan.needs_context else None
-        yield Prefill((len(prompt),), time.perf_counter() - start, time.perf_counter(),
-                      backend.name, backend.reason)
-        for step in range(settings.max_new_tokens):
-            processed = process_logits(settings, plan.chain, plan.suppress_eos, context,
-                                       logits, step)
-            token, next_logits, next_hidden = _choose(backend, settings, processed, hidden)
-            tokens = torch.tensor([token], device=processed.device)
-            processors.observe(plan.chain, processed, tokens)
-            logprob = float(logits.log_softmax(dim=-1)[0, token])
-            now = time.perf_counter()
-            event, reason = advance(lm, row, 0, token, logprob, step, now)
-            if event is not None:
-                yield event
-            reason = stop_reason(plan, row, reason, step, now, deadline)
-            if reason is not None:
-                yield from finish_row(row, 0, reason, start)
-                return
-            logits, hidden = next_logits, torch.cat([hidden, next_hidden])
-            if context is not None:
-                context = torch.cat([context, tokens[:, None].to(context.device)], dim=1)
-    except KeyboardInterrupt:
-        if not row.finished:
-            yield from finish_row(row, 0, "interrupted", start)
+class Candidates:
+    """Contrastive search's step (a `loop.Stepper`): the top_k candidates run one step
+    each, the best by `rank` is kept, and its logits are the next step's, so the loop's
+    own forward has nothing left to run. Holds the context's final hidden states."""
+
+    def __init__(self) -> None:
+        self.hidden: torch.Tensor | None = None  # (length, hidden)
+        self.next: tuple[torch.Tensor, torch.Tensor] | None = None  # kept logits, state
+
+    def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
+                capacity: int) -> torch.Tensor:
+        [prompt] = prompts
+        logits, states = backend.prefill_states(prompt, capacity, (_final_layer(backend),),
+                                                spare=plan.settings.top_k)
+        self.hidden = states[0]
+        return logits
+
+    def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
+               logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+        settings = plan.settings
+        processed = process_logits(settings, plan.chain, plan.suppress_eos, context, logits,
+                                   step)
+        assert self.hidden is not None and settings.penalty_alpha is not None
+        probs, ids = processed.softmax(dim=-1)[0].topk(settings.top_k)
+        candidate_logits, states = backend.candidates(ids)
+        index = rank(probs, self.hidden, states, settings.penalty_alpha)
+        backend.keep_candidate(index)
+        self.next = candidate_logits[index:index + 1], states[index:index + 1]
+        tokens = ids[index:index + 1]
+        processors.observe(plan.chain, processed, tokens)
+        logprobs = logits.log_softmax(dim=-1)[0, tokens]
+        return tokens, logprobs, None
+
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
+        assert self.next is not None and self.hidden is not None
+        logits, state = self.next
+        self.hidden = torch.cat([self.hidden, state])
+        return logits
 
 
 def _final_layer(backend: Backend) -> int:
@@ -112,16 +107,3 @@ def _final_layer(backend: Backend) -> int:
     if lean is None:
         raise backend.refuse("gives no hidden states (contrastive search needs them)", "lean")
     return int(lean.num_layers)
-
-
-def _choose(backend: Backend, settings: GenerationSettings, processed: torch.Tensor,
-            hidden: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-    """One step: the top_k candidates of the processed distribution run one step each,
-    ranked (`rank`), the best kept; (its token, its logits (1, vocab), its final hidden
-    state (1, hidden))."""
-    probs, ids = processed.softmax(dim=-1)[0].topk(settings.top_k)
-    logits, states = backend.candidates(ids)
-    assert settings.penalty_alpha is not None  # routed here only then
-    index = rank(probs, hidden, states, settings.penalty_alpha)
-    backend.keep_candidate(index)
-    return int(ids[index]), logits[index:index + 1], states[index:index + 1]

@@ -2,16 +2,22 @@
 KV cache, yielding typed events (`genlib.events`). Greedy and sampling share this one
 loop; greedy is just the argmax sampler. `genlib.generate.stream` routes here.
 
-    events = stream(lm, [lm.encode("Once upon a time")], settings, backend)
+    events = decode(lm, [lm.encode("Once upon a time")], settings, backend)
 
 Batches of prompts of different lengths are left-padded; each row stops on its own
 (end id, token budget, stop string, time) and leaves the batch when it does.
+
+How a step picks its tokens and gets the next logits is a `Stepper`: `Sampled` (the
+processed distribution's draw, then one forward) here, contrastive search's candidates
+(genlib.decoding.contrastive) the other. The loop around it, its events and its stop
+rules are the same for both.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -37,7 +43,45 @@ from genlib.sampling import processors
 from genlib.settings.config import GenerationSettings
 
 
-def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+class Stepper(Protocol):
+    """How a step of the loop picks its tokens and gets the next logits."""
+
+    def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
+                capacity: int) -> torch.Tensor:
+        """Start the rows on `backend`; the last position's logits (rows, vocab)."""
+
+    def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
+               logits: torch.Tensor, step: int
+               ) -> tuple[torch.Tensor, torch.Tensor, list[Any] | None]:
+        """(tokens (rows,), their model logprobs (rows,), per-row records or None)."""
+
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
+        """The next step's logits, once the chosen `tokens` (rows,) are in the cache."""
+
+
+class Sampled:
+    """The plain step: prefill the rows, draw each row's token from its processed
+    distribution (`choose_tokens`, with the per-step record where the plan asks), feed
+    the tokens back as one forward."""
+
+    def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
+                capacity: int) -> torch.Tensor:
+        logits = backend.prefill(prompts, capacity)
+        assert logits is not None  # prompts are never empty here
+        return logits
+
+    def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
+               logits: torch.Tensor, step: int
+               ) -> tuple[torch.Tensor, torch.Tensor, list[Any] | None]:
+        if plan.records:
+            return choose_with_detail(plan, context, logits, step)
+        return (*choose_tokens(plan, context, logits, step), None)
+
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
+        return backend.step(tokens)
+
+
+def decode(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            backend: Backend, *, seeds: Sequence[int] | None = None,
            detail: Detail | None = None) -> Iterator[Event]:
     """Generate for every prompt (`num_return_sequences` rows each) on `backend`; yield
@@ -51,11 +95,15 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                      detail)
     single_token_texts: dict[int, str] = {}
     rows = [new_row(lm, i, ids, settings, single_token_texts) for i, ids in expanded]
-    yield from _decode_loop(lm, backend, plan, rows)
+    yield from run(lm, backend, plan, rows)
 
 
-def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
-                 ) -> Iterator[Event]:
+def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
+        stepper: Stepper | None = None) -> Iterator[Event]:
+    """The loop: prefill, then each step the `stepper`'s tokens (default `Sampled`), each
+    row's events and stop rules (`step.stop_reason`), finished rows dropped, until every
+    row has finished. On KeyboardInterrupt the rows still running finish "interrupted"."""
+    stepper = stepper or Sampled()
     settings = plan.settings
     start = time.perf_counter()
     deadline = start + settings.max_time if settings.max_time else None
@@ -63,17 +111,12 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
     active = list(range(len(rows)))  # batch position -> row number
     try:
         capacity = max(len(p) for p in prompts) + settings.max_new_tokens
-        logits = backend.prefill(prompts, capacity)
-        assert logits is not None  # prompts are never empty here
+        logits = stepper.prefill(backend, plan, prompts, capacity)
         context = context_of(prompts, lm.device) if plan.needs_context else None
         yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
                       time.perf_counter(), backend.name, backend.reason)
         for step in range(settings.max_new_tokens):
-            details = None
-            if plan.records:
-                tokens, logprobs, details = choose_with_detail(plan, context, logits, step)
-            else:
-                tokens, logprobs = choose_tokens(plan, context, logits, step)
+            tokens, logprobs, details = stepper.choose(backend, plan, context, logits, step)
             now = time.perf_counter()
             done: list[int] = []
             for pos, (tok, lp) in enumerate(_host_values(tokens, logprobs)):
@@ -94,7 +137,7 @@ def _decode_loop(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row]
                 context = context.index_select(0, keep) if context is not None else None
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
-            logits = backend.step(tokens)
+            logits = stepper.forward(backend, tokens)
     except KeyboardInterrupt:
         for row_number in active:
             if not rows[row_number].finished:

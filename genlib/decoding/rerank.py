@@ -21,7 +21,7 @@ Scores (higher is better):
   medoid, the one most like the rest.
 
 Ties go to the lowest sample; an empty sample (no token) scores None and is kept only
-when every sample is empty. The stream (`stream`) holds a prompt's Token events back
+when every sample is empty. The stream (`reranked`) holds a prompt's Token events back
 until its samples are scored, then yields a `Rerank` event, the chosen sample's Token
 events and its Finish, renumbered as the prompt's output row: consumers of one output
 per prompt need nothing else.
@@ -202,7 +202,7 @@ def choose(values: Sequence[float | None]) -> int:
 
 # --- the stream -----------------------------------------------------------------------
 
-def stream(events: Iterator[Event], prompts: Sequence[Sequence[int]],
+def reranked(events: Iterator[Event], prompts: Sequence[Sequence[int]],
            settings: GenerationSettings, method: str, scorer: LoadedModel | None
            ) -> Iterator[Event]:
     """Rerank the sampling batch's `events` (`settings.samples` rows per prompt): each

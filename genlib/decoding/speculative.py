@@ -155,7 +155,7 @@ def adapts(adaptive: bool | None, draft_model: bool) -> bool:
 
 def process(plan: Plan, context: Sequence[int], logits: torch.Tensor, step: int) -> torch.Tensor:
     """The core loop's processing of one position's logits (vocab,), as in
-    `decode.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
+    `step.choose_tokens`: EOS suppression while step < min_new_tokens (or ignore_eos),
     then the settings' chain on the full context."""
     eos_now = plan.suppress_eos is not None and suppresses_eos(plan.settings, step)
     if not plan.chain and not eos_now:
@@ -370,7 +370,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                                  GammaSchedule(gamma, adapts(adaptive, draft_lm is not None)))
 
 
-def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
+def speculate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            drafting: Drafting, backend: str | None = None, detail: Detail | None = None
            ) -> Iterator[Event]:
     """`speculative_stream` for `genlib.generate.stream`: one prompt, `drafting`'s drafter."""

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from genlib.backends.nocache import NoCacheBackend
-from genlib.decoding import loop as decode
+from genlib.decoding import loop
 from genlib.events import Event, Finish, Prefill, Token
 from genlib.generate import stream
 from genlib.models.loading import LoadedModel
@@ -199,7 +199,7 @@ def genlab_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
     if case.cache:
         events = stream(lm, prompts, settings, backend=case.backend)
     else:  # the naive decoder: the same loop over a backend that keeps no cache
-        events = decode.stream(lm, prompts, settings, NoCacheBackend(lm))
+        events = loop.decode(lm, prompts, settings, NoCacheBackend(lm))
     return run_from_events(events, start)
 
 

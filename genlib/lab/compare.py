@@ -132,7 +132,7 @@ class Comparison:
 
 @dataclass(frozen=True)
 class StrategyDone:
-    """Yielded by `stream_comparison` when a strategy has finished (or failed)."""
+    """Yielded by `comparison_events` when a strategy has finished (or failed)."""
 
     result: StrategyResult
 
@@ -297,7 +297,7 @@ def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float,
     return StrategyResult(strategy, samples, summary)
 
 
-def stream_comparison(lm: LoadedModel, prompt_ids: Sequence[int],
+def comparison_events(lm: LoadedModel, prompt_ids: Sequence[int],
                       strategies: Sequence[Strategy], crn: bool = True, logprobs: int = 0
                       ) -> Iterator[tuple[int, Event | StrategyDone]]:
     """(strategy index, event) for every strategy in turn, on the one loaded model.
@@ -334,7 +334,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Str
 
     The strategies should already carry `seed` (see `with_seed`); it is recorded here.
     """
-    results = [e.result for _, e in stream_comparison(lm, prompt_ids, strategies, crn,
+    results = [e.result for _, e in comparison_events(lm, prompt_ids, strategies, crn,
                                                       logprobs)
                if isinstance(e, StrategyDone)]
     return Comparison(model=lm.ref, prompt=prompt, prompt_tokens=len(prompt_ids), seed=seed,
