@@ -12,6 +12,8 @@ the backend it picks, so they are what a user gets.
 
 - loss: mean next-token cross-entropy (nats/token) over the held-out files, in windows of
   the model's context, at the precision the model is stored in;
+- completions: greedy, of each held-out function's signature as a user types it (no
+  newline after it);
 - repeats: the share of a completion's token 4-grams (as the model's tokenizer encodes
   the completion) that repeat an earlier one, averaged over the completions;
 - parses: the share of completions that `ast.parse` accepts once cut at the function's
@@ -39,12 +41,24 @@ import builtin_corpus  # noqa: E402
 CHAT_ASK = "Write a Python function. {doc}"
 
 
+CORPUS: list[builtin_corpus.Corpus] = []  # gathered once (`corpus`)
+
+
+def corpus(path: Path | None = None) -> builtin_corpus.Corpus:
+    """The training corpus and its held-out files: gathered from the Python installed
+    here as the training script gathers it, or read from `path`
+    (`train_default_model.py --dump-corpus`); once per run."""
+    if not CORPUS:
+        CORPUS.append(builtin_corpus.read(path) if path else
+                      builtin_corpus.load(False, 20, True, 48_000_000))
+    return CORPUS[0]
+
+
 def held_out_functions(count: int, skip: int = 0) -> list[builtin_corpus.Function]:
     """`count` functions from distinct held-out files, in the corpus' order."""
-    corpus = builtin_corpus.load(False, 20, True, 48_000_000)
     picked: list[builtin_corpus.Function] = []
     seen = 0
-    for file in corpus.held:
+    for file in corpus().held:
         found = builtin_corpus.functions(file.text)
         if not found:
             continue
@@ -65,11 +79,10 @@ def held_out_loss(model_ref: str, max_tokens: int) -> tuple[float, object]:
     from genlib.models.loading import load_model, model_source
 
     lm = load_model(ModelSpec(model_source(model_ref)))
-    corpus = builtin_corpus.load(False, 20, True, 48_000_000)
     window = min(lm.model.config.max_position_embeddings, 512)
     total, count = 0.0, 0
     with torch.no_grad():
-        for file in corpus.held:
+        for file in corpus().held:
             ids = lm.tokenizer.encode(file.text, add_special_tokens=False)
             for start in range(0, len(ids) - 1, window):
                 chunk = torch.tensor(ids[start:start + window + 1])
@@ -137,21 +150,27 @@ def main() -> int:
     p.add_argument("--loss-tokens", type=int, default=131072)
     p.add_argument("--no-chat", action="store_true", help="the model has no chat template")
     p.add_argument("--json", type=Path, help="write the figures here too")
+    p.add_argument("--corpus", type=Path, help="the corpus as train_default_model.py "
+                   "--dump-corpus wrote it (default: gathered here)")
     args = p.parse_args()
+    corpus(args.corpus)
 
     loss, tokenizer = held_out_loss(args.model, args.loss_tokens)
     print(f"held-out loss: {loss:.4f} nats/token (perplexity {math.exp(loss):.2f})")
     sigs = held_out_functions(args.count)
-    done = generate(args.model, [{"id": f"sig{i}", "prompt": fn.signature + "\n"}
+    # The signature as a user types it, with no newline after it: a byte-level BPE
+    # joins a newline to the indentation after it, so a prompt that ends in a bare
+    # newline asks for what follows one in training, a line at column 0.
+    done = generate(args.model, [{"id": f"sig{i}", "prompt": fn.signature}
                                  for i, fn in enumerate(sigs)], args.new_tokens)
     reps, ok = [], 0
     for fn, rec in zip(sigs, done):
-        code = cut_function(fn.signature + "\n" + rec["text"])
+        code = cut_function(fn.signature + rec["text"])
         good = parses(code)
         ok += good
         reps.append(repeated_4grams(tokenizer.encode(rec["text"], add_special_tokens=False)))
         print(f"\n--- {'parses' if good else 'FAILS'}, repeats {reps[-1]:.2f}\n"
-              f"{fn.signature}\n{rec['text']}")
+              f"{fn.signature}{rec['text']}")
     result = {"model": args.model, "loss": loss, "repeats": sum(reps) / len(reps),
               "parses": ok / len(sigs), "completions": len(sigs)}
     if not args.no_chat:

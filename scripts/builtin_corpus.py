@@ -14,13 +14,15 @@ package that is not installed is left out and the record says so.
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import importlib.metadata as metadata
+import json
 import random
 import sys
 import sysconfig
 import textwrap
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 # Top-level stdlib entries left out: tests, third-party code, GUI and demo code,
@@ -145,6 +147,22 @@ def load(smoke: bool, holdout_every: int, with_packages: bool, max_bytes: int) -
             else held
         kept.append(SourceFile(source, name, text))
     return Corpus(train, held, sources, sha.hexdigest())
+
+
+def write(corpus: Corpus, path: Path) -> None:
+    """The corpus as gzipped JSON, for training on a machine without these packages."""
+    doc = {"train": [asdict(f) for f in corpus.train], "held": [asdict(f) for f in corpus.held],
+           "sources": corpus.sources, "sha256": corpus.sha256}
+    with gzip.open(path, "wt", encoding="utf-8") as out:
+        json.dump(doc, out)
+
+
+def read(path: Path) -> Corpus:
+    """A corpus `write` wrote: the same files, split and hash."""
+    with gzip.open(path, "rt", encoding="utf-8") as src:
+        doc = json.load(src)
+    return Corpus([SourceFile(**f) for f in doc["train"]], [SourceFile(**f) for f in doc["held"]],
+                  doc["sources"], doc["sha256"])
 
 
 # ------------------------------------------------------------------------ chat pairs

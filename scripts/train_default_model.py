@@ -68,7 +68,8 @@ class RunPlan:
     lr: float
 
 
-FULL_TARGET = ModelSize(384, 4, 6, 2, 1024)
+TARGETS = {"small": ModelSize(384, 4, 6, 2, 1024),  # 7.9M parameters
+           "medium": ModelSize(512, 6, 8, 2, 1408)}  # 20.7M parameters
 FULL_DRAFT = ModelSize(128, 2, 2, 1, 256)
 SMOKE_TARGET = ModelSize(64, 1, 1, 1, 128)
 SMOKE_DRAFT = ModelSize(64, 1, 1, 1, 64)
@@ -112,6 +113,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="held-out tokens scored (default 131072, smoke 2048)")
     p.add_argument("--no-autocast", action="store_true",
                    help="train in plain float32 instead of bfloat16 autocast")
+    p.add_argument("--target-size", choices=sorted(TARGETS), default="small",
+                   help="the code model's shape")
+    p.add_argument("--device", default="cpu",
+                   help="where the models train (cpu, cuda); reports run on the CPU")
+    p.add_argument("--dump-corpus", type=Path, default=None,
+                   help="write the gathered corpus to this .json.gz file and stop")
+    p.add_argument("--corpus", type=Path, default=None,
+                   help="train on a corpus written by --dump-corpus (another machine's "
+                   "packages) instead of gathering this machine's")
     args = p.parse_args(argv)
     smoke = args.smoke
     for name, full, small in [("vocab_size", 4096, 512), ("seq_len", 512, 64),
@@ -194,10 +204,13 @@ def lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
+DEVICE = "cpu"  # where training runs (--device); set once by main
+
+
 def autocast(enabled: bool) -> Any:
     import torch
 
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=enabled)
+    return torch.autocast(DEVICE.split(":")[0], dtype=torch.bfloat16, enabled=enabled)
 
 
 def evaluate(model: Any, val: Any, seq_len: int, use_autocast: bool) -> float:
@@ -213,8 +226,9 @@ def evaluate(model: Any, val: Any, seq_len: int, use_autocast: bool) -> float:
             chunk = val[start:start + seq_len + 1]
             if len(chunk) < 2:
                 break
-            x, y = chunk[:-1].unsqueeze(0), chunk[1:]
-            with autocast(use_autocast):
+            device = next(model.parameters()).device
+            x, y = chunk[:-1].unsqueeze(0).to(device), chunk[1:].to(device)
+            with autocast(use_autocast and device.type == DEVICE.split(":")[0]):
                 logits = model(input_ids=x).logits[0]
             total += F.cross_entropy(logits.float(), y, reduction="sum").item()
             count += len(y)
@@ -242,8 +256,11 @@ class Checkpoint:
     weights as one that never stopped. Keyed by everything that shapes the run."""
 
     def __init__(self, out: Path, plan: RunPlan, args: argparse.Namespace, corpus_sha: str):
-        skip = ("out", "checkpoint_every", "stop_after")
-        fields = {k: str(v) for k, v in sorted(vars(args).items()) if k not in skip}
+        # Where the corpus came from and where it trains do not shape the run's inputs;
+        # the target's shape does (left out at its default, as keys made before it had one).
+        skip = ("out", "checkpoint_every", "stop_after", "device", "corpus", "dump_corpus")
+        fields = {k: str(v) for k, v in sorted(vars(args).items())
+                  if k not in skip and not (k == "target_size" and v == "small")}
         key = json.dumps([asdict(plan), fields, corpus_sha], sort_keys=True)
         self.key = hashlib.sha256(key.encode()).hexdigest()[:16]
         self.path = out / f".{plan.name}-{self.key}.ckpt"
@@ -254,7 +271,7 @@ class Checkpoint:
 
         if not self.path.exists():
             return None
-        return torch.load(self.path, weights_only=False)
+        return torch.load(self.path, weights_only=False, map_location=DEVICE)
 
     def save(self, step: int, model: Any, opt: Any, gen: Any, history: list[Any],
              minutes: float, cpu_minutes: float) -> None:
@@ -275,7 +292,7 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
                 chat_ids: Any, val_ids: Any, ckpt: Checkpoint) -> tuple[Any, dict[str, Any]]:
     import torch
 
-    model = build_model(plan.size, vocab, args.seq_len, args.seed)
+    model = build_model(plan.size, vocab, args.seq_len, args.seed).to(DEVICE)
     n_params = sum(p.numel() for p in model.parameters())
     log(f"{plan.name}: {n_params:,} params, {plan.steps} steps x {args.batch_size} x "
         f"{args.seq_len} tokens, peak lr {plan.lr}")
@@ -304,7 +321,7 @@ def train_model(plan: RunPlan, args: argparse.Namespace, vocab: int, train_ids: 
             group["lr"] = lr_at(step, plan.steps, plan.lr, args.warmup)
         n_chat = chat_rows(step, plan.steps, args.batch_size, args.chat_fraction)
         batch = torch.cat([draw_windows(train_ids, args.batch_size - n_chat, args.seq_len, gen),
-                           draw_windows(chat_ids, n_chat, args.seq_len, gen)])
+                           draw_windows(chat_ids, n_chat, args.seq_len, gen)]).to(DEVICE)
         with autocast(use_ac):
             loss = model(input_ids=batch[:, :-1], labels=batch[:, :-1]).loss
         # labels=input_ids: transformers shifts them itself; position 0 has no target.
@@ -344,7 +361,7 @@ def save_model(model: Any, tokenizer: Any, folder: Path) -> None:
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
-    model = model.to(torch.bfloat16)
+    model = model.to("cpu", torch.bfloat16)
     model.config.dtype = "bfloat16"
     # <|end|> closes a chat turn; code never holds it, so it costs plain completion nothing
     end_id = tokenizer.convert_tokens_to_ids(END)
@@ -455,8 +472,9 @@ def write_card(folder: Path, name: str, info: dict[str, Any], other: dict[str, A
         f"{other['architecture']['intermediate_size']} |",
         f"| context (trained window = max_position_embeddings) | {info['seq_len']} | "
         f"{other['seq_len']} |", "",
-        "Weights are stored in bfloat16 (`model.safetensors`). Every layer width is a "
-        "multiple of 64, so bitsandbytes 4-bit quantization on CPU applies.", "",
+        "This script writes the weights in bfloat16 (`model.safetensors`); genlab ships "
+        "them in its own 8-bit or 4-bit format (`scripts/quantize_model.py`). Every layer "
+        "width is a multiple of 64, so 64-wide quantization blocks apply.", "",
         "## Training", "",
         f"AdamW (betas 0.9/0.95, weight decay 0.1 on matrices), {common['warmup']} warm-up "
         f"steps then cosine decay to 10% of peak lr {info['peak_lr']}, gradient clipping 1.0, "
@@ -464,12 +482,12 @@ def write_card(folder: Path, name: str, info: dict[str, Any], other: dict[str, A
         f"{info['batch_size']} random {info['seq_len']}-token windows "
         f"({info['tokens_seen']:,} tokens, {info['tokens_seen'] / common['tokens_train']:.1f} "
         f"epochs) in {info['train_minutes']:.1f} min wall ({info['train_cpu_minutes']:.1f} "
-        f"min CPU time) on {common['threads']} CPU thread(s) ({common['cpu']}); whole build "
+        f"min CPU time) on {common['device']}; whole build "
         f"{common['total_minutes']:.1f} min wall, {common['total_cpu_minutes']:.1f} min CPU "
         f"(wall exceeds CPU time when the machine is shared and busy). Seed "
         f"{common['seed']}; torch {common['torch']}, transformers {common['transformers']}, "
         f"tokenizers {common['tokenizers']}.", "",
-        "## Evaluation (held-out files, stored bf16 weights)", "",
+        "## Evaluation (held-out files, the bfloat16 weights as trained)", "",
         "| model | held-out loss (nats/token) |", "| --- | --- |",
         f"| code-small | {common['val_loss']['code-small']:.3f} |",
         f"| code-tiny | {common['val_loss']['code-tiny']:.3f} |", "",
@@ -527,8 +545,17 @@ def main(argv: list[str] | None = None) -> int:
     transformers.logging.disable_progress_bar()
     t_start, c_start = time.time(), time.process_time()
 
-    corpus = builtin_corpus.load(args.smoke, args.holdout_every, not args.stdlib_only,
-                                 args.max_corpus_bytes)
+    global DEVICE
+    DEVICE = args.device
+    if args.corpus is not None:
+        corpus = builtin_corpus.read(args.corpus)
+    else:
+        corpus = builtin_corpus.load(args.smoke, args.holdout_every, not args.stdlib_only,
+                                     args.max_corpus_bytes)
+    if args.dump_corpus is not None:
+        builtin_corpus.write(corpus, args.dump_corpus)
+        log(f"corpus written to {args.dump_corpus} ({corpus.sha256[:12]})")
+        return 0
     train_texts = [f.text for f in corpus.train]
     held_texts = [f.text for f in corpus.held]
     used = [s["name"] for s in corpus.sources if s["status"] == "used"]
@@ -547,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         f"held-out scored {len(val_ids) - 1:,} tokens")
 
     smoke = args.smoke
-    plans = [RunPlan("code-small", SMOKE_TARGET if smoke else FULL_TARGET, args.target_steps,
+    plans = [RunPlan("code-small", SMOKE_TARGET if smoke else TARGETS[args.target_size],
+                     args.target_steps,
                      args.target_lr),
              RunPlan("code-tiny", SMOKE_DRAFT if smoke else FULL_DRAFT, args.draft_steps,
                      args.draft_lr)]
@@ -594,6 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     cpu_name = _cpu_name()
     if cpu_name:
         common["cpu"] = cpu_name
+    common["device"] = (f"one {torch.cuda.get_device_name()} GPU" if DEVICE.startswith("cuda")
+                        else f"{args.threads} CPU thread(s) ({common['cpu']})")
     for name, other in [("code-small", "code-tiny"), ("code-tiny", "code-small")]:
         info = stats[name]
         record = {
@@ -605,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             "train_minutes": info["train_minutes"], "total_minutes": round(total_minutes, 2),
             "train_cpu_minutes": info["train_cpu_minutes"],
             "total_cpu_minutes": round(total_cpu_minutes, 2),
-            "threads": args.threads, "seed": args.seed, "smoke": smoke,
+            "threads": args.threads, "device": common["device"], "seed": args.seed,
+            "smoke": smoke,
             "greedy_agreement_draft_vs_target": round(agree, 4),
             "corpus": {"sources": corpus.sources, "python": common["python"],
                        "chat_conversations": len(chats), "chat_tokens": len(chat_ids),

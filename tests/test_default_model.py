@@ -1,6 +1,6 @@
 """The built-in models in genlib/assets and the script that builds them
-(scripts/train_default_model.py). These load the shipped folders with plain transformers;
-genlib's own loader is tested elsewhere."""
+(scripts/train_default_model.py, then scripts/quantize_model.py): they ship in genlab's
+quantized format (docs/models.md), so they load through genlib's loader."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 ASSETS = ROOT / "genlib" / "assets"
 SCRIPT = ROOT / "scripts" / "train_default_model.py"
 MODELS = ("code-small", "code-tiny")
-MAX_ASSET_BYTES = 8 * 1024 * 1024
+MAX_ASSET_BYTES = 16 * 1024 * 1024
+FORMATS = {"code-small": "nf4", "code-tiny": "q8_0"}  # as shipped
+END_ID = 4  # <|end|>, which closes a chat turn
 
 # Spaces, a tab, blank lines, a trailing double space, non-ASCII and a docstring.
 CODE = (
@@ -40,7 +42,7 @@ def _offline(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
 
-def _load(folder: Path):
+def _load_folder(folder: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(folder)
@@ -65,26 +67,78 @@ def _greedy_matches_argmax(model, tok, prompt: str, n: int) -> str:
     return tok.decode(out[0, ids.shape[1]:])
 
 
+def _load(name: str, quick: bool = True):
+    from genlib.models.loading import ModelSpec, load_model, model_source
+
+    return load_model(ModelSpec(model_source(f"builtin:{name}")), quick=quick)
+
+
 @pytest.mark.parametrize("name", MODELS)
-def test_shipped_model_loads_and_generates(name: str) -> None:
+def test_shipped_model_loads_offline_in_its_quantized_format(name: str) -> None:
+    lm = _load(name)
+    assert lm.stored is not None and lm.stored.format == FORMATS[name]
+    config = json.loads((ASSETS / name / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["tie_word_embeddings"]
+    for width in ("hidden_size", "intermediate_size", "head_dim"):
+        assert config[width] % 64 == 0, f"{name}: {width} breaks 64-wide quantization blocks"
+    generation = json.loads((ASSETS / name / "generation_config.json").read_text())
+    assert (generation["eos_token_id"], generation["bos_token_id"],
+            generation["pad_token_id"]) == ([0, END_ID], 0, 0)
+    tok = lm.tokenizer
+    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == 0
+    assert tok.convert_tokens_to_ids("<|end|>") == END_ID
+    assert config["vocab_size"] == len(tok)
+    record = json.loads((ASSETS / name / "TRAINING.json").read_text())
+    assert record["smoke"] is False and record["context"] == config["max_position_embeddings"]
+    assert (ASSETS / name / "README.md").is_file()
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_the_stored_codes_give_the_dequantized_forwards_greedy_tokens(name: str) -> None:
+    """genlab's native kernel over the shipped codes against transformers' generate() on
+    the dequantized float32 weights (transformers never reads the codes): 32 tokens."""
     import torch
 
-    folder = ASSETS / name
-    model, tok = _load(folder)
-    cfg = model.config
-    assert cfg.model_type == "llama" and cfg.tie_word_embeddings
-    assert cfg.dtype == torch.bfloat16 or str(cfg.dtype).endswith("bfloat16")
-    for width in (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim):
-        assert width % 64 == 0, f"{name}: width {width} breaks bitsandbytes CPU 4-bit"
-    assert cfg.vocab_size == len(tok)
-    gen = model.generation_config
-    assert (gen.eos_token_id, gen.bos_token_id, gen.pad_token_id) == (0, 0, 0)
-    assert tok.eos_token_id == tok.bos_token_id == tok.pad_token_id == 0
-    text = _greedy_matches_argmax(model, tok, "def fibonacci(n):\n", 8)
-    assert text.strip(), f"{name} generated only whitespace: {text!r}"
-    record = json.loads((folder / "TRAINING.json").read_text())
-    assert record["smoke"] is False and record["context"] == cfg.max_position_embeddings
-    assert (folder / "README.md").is_file()
+    from genlib.events import Finish, Prefill
+    from genlib.generate import stream
+    from genlib.settings.config import GenerationSettings
+
+    lm = _load(name)
+    ids = lm.encode("def fibonacci(n):\n")
+    events = list(stream(lm, [ids], GenerationSettings(max_new_tokens=32, min_new_tokens=32)))
+    [prefill] = [e for e in events if isinstance(e, Prefill)]
+    [ours] = [e for e in events if isinstance(e, Finish)]
+    assert prefill.backend == "native" and f"{FORMATS[name]} as stored" in prefill.backend_reason
+    reference = _load(name, quick=False).model
+    assert reference.dtype == torch.float32
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=32, min_new_tokens=32,
+                                 do_sample=False, pad_token_id=0,
+                                 attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+    assert list(ours.token_ids) == out[0, len(ids):].tolist()
+    assert len(set(ours.token_ids)) > 4  # words, not one token over and over
+
+
+def test_the_chat_template_renders_two_turns_as_the_training_data() -> None:
+    """The shipped template renders a two-turn conversation exactly as the training
+    script rendered its chat pairs, and asks for the assistant's turn."""
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from train_default_model import chat_texts
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ASSETS / "code-small")
+    chat = [{"role": "user", "content": "Write a function that adds."},
+            {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+            {"role": "user", "content": "What does it return?"},
+            {"role": "assistant", "content": "The sum."}]
+    trained = ("<|user|>\nWrite a function that adds.<|end|>\n<|assistant|>\n"
+               "def add(a, b):\n    return a + b<|end|>\n<|user|>\nWhat does it return?"
+               "<|end|>\n<|assistant|>\nThe sum.<|end|>\n")
+    assert chat_texts(tok, [chat]) == [trained]
+    asked = tok.apply_chat_template(chat[:3], tokenize=False, add_generation_prompt=True)
+    assert asked == trained[:trained.index("The sum.")]
+    tiny = AutoTokenizer.from_pretrained(ASSETS / "code-tiny")
+    assert tiny.apply_chat_template(chat, tokenize=False) == trained
 
 
 def test_target_learned_more_than_draft() -> None:
@@ -150,7 +204,7 @@ def test_training_script_smoke_builds_loadable_folders(smoke_out: Path) -> None:
                          "tokenizer.json", "tokenizer_config.json", "TRAINING.json",
                          "README.md"):
             assert (folder / filename).is_file(), f"{name}/{filename} missing"
-        model, tok = _load(folder)
+        model, tok = _load_folder(folder)
         _greedy_matches_argmax(model, tok, "def f(x):", 4)
         assert json.loads((folder / "TRAINING.json").read_text())["smoke"] is True
     assert (smoke_out / "README.md").is_file()

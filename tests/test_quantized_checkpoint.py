@@ -25,10 +25,10 @@ from genlib.backends.native import native_step
 from genlib.errors import ModelLoadError
 from genlib.models import qformat, qwrite
 from genlib.models.loading import BUILTIN_MODELS, ModelSpec, load_model
-from tests.conftest import CODE_TARGET, ROOT
+from tests.conftest import CODE_DRAFT, CODE_TARGET, ROOT
 from tests.test_quantized import greedy_lean, greedy_native
 
-CODE_SMALL = BUILTIN_MODELS["builtin:code-small"]
+FLOAT_DRAFT = Path("code-draft-bf16")  # `written` makes it: code-draft stored in bfloat16
 PROMPT = "import os\nimport sys\n\n\ndef main(argv):\n    "
 
 
@@ -38,6 +38,8 @@ def written(tmp_path_factory):
     folders: dict[tuple[Path, str], Path] = {}
 
     def write(source: Path, fmt: str) -> Path:
+        if source == FLOAT_DRAFT:
+            source = float_draft(tmp_path_factory)
         if not source.is_dir():
             pytest.skip(f"{source} is not present")
         if (source, fmt) not in folders:
@@ -47,6 +49,23 @@ def written(tmp_path_factory):
         return folders[source, fmt]
 
     return write
+
+
+def float_draft(tmp_path_factory) -> Path:
+    """code-draft's weights stored in bfloat16 with a model card beside them, as the
+    training script writes a float model (made once)."""
+    out = tmp_path_factory.getbasetemp() / FLOAT_DRAFT.name
+    if not out.is_dir():
+        if not CODE_DRAFT.is_dir():
+            pytest.skip(f"{CODE_DRAFT} is not present")
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        model = AutoModelForCausalLM.from_pretrained(CODE_DRAFT).to(torch.bfloat16)
+        model.generation_config.eos_token_id = [0]
+        model.save_pretrained(out)
+        AutoTokenizer.from_pretrained(CODE_DRAFT).save_pretrained(out)
+        (out / "README.md").write_text("# code-draft in bfloat16\n")
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -69,11 +88,12 @@ def folder_bytes(folder: Path) -> int:
 # --- the tool ---------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
-def test_the_tool_writes_quantizes_codes_and_keeps_the_rest(written, fmt):
+def test_the_tool_writes_quantizes_codes_and_keeps_the_rest(written, fmt, tmp_path_factory):
     """Each matrix's codes are quant.quantize's (4-bit two a byte), its scales those in
     float16; the norms, the tokenizer files and the model card are the source's bytes."""
-    out = written(CODE_SMALL, fmt)
-    source = load_file(str(CODE_SMALL / "model.safetensors"))
+    out = written(FLOAT_DRAFT, fmt)
+    folder = float_draft(tmp_path_factory)
+    source = load_file(str(folder / "model.safetensors"))
     stored = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     matrices = sorted(n for n, t in source.items() if t.dim() == 2)
@@ -95,15 +115,16 @@ def test_the_tool_writes_quantizes_codes_and_keeps_the_rest(written, fmt):
         | (set(source) - set(matrices))
     for file in ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                  "README.md"):
-        assert (out / file).read_bytes() == (CODE_SMALL / file).read_bytes()
-    assert folder_bytes(out) < folder_bytes(CODE_SMALL)
+        assert (out / file).read_bytes() == (folder / file).read_bytes()
+    assert folder_bytes(out) < folder_bytes(folder)
 
 
-def test_the_tool_is_byte_reproducible(tmp_path):
+def test_the_tool_is_byte_reproducible(tmp_path, tmp_path_factory):
     """Two runs of the script on one source write the same bytes, file for file."""
     runs = []
+    source = float_draft(tmp_path_factory)
     for name in ("a", "b"):
-        done = subprocess.run([sys.executable, "scripts/quantize_model.py", str(CODE_SMALL),
+        done = subprocess.run([sys.executable, "scripts/quantize_model.py", str(source),
                                str(tmp_path / name), "--format", "nf4"],
                               capture_output=True, text=True, cwd=ROOT, timeout=300)
         assert done.returncode == 0, done.stderr
@@ -112,10 +133,12 @@ def test_the_tool_is_byte_reproducible(tmp_path):
     assert runs[0] == runs[1] and "model.safetensors" in runs[0]
 
 
-def test_the_tool_refuses_a_quantized_source_and_a_full_folder(written, tmp_path):
-    for source, out, said in ((written(CODE_SMALL, "q8_0"), tmp_path / "x",
+def test_the_tool_refuses_a_quantized_source_and_a_full_folder(written, tmp_path,
+                                                              tmp_path_factory):
+    for source, out, said in ((written(FLOAT_DRAFT, "q8_0"), tmp_path / "x",
                                "quantized already"),
-                              (CODE_SMALL, written(CODE_SMALL, "nf4"), "not an empty folder")):
+                              (float_draft(tmp_path_factory), written(FLOAT_DRAFT, "nf4"),
+                               "not an empty folder")):
         done = subprocess.run([sys.executable, "scripts/quantize_model.py", str(source),
                                str(out), "--format", "q8_0"],
                               capture_output=True, text=True, cwd=ROOT, timeout=300)
@@ -126,7 +149,7 @@ def test_the_tool_refuses_a_quantized_source_and_a_full_folder(written, tmp_path
 # --- loading and running ----------------------------------------------------------------
 
 @pytest.mark.parametrize("fmt", ["q8_0", "nf4"])
-@pytest.mark.parametrize("source", [CODE_TARGET, CODE_SMALL], ids=["code-target", "code-small"])
+@pytest.mark.parametrize("source", [CODE_TARGET, FLOAT_DRAFT], ids=["code-target", "bf16"])
 def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
                                                            monkeypatch):
     """64 greedy tokens: the native kernel over the stored codes (auto picks it; nothing
@@ -154,7 +177,7 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
 def test_a_batch_after_transformers_load_packs_the_codes_as_stored(written, monkeypatch):
     """A model loaded through transformers (batches, beam search) still runs its stored
     codes on the native kernel, every row: nothing quantizes the dequantized weights."""
-    lm = load_model(ModelSpec(str(written(CODE_SMALL, "q8_0"))), quick=False)
+    lm = load_model(ModelSpec(str(written(FLOAT_DRAFT, "q8_0"))), quick=False)
     assert lm.lean is None and lm.stored is not None
 
     def no_quantizing(*args, **kwargs):
@@ -173,7 +196,7 @@ def test_the_first_token_dequantizes_no_matrix_of_the_layers(written):
     from genlib.generate import generate
     from genlib.settings.config import resolve_settings
 
-    lm = load_model(ModelSpec(str(written(CODE_SMALL, "nf4"))), quick=True)
+    lm = load_model(ModelSpec(str(written(FLOAT_DRAFT, "nf4"))), quick=True)
     generate(lm, [lm.encode("def f(")], resolve_settings({"max_new_tokens": 2}))
     assert "layers" not in lm.lean.__dict__
     read = set(lm.lean.tensors._done)  # the dequantized tensors, by name
@@ -181,7 +204,7 @@ def test_the_first_token_dequantizes_no_matrix_of_the_layers(written):
 
 
 def test_transformers_model_holds_the_dequantized_weights(written):
-    folder = written(CODE_SMALL, "q8_0")
+    folder = written(FLOAT_DRAFT, "q8_0")
     model = load_model(ModelSpec(str(folder)), quick=False).model
     stored = qformat.open_folder(folder)
     assert not hasattr(model.config, "quantization_config")
@@ -194,7 +217,7 @@ def test_transformers_model_holds_the_dequantized_weights(written):
 def test_every_backend_runs_the_folder_and_reports_format_and_size(written, tmp_path):
     """--json and --stats name the format and the folder's bytes; lean and transformers
     give the native kernel's greedy tokens on the dequantized weights."""
-    folder = written(CODE_SMALL, "q8_0")
+    folder = written(FLOAT_DRAFT, "q8_0")
     tokens = {}
     for backend in ("auto", "lean", "transformers"):
         done = cli("generate", "-m", str(folder), "def f(", "-n", "24", "--json",
@@ -250,7 +273,7 @@ def broken_copy(source: Path, folder: Path, damage: str) -> Path:
 @pytest.mark.parametrize("damage", list(DAMAGES))
 @pytest.mark.parametrize("quick", [True, False], ids=["quick", "transformers"])
 def test_a_broken_folder_is_refused_before_any_backend(written, tmp_path, damage, quick):
-    folder = broken_copy(written(CODE_SMALL, "q8_0"), tmp_path / "broken", damage)
+    folder = broken_copy(written(FLOAT_DRAFT, "q8_0"), tmp_path / "broken", damage)
     with pytest.raises(ModelLoadError, match="^cannot load ") as refusal:
         load_model(ModelSpec(str(folder)), quick=quick)
     assert DAMAGES[damage][1] in str(refusal.value) and "\n" not in str(refusal.value)
@@ -259,7 +282,7 @@ def test_a_broken_folder_is_refused_before_any_backend(written, tmp_path, damage
 @pytest.mark.parametrize("damage, backend", [("scales missing", "auto"),
                                              ("unknown format", "transformers")])
 def test_a_broken_folder_is_one_line_and_exit_2(written, tmp_path, damage, backend):
-    folder = broken_copy(written(CODE_SMALL, "q8_0"), tmp_path / "broken", damage)
+    folder = broken_copy(written(FLOAT_DRAFT, "q8_0"), tmp_path / "broken", damage)
     done = cli("generate", "-m", str(folder), "def f(", "-n", "2", "--backend", backend,
                cache=tmp_path / "cache")
     assert done.returncode == 2
@@ -268,7 +291,7 @@ def test_a_broken_folder_is_one_line_and_exit_2(written, tmp_path, damage, backe
 
 
 def test_quantizing_a_stored_checkpoint_again_is_refused(written, tmp_path):
-    done = cli("generate", "-m", str(written(CODE_SMALL, "nf4")), "x", "--quantize", "8bit",
+    done = cli("generate", "-m", str(written(FLOAT_DRAFT, "nf4")), "x", "--quantize", "8bit",
                cache=tmp_path)
     assert done.returncode == 2
     assert "stored quantized already (nf4); drop --quantize 8bit" in done.stderr

@@ -426,6 +426,10 @@ def _load_dequantized(stored: Stored, spec: ModelSpec, config: Any, dtype: torch
         raise ModelLoadError(f"cannot load {spec.ref}: its weights do not fit config.json "
                              f"({'missing' if set(missing) - tied else 'unexpected'} "
                              f"{names[0]}); {checkpoint.FIX_CONFIG}")
+    if (stored.folder / "generation_config.json").is_file():  # as from_pretrained reads it
+        from transformers import GenerationConfig
+
+        model.generation_config = GenerationConfig.from_pretrained(stored.folder)
     return model
 
 

@@ -54,6 +54,7 @@ def write(source: Path, out: Path, fmt: str) -> Summary:
     from safetensors.torch import save_file
 
     save_file(dict(sorted(stored.items())), str(out / qformat.WEIGHTS), metadata={"format": "pt"})
+    (out / qformat.WEIGHTS).chmod(0o644)  # safetensors writes 0600: readable as its source
     config["quantization_config"] = {"quant_method": qformat.METHOD, "format": fmt,
                                      "block": quant.FORMATS[fmt].block, "modules": modules}
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
