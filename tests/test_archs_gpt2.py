@@ -208,3 +208,15 @@ def test_the_cli_refuses_a_forced_native_backend_and_positions_past_n_positions(
     assert "16 positions" in done.stderr and len(done.stderr.strip().splitlines()) == 1
     done = run_cli(short, "--backend", "native", "--max-new-tokens", "8")
     assert done.returncode == 0, done.stderr
+
+
+def test_contrastive_search_on_the_lean_forward_follows_the_reference(stories_tokenizer):
+    """The candidates all sit at the next position (its learned position embedding) and
+    their hidden states come after ln_f."""
+    from tests.test_contrastive_search import genlab_tokens, reference_contrastive
+
+    lm = gpt2_lm(stories_tokenizer)
+    assert choose_backend(lm, Request(hidden="contrastive search")).name == "lean"
+    expected = reference_contrastive(lm.model, PROMPT, 0.6, 4, 32, lm.eos_ids)
+    assert len(set(expected)) > 8 and expected != hf_generate(lm, PROMPT, len(expected))
+    assert genlab_tokens(lm, PROMPT, penalty_alpha=0.6, top_k=4) == expected
