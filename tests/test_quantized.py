@@ -118,7 +118,7 @@ def dequantized(model, name: str):
             if type(module) is torch.nn.Linear:
                 module.weight.copy_(stands_for(module.weight))
             elif type(module) is Conv1D:  # gpt2's: stored [in, out]
-                module.weight.copy_(stands_for(module.weight.t()).t())
+                module.weight.copy_(stands_for(module.weight.t().contiguous()).t())
     return copied
 
 
