@@ -9,7 +9,8 @@ size it takes. mistral's window (4096) is longer than any run, as a real Mistral
 granite's multipliers are not 1; phi3's window is Phi-3-mini-4k's (2047). gemma2 (head_dim
 32, soft-caps 50 and 30, window 4096, every other layer sliding) and gemma3 (model_type
 gemma3_text: window 512 as Gemma-3-1B's, its default pattern, so all 4 layers slide) tie
-their lm_head to the embeddings, as the real ones do.
+their lm_head to the embeddings, as the real ones do. gpt2 (GPT2Config: 4 layers, n_embd 256,
+8 heads, no grouped heads, n_inner 768, 1024 positions, gelu_new) ties its lm_head too.
 """
 
 from __future__ import annotations
@@ -20,13 +21,17 @@ from pathlib import Path
 
 import torch
 
-ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma2", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "granite", "phi3", "gemma2", "gemma3", "gpt2")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
 def config(arch: str, vocab: int, ids: dict[str, int]):
     from transformers import AutoConfig
 
+    if arch == "gpt2":  # its own field names; bos and eos from the tokenizer's
+        return AutoConfig.for_model("gpt2", vocab_size=vocab, n_embd=256, n_layer=4,
+                                    n_head=8, n_inner=768, n_positions=1024,
+                                    initializer_range=0.1, **ids)
     common = dict(vocab_size=vocab, hidden_size=256, intermediate_size=768,
                   num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
                   max_position_embeddings=1024, initializer_range=0.1, **ids)

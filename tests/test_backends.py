@@ -128,13 +128,14 @@ def test_one_row_backends_refuse_several_rows_and_reorder_naming_what_works(stor
 
 @pytest.mark.parametrize("name", ["lean", "native"])
 def test_lean_backends_refuse_models_that_are_not_plain_llama(tiny, name):
-    if tiny.ref in ("tiny-llama", "tiny-qwen2"):
-        pytest.skip("a plain Llama-style model")
+    if tiny.ref in ("tiny-llama", "tiny-qwen2", "tiny-gpt2"):
+        pytest.skip("an architecture the lean forward runs")
     arch = tiny.ref.removeprefix("tiny-")
     with pytest.raises(ConfigError, match=f"the {name} backend runs the lean forward, which "
                                           f"cannot run {tiny.ref}: model_type '{arch}' is "
                                           f"not one the lean forward runs \\(llama, mistral, "
-                                          f"qwen2, qwen3, granite, phi3, gemma2, gemma3_text\\)"
+                                          f"qwen2, qwen3, granite, phi3, gemma2, gemma3_text, "
+                                          f"gpt2\\)"
                                           f"; use --backend compiled or transformers "
                                           f"\\(or auto\\)$"):
         choose_backend(tiny, Request(backend=name))
@@ -180,7 +181,7 @@ def test_a_refusal_names_only_backends_that_can_serve(stories, monkeypatch):
         choose_backend(stories, Request(rows=4, reorder=True, backend="lean"))
 
 
-@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+@pytest.mark.parametrize("arch", ["gpt_neox", "llama"])
 def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
         arch, stories_tokenizer, monkeypatch):
     """In bfloat16 on a CPU one row gets the lean forward, exact; with no lean forward
@@ -203,8 +204,8 @@ def test_auto_gives_speculation_in_bfloat16_a_cache_that_rolls_back(
         "transformers' forward; GENLAB_LEAN=0 keeps auto off the lean forward"
         if arch == "llama" else
         "transformers' forward; the native backend runs the lean forward, which cannot run "
-        "tiny-gpt2: model_type 'gpt2' is not one the lean forward runs (llama, mistral, "
-        "qwen2, qwen3, granite, phi3, gemma2, gemma3_text)")
+        "tiny-gpt_neox: model_type 'gpt_neox' is not one the lean forward runs (llama, "
+        "mistral, qwen2, qwen3, granite, phi3, gemma2, gemma3_text, gpt2)")
     ids, settings = [1, 37, 99, 4, 250], GenerationSettings(max_new_tokens=12)
     [plain] = generate(lm, [ids], settings, backend="transformers")
     [drafted] = generate(lm, [ids], settings, drafter=Drafting(prompt_lookup=2))
@@ -229,7 +230,7 @@ def test_auto_picks_native_lean_or_transformers_and_says_why(stories, tiny, monk
     assert choose_backend(stories, Request(rows=2)).name == many
     assert choose_backend(stories, Request(rows=4, reorder=True)).name == many
     assert choose_backend(tiny, Request(rows=2)).name == \
-        ("transformers" if tiny.ref in ("tiny-gpt2", "tiny-gpt_neox") else many)
+        ("transformers" if tiny.ref == "tiny-gpt_neox" else many)
     monkeypatch.setenv("GENLAB_NATIVE", "0")
     off = "GENLAB_NATIVE=0 keeps auto off the native kernel"
     assert (choose_backend(stories, Request()).name,
@@ -318,7 +319,7 @@ def test_a_static_step_torch_cannot_compile_names_the_uncompiled_backend(tiny, m
     from genlib.backends import compiled
     from genlib.errors import CompileError
 
-    if tiny.ref != "tiny-gpt2":
+    if tiny.ref != "tiny-gpt_neox":
         pytest.skip("one architecture without a lean forward is enough")
 
     def step_with_a_graph_break(*args):

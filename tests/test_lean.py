@@ -223,16 +223,16 @@ def test_other_architectures_are_not_eligible_and_still_generate(stories_tokeniz
     from genlib.models.loading import wrap_model
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(tiny_config("gpt2")).eval()
+    model = AutoModelForCausalLM.from_config(tiny_config("gpt_neox")).eval()
     assert LeanLlama.from_model(model) is None
-    lm = wrap_model(model, stories_tokenizer, ref="tiny-gpt2")
+    lm = wrap_model(model, stories_tokenizer, ref="tiny-gpt_neox")
     assert lean_model_of(lm) is None
     backend = choose_backend(lm, Request())
     assert backend.name == "transformers"
     assert backend.reason == ("transformers' forward; the native backend runs the lean "
-                              "forward, which cannot run tiny-gpt2: model_type 'gpt2' is not "
-                              "one the lean forward runs (llama, mistral, qwen2, qwen3, "
-                              "granite, phi3, gemma2, gemma3_text)")
+                              "forward, which cannot run tiny-gpt_neox: model_type 'gpt_neox' "
+                              "is not one the lean forward runs (llama, mistral, qwen2, qwen3, "
+                              "granite, phi3, gemma2, gemma3_text, gpt2)")
     ids = lm.encode("Once upon a time")
     assert genlab_greedy(lm, ids, 30, backend="auto") == hf_generate(lm, ids, 30)
 

@@ -106,13 +106,19 @@ def test_packing_lays_out_panels_of_blocks_scales_first(name):
 def dequantized(model, name: str):
     """A copy of `model` whose projections and lm_head hold their quantized values (in
     float32, the lm_head untied): what the kernel's `name` matrices stand for."""
+    from transformers.pytorch_utils import Conv1D
+
+    def stands_for(weight: torch.Tensor) -> torch.Tensor:  # (out, in), as quantized
+        return quant.dequantize(*quant.quantize(weight, name), name)
+
     copied = copy.deepcopy(model)
     with torch.no_grad():
         copied.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
         for module in copied.modules():
             if type(module) is torch.nn.Linear:
-                module.weight.copy_(quant.dequantize(*quant.quantize(module.weight, name),
-                                                     name))
+                module.weight.copy_(stands_for(module.weight))
+            elif type(module) is Conv1D:  # gpt2's: stored [in, out]
+                module.weight.copy_(stands_for(module.weight.t().contiguous()).t())
     return copied
 
 

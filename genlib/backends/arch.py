@@ -23,6 +23,10 @@ Each architecture is a few declared differences from Llama's forward:
 |  | and a rope of its own (`rope_parameters["sliding_attention"]`) on sliding layers |
 | gemma3 | Gemma 3's vision-language model on text: its `text_config`'s gemma3_text, |
 |  | without the logits' soft-cap (Gemma3ForConditionalGeneration applies none) |
+| gpt2 | LayerNorm (weight and bias) for RMSNorm; learned absolute positions added to |
+|  | the embeddings, no rope; an MLP without a gate, act(fc) (`activation_function`); |
+|  | a bias on every projection; one fused q/k/v product (`c_attn`); Conv1D weights |
+|  | ([in, out], read transposed); no grouped heads; the lm_head tied |
 
 A config key that would change the arithmetic in a way this description cannot say (a
 rope type computed per length, a soft-cap, a window on a model whose window is not
@@ -36,7 +40,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "granite", "phi3", "gemma2",
-                 "gemma3_text")
+                 "gemma3_text", "gpt2")
 GEMMA = ("gemma2", "gemma3_text")
 # The layer types of gemma's `layer_types`: a sliding one attends to the last
 # `sliding_window` tokens.
@@ -45,6 +49,14 @@ LAYER_TYPES = ("sliding_attention", "full_attention")
 # the model's rotary embedding, with its attention scaling); "dynamic" and "longrope"
 # change them with the sequence's length.
 ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# gpt2's `activation_function`s, as the lean forward names them: "gelu_new" is the tanh
+# approximation as transformers' NewGELUActivation writes it out, "gelu_tanh" torch's own
+# kernel of the same (gemma's too), "gelu" the exact (erf) one.
+GPT2_ACTIVATIONS = {"gelu_new": "gelu_new", "gelu_pytorch_tanh": "gelu_tanh",
+                    "gelu": "gelu"}
+# gpt2 config flags that change the arithmetic when set, not run here.
+_GPT2_REFUSED = ("scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn",
+                 "add_cross_attention")
 # Keys that change the arithmetic in some architecture, and the value that leaves it as
 # Llama's; each architecture lists those it follows (`_FOLLOWS`).
 _ARITHMETIC = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0,
@@ -84,12 +96,22 @@ class Arch:
     # gemma's, from here on
     embed_scale: float | None = None  # embeddings times it, rounded to the model's dtype
     sandwich: bool = False  # RMSNorm by (1 + weight), in float32, also on sublayer outputs
-    gelu: bool = False  # the MLP's gate through gelu (tanh approximation), not silu
+    activation: str = "silu"  # the MLP's: silu, gelu_tanh (gemma), gelu_new or gelu (gpt2)
     attn_softcap: float | None = None  # scores -> cap * tanh(scores / cap)
     final_softcap: float | None = None  # logits -> cap * tanh(logits / cap)
     eager: bool = False  # attention as transformers' eager path computes it (gemma2)
     full_layers: tuple[int, ...] = ()  # layers that see every token despite `window`
     local_rope: bool = False  # the other (sliding) layers take a rope of their own (gemma3)
+    # gpt2's, from here on
+    layernorm: bool = False  # LayerNorm (mean removed, weight and bias), not RMSNorm
+    positions: str = "rope"  # "learned": absolute position embeddings added, no rope
+    gated: bool = True  # the MLP is act(gate) * up; False: act(fc) alone
+    biases: bool = False  # every projection adds a bias (the o, fc and down ones too)
+
+    @property
+    def gelu(self) -> bool:
+        """The MLP's activation is gelu's tanh approximation (gemma's GeGLU, gpt2's)."""
+        return self.activation in ("gelu_tanh", "gelu_new")
 
     def window_of(self, layer: int) -> int:
         """Layer `layer`'s window (0: it sees every token)."""
@@ -99,7 +121,7 @@ class Arch:
         """Why the compiled lean step does not run this architecture; None: it does."""
         if self.window:
             return f"the compiled lean step does not run {self.name}'s sliding window"
-        if self.sandwich:
+        if self.sandwich or self.layernorm:
             return f"the compiled lean step does not run {self.name}'s block"
         return None
 
@@ -122,6 +144,8 @@ def describe(config: Any) -> Arch:
     if name not in ARCHITECTURES:
         raise Unsupported(f"model_type {name!r} is not one the lean forward runs "
                           f"({', '.join(ARCHITECTURES)})")
+    if name == "gpt2":
+        return _gpt2(config)
     _check_plain(config, name)
     _check_rope(config, name)
     _check_keys(config, name)
@@ -149,11 +173,31 @@ def _gemma(config: Any, name: str) -> Arch:
     final = getattr(config, "final_logit_softcapping", None)
     return Arch(name, qk_norm=name == "gemma3_text", window=window,
                 attention_multiplier=float(config.query_pre_attn_scalar) ** -0.5,
-                embed_scale=config.hidden_size ** 0.5, sandwich=True, gelu=True,
+                embed_scale=config.hidden_size ** 0.5, sandwich=True, activation="gelu_tanh",
                 attn_softcap=None if soft is None else float(soft),
                 final_softcap=None if final is None else float(final),
                 eager=name == "gemma2", full_layers=full,
                 local_rope=name == "gemma3_text")
+
+
+def _gpt2(config: Any) -> Arch:
+    """gpt2's block (transformers' GPT2LMHeadModel)."""
+    act = getattr(config, "activation_function", None)
+    if act not in GPT2_ACTIVATIONS:
+        raise Unsupported(f"activation_function {act!r} (the lean forward runs "
+                          f"{', '.join(GPT2_ACTIVATIONS)} for gpt2)")
+    for key in _GPT2_REFUSED:
+        if getattr(config, key, False):
+            raise Unsupported(f"{key} {getattr(config, key)!r} (the lean forward does not "
+                              f"run it for gpt2)")
+    if getattr(config, "quantization_config", None) is not None:
+        raise Unsupported("quantization_config (a quantized model)")
+    _check_keys(config, "gpt2")
+    # scale_attn_weights False: scores not divided by sqrt(head_dim)
+    unscaled = getattr(config, "scale_attn_weights", True) is False
+    return Arch("gpt2", qkv_bias=True, activation=GPT2_ACTIVATIONS[act],
+                attention_multiplier=1.0 if unscaled else None, layernorm=True,
+                positions="learned", gated=False, biases=True)
 
 
 def _window(config: Any) -> int:

@@ -86,7 +86,14 @@ class _Model(ctypes.Structure):
         ("k_norm", _float_pp), ("attn_softcap", ctypes.c_float),
         ("final_softcap", ctypes.c_float), ("gelu", ctypes.c_int)] + [
         (name, _float_pp) for name in ("attn_out_norm", "mlp_out_norm", "layer_cos",
-                                       "layer_sin")]
+                                       "layer_sin")] + [
+        ("norm_bias", _float_p)] + [
+        (name, _float_pp) for name in ("input_norm_bias", "post_norm_bias", "o_bias",
+                                       "up_bias", "down_bias")] + [
+        ("position_embed", _float_p)]
+
+# Model.gelu: the MLP's activation, by `Arch.activation`.
+_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_new": 1, "gelu": 2}
 
 
 @dataclass(frozen=True)
@@ -285,6 +292,7 @@ def pack_matrix(weight: torch.Tensor, panel: int, weights: str) -> torch.Tensor:
     """`weight` (out, in) float32 as the kernel that reads `weights` (a `WEIGHTS` key)
     reads it: float32 or bfloat16 panels (`pack`), or a quantized format's bytes
     (`quant.pack`). One tensor a matrix, a copy; pure."""
+    weight = weight.contiguous()  # gpt2's are transposed views of its Conv1D weights
     if weights in quant.FORMATS:
         return quant.pack(weight, panel, weights)
     return pack(weight, panel).to(getattr(torch, weights))
@@ -304,13 +312,13 @@ def qkv_bias(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor |
 
 
 def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: int,
-                 weights: str) -> dict[str, torch.Tensor]:
+                 weights: str, gated: bool = True) -> dict[str, torch.Tensor]:
     """Every matrix the kernel reads, packed (`pack`) and stored as `weights`, by the
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
-    `.gate`, `.up`, `.down`. `tensor(name)` gives a float matrix (out, in) by its
-    state-dict name, or a quantized checkpoint's (codes, scales) in format `weights`
-    (genlib.models.qformat), packed as stored; `head` is the output projection's (the
-    embeddings' when tied)."""
+    `.gate` (unless not `gated`: gpt2's MLP has none), `.up`, `.down`. `tensor(name)`
+    gives a float matrix (out, in) by its state-dict name, or a quantized checkpoint's
+    (codes, scales) in format `weights` (genlib.models.qformat), packed as stored; `head`
+    is the output projection's (the embeddings' when tied)."""
     def matrix(*names: str) -> torch.Tensor:
         rows = [tensor(name) for name in names]
         if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are
@@ -324,9 +332,10 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
         packed.update({
             f"layers.{i}.qkv": matrix(*[f"{prefix}{name}.weight" for name in QKV]),
             f"layers.{i}.o": matrix(f"{prefix}self_attn.o_proj.weight"),
-            f"layers.{i}.gate": matrix(f"{prefix}mlp.gate_proj.weight"),
             f"layers.{i}.up": matrix(f"{prefix}mlp.up_proj.weight"),
             f"layers.{i}.down": matrix(f"{prefix}mlp.down_proj.weight")})
+        if gated:
+            packed[f"layers.{i}.gate"] = matrix(f"{prefix}mlp.gate_proj.weight")
     return packed
 
 
@@ -341,7 +350,8 @@ def packed_weights(lean: Any, panel: int, weights: str,
     from genlib.backends import weightcache
 
     def over(tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
-        return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights)
+        return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights,
+                            lean.arch.gated)
 
     stored = getattr(lean, "stored", None)
     if stored is not None and stored.format == weights:  # a quantized checkpoint's codes
@@ -432,8 +442,7 @@ class NativeStep:
             vocab=self.vocab, layers=lean.num_layers, threads=threads, eps=lean.eps,
             scale=lean.scale, embed=_pointer(self._keep(lean.embed.contiguous())),
             norm=_pointer(self._keep(lean.norm)), lm_head=_pointer(packed["lm_head"]),
-            cos=_pointer(self._keep(lean.cos.contiguous())),
-            sin=_pointer(self._keep(lean.sin.contiguous())),
+            cos=self._table(lean.cos), sin=self._table(lean.sin),
             input_norm=self._array([lean.norm_weight(f"model.{p}input_layernorm.weight")
                                     for p in layer]),
             qkv=self._array([packed[p + "qkv"] for p in layer]),
@@ -441,7 +450,8 @@ class NativeStep:
             o=self._array([packed[p + "o"] for p in layer]),
             post_norm=self._array([lean.norm_weight(f"model.{p}{mlp_norm}.weight")
                                    for p in layer]),
-            gate=self._array([packed[p + "gate"] for p in layer]),
+            gate=self._array([packed[p + "gate"] for p in layer]) if lean.arch.gated
+            else None,
             up=self._array([packed[p + "up"] for p in layer]),
             down=self._array([packed[p + "down"] for p in layer]),
             **self._arch_fields(lean, layer))
@@ -461,6 +471,7 @@ class NativeStep:
                                                      for i in range(lean.num_layers)])
         self._kept.append(windows)  # type: ignore[arg-type]
         tables = [lean.rope_tables(i) for i in range(lean.num_layers)]
+        rope = lean.cos is not None  # gpt2's learned positions: no tables
         multiplier = arch.embedding_multiplier if arch.embed_scale is None else \
             arch.embed_scale  # float32 in the struct, as gemma rounds it to float32
         return dict(embedding_multiplier=multiplier,
@@ -468,11 +479,35 @@ class NativeStep:
                     logits_scaling=arch.logits_scaling, windows=windows,
                     q_norm=norms("self_attn.q_norm"), k_norm=norms("self_attn.k_norm"),
                     attn_softcap=arch.attn_softcap or 0.0,
-                    final_softcap=arch.final_softcap or 0.0, gelu=int(arch.gelu),
+                    final_softcap=arch.final_softcap or 0.0,
+                    gelu=_ACTIVATIONS[arch.activation],
                     attn_out_norm=norms("post_attention_layernorm") if arch.sandwich else None,
                     mlp_out_norm=norms("post_feedforward_layernorm") if arch.sandwich else None,
-                    layer_cos=self._array([c.contiguous() for c, _ in tables]),
-                    layer_sin=self._array([s.contiguous() for _, s in tables]))
+                    layer_cos=self._array([c.contiguous() for c, _ in tables]) if rope else None,
+                    layer_sin=self._array([s.contiguous() for _, s in tables]) if rope else None,
+                    **self._gpt2_fields(lean, layer))
+
+    def _gpt2_fields(self, lean: Any, layer: list[str]) -> dict[str, Any]:
+        """gpt2's Model fields: its LayerNorms' biases, the o/up/down products' biases and
+        its learned position embeddings (NULL where the model has none)."""
+        def biases(name: str) -> Any:
+            names = [f"model.{p}{name}.bias" for p in layer]
+            return self._array([lean.tensors[n] for n in names]) \
+                if names[0] in lean.tensors else None
+
+        def vector(tensor: torch.Tensor | None) -> Any:
+            return None if tensor is None else _pointer(self._keep(tensor.contiguous()))
+
+        return dict(norm_bias=vector(lean.norm_bias),
+                    input_norm_bias=biases("input_layernorm"),
+                    post_norm_bias=biases("post_attention_layernorm"),
+                    o_bias=biases("self_attn.o_proj"), up_bias=biases("mlp.up_proj"),
+                    down_bias=biases("mlp.down_proj"),
+                    position_embed=vector(lean.position_embed))
+
+    def _table(self, table: torch.Tensor | None) -> Any:
+        """A rope table as the kernel reads it; NULL for learned positions."""
+        return None if table is None else _pointer(self._keep(table.contiguous()))
 
     @classmethod
     def of(cls, lean: Any, threads: int, weights: str = "float32",

@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from genlib.backends import hugepages
 from genlib.backends.arch import LAYER_TYPES, Arch, Unsupported, describe
+from genlib.backends.gpt2 import gelu_new, gpt2_tensors, is_gpt2, plain_refusal
 from genlib.backends.kernel import MLP_NORM, qkv_bias
 from genlib.backends.kernel import QKV as _QKV
 
@@ -156,6 +157,12 @@ class _Layer:
     down: _Proj
     attn_out_norm: torch.Tensor | None = None  # gemma's norms on the sublayers' outputs
     mlp_out_norm: torch.Tensor | None = None
+    # gpt2's: its LayerNorms' biases, and those of the o, fc (gate_up) and down products
+    input_norm_bias: torch.Tensor | None = None
+    post_norm_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
 
 
 @dataclass
@@ -225,6 +232,8 @@ def refusal(model: Any) -> str | None:
     why = config_refusal(getattr(model, "config", None))
     if why is not None:
         return why
+    if is_gpt2(model):
+        return plain_refusal(model)
     inner = decoder(model)
     if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
         return "not a decoder-only model with layers and an lm_head"
@@ -308,25 +317,28 @@ class LeanLlama:
     (`new_cache`; see the module doc)."""
 
     def __init__(self, config: Any, tensors: Mapping[str, torch.Tensor],
-                 inv_freq: torch.Tensor, rope_scaling: float = 1.0,
+                 inv_freq: torch.Tensor | None, rope_scaling: float = 1.0,
                  local_rope: tuple[torch.Tensor, float] | None = None) -> None:
         """`tensors` by their state-dict names (`model.layers.0.self_attn.q_proj.weight`,
         ...; `lm_head.weight` may be absent when tied to the embeddings), `inv_freq` the
         rotary frequencies as the model computes them and `rope_scaling` the factor on
         its cos/sin tables (its rotary embedding's `attention_scaling`: yarn's);
-        `local_rope` the same two for gemma3's sliding layers."""
+        `local_rope` the same two for gemma3's sliding layers. Learned positions
+        (gpt2's) take no rope: `inv_freq` None, and `model.embed_positions.weight`."""
         self.arch: Arch = describe(config)
         config = text_config(config)
         self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
+        self.kv_heads = getattr(config, "num_key_value_heads", None) or self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.heads
         self.scale = self.arch.scale(self.head_dim)
-        self.eps = config.rms_norm_eps
+        self.eps = config.layer_norm_epsilon if self.arch.layernorm else config.rms_norm_eps
         self.max_positions = config.max_position_embeddings
         self.tensors = tensors
         self.embed = tensors["model.embed_tokens.weight"]
         self._norms: dict[str, torch.Tensor] = {}
         self.norm = self.norm_weight("model.norm.weight")
+        self.norm_bias = tensors.get("model.norm.bias")  # gpt2's LayerNorm
+        self.position_embed = tensors.get("model.embed_positions.weight")  # gpt2's wpe
         self.head_name = "lm_head.weight" if "lm_head.weight" in tensors else \
             "model.embed_tokens.weight"
         self.vocab = tensors[self.head_name].shape[0]
@@ -337,7 +349,10 @@ class LeanLlama:
         self.device = self.embed.device
         self.weights_file: Path | None = None  # set by genlib.models.quickload: the file mapped
         self.stored: Any = None  # genlib.models.qformat.Stored: a quantized checkpoint's codes
-        self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
+        self.cos: torch.Tensor | None = None  # no tables for learned positions
+        self.sin: torch.Tensor | None = None
+        if inv_freq is not None:
+            self.cos, self.sin = self._rotary_tables(inv_freq, rope_scaling)
         self.local_cos, self.local_sin = (self.cos, self.sin) if local_rope is None else \
             self._rotary_tables(*local_rope)
         self._embed_scale = None if self.arch.embed_scale is None else \
@@ -355,6 +370,9 @@ class LeanLlama:
         """The decoder layers of the torch forward, made on its first use: the native
         kernel packs its own matrices from `tensors` and never needs these (the fused
         q/k/v and gate/up matrices are copies)."""
+        if self.arch.biases:  # gpt2: its own fused products, as it multiplies by them
+            return [self._gpt2_layer(self.tensors, f"model.layers.{i}.")
+                    for i in range(self.num_layers)]
         fused = self._fused_weights(self.tensors, self.num_layers)
         return [self._layer(self.tensors, f"model.layers.{i}.", qkv, gate_up)
                 for i, (qkv, gate_up) in enumerate(fused)]
@@ -365,6 +383,8 @@ class LeanLlama:
         eligible."""
         if not eligible(model):
             return None
+        if is_gpt2(model):  # learned positions: no rope
+            return cls(model.config, gpt2_tensors(model), None)
         inner, config = decoder(model), text_config(model.config)
         tensors = {"model." + name: p.detach() for name, p in inner.named_parameters()}
         tensors["lm_head.weight"] = model.lm_head.weight.detach()
@@ -438,6 +458,27 @@ class LeanLlama:
                       attn_out_norm=norm("post_attention_layernorm") if sandwich else None,
                       mlp_out_norm=norm("post_feedforward_layernorm") if sandwich else None)
 
+    @torch.no_grad()
+    def _gpt2_layer(self, tensors: Mapping[str, torch.Tensor], prefix: str) -> _Layer:
+        """One gpt2 layer over its Conv1D weights as stored, [in, out] (`x @ w` takes
+        them so: transformers' addmm on the same tensors), and its biases
+        (genlib.backends.gpt2 names them)."""
+        def stored(name: str) -> _Proj:
+            return _Proj(tensors[prefix + name + ".weight"].t())
+
+        def bias(name: str) -> torch.Tensor:
+            return tensors[prefix + name + ".bias"]
+
+        return _Layer(input_norm=tensors[prefix + "input_layernorm.weight"],
+                      qkv=stored("self_attn.qkv_proj"), qkv_bias=bias("self_attn.qkv_proj"),
+                      q_norm=None, k_norm=None, o=stored("self_attn.o_proj"),
+                      post_norm=tensors[prefix + "post_attention_layernorm.weight"],
+                      gate_up=stored("mlp.up_proj"), down=stored("mlp.down_proj"),
+                      input_norm_bias=bias("input_layernorm"),
+                      post_norm_bias=bias("post_attention_layernorm"),
+                      o_bias=bias("self_attn.o_proj"), up_bias=bias("mlp.up_proj"),
+                      down_bias=bias("mlp.down_proj"))
+
     def _rotary_tables(self, inv_freq: torch.Tensor, scaling: float = 1.0
                        ) -> tuple[torch.Tensor, torch.Tensor]:
         # As LlamaRotaryEmbedding.forward computes them (float32, times the rope's
@@ -481,14 +522,32 @@ class LeanLlama:
             return (h * weight).to(x.dtype)
         return weight * (h if x.dtype == torch.float32 else h.to(x.dtype))
 
-    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-             mm: Matmul = _mm) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q (1, heads, T, d), k and v (1, kv_heads, T, d), rotary applied to q and k."""
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+              ) -> torch.Tensor:
+        """A block's norm: gpt2's LayerNorm (nn.LayerNorm's arithmetic), else RMSNorm."""
+        if self.arch.layernorm:
+            return F.layer_norm(x, (x.shape[-1],), weight, bias, self.eps)
+        return self._rms_norm(x, weight)
+
+    @staticmethod
+    def _biased(x: torch.Tensor, proj: _Proj, bias: torch.Tensor | None,
+                mm: Matmul = _mm) -> torch.Tensor:
+        """x @ proj.w, plus gpt2's bias as its Conv1D adds it: in the product (addmm)."""
+        return mm(x, proj) if bias is None else torch.addmm(bias, x, proj.w)
+
+    def _qkv(self, layer: _Layer, x: torch.Tensor, cos: torch.Tensor | None,
+             sin: torch.Tensor | None, mm: Matmul = _mm
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q (1, heads, T, d), k and v (1, kv_heads, T, d), rotary applied to q and k
+        (no tables, `cos` None: learned positions, gpt2's)."""
         t = x.shape[0]
-        h = self._rms_norm(x, layer.input_norm)
-        qkv = mm(h, layer.qkv)
-        if layer.qkv_bias is not None:
-            qkv = qkv + layer.qkv_bias  # as nn.Linear adds it: after the product
+        h = self._norm(x, layer.input_norm, layer.input_norm_bias)
+        if self.arch.biases:  # gpt2: c_attn's addmm
+            qkv = self._biased(h, layer.qkv, layer.qkv_bias)
+        else:
+            qkv = mm(h, layer.qkv)
+            if layer.qkv_bias is not None:
+                qkv = qkv + layer.qkv_bias  # as nn.Linear adds it: after the product
         qkv = qkv.view(t, -1, self.head_dim)
         rotary = self.heads + self.kv_heads
         qk = qkv[:, :rotary]
@@ -496,12 +555,15 @@ class LeanLlama:
             qk = torch.cat([self._rms_norm(qk[:, :self.heads], layer.q_norm),
                             self._rms_norm(qk[:, self.heads:], layer.k_norm)], 1)
         # apply_rotary_pos_emb on q and k at once: x * cos + rotate_half(x) * sin.
-        qk = (qk * cos) + (qk.roll(self.head_dim // 2, -1) * sin)
+        if cos is not None:
+            qk = (qk * cos) + (qk.roll(self.head_dim // 2, -1) * sin)
         q = qk[:, :self.heads].transpose(0, 1)[None]
         k = qk[:, self.heads:].transpose(0, 1)[None]
         return q, k, qkv[:, rotary:].transpose(0, 1)[None]
 
     def _mlp(self, layer: _Layer, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
+        if not self.arch.gated:
+            return self._plain_mlp(layer, x)
         gate, up = mm(self._rms_norm(x, layer.post_norm), layer.gate_up).chunk(2, -1)
         # silu on a strided view takes another (scalar) path for the row tails: make the
         # gate contiguous, as transformers' separate gate_proj output is; phi3's is a
@@ -512,6 +574,15 @@ class LeanLlama:
             gated = F.gelu(gate.contiguous(), approximate="tanh") * up
             return self._residual(x, mm(gated, layer.down), layer.mlp_out_norm)
         return self._residual(x, mm(F.silu(gate.contiguous()) * up, layer.down))
+
+    def _plain_mlp(self, layer: _Layer, x: torch.Tensor) -> torch.Tensor:
+        """gpt2's MLP: c_proj(act(c_fc(ln_2(x)))), added to x."""
+        h = self._biased(self._norm(x, layer.post_norm, layer.post_norm_bias), layer.gate_up,
+                         layer.up_bias)
+        kind = self.arch.activation
+        h = gelu_new(h) if kind == "gelu_new" else \
+            F.gelu(h, approximate="tanh" if kind == "gelu_tanh" else "none")
+        return self._residual(x, self._biased(h, layer.down, layer.down_bias))
 
     def _residual(self, x: torch.Tensor, branch: torch.Tensor,
                   out_norm: torch.Tensor | None = None) -> torch.Tensor:
@@ -537,7 +608,8 @@ class LeanLlama:
         attend = self._eager if self.arch.eager else self._sdpa
         out = attend(q, keys[:, :, first:], values[:, :, first:], end - first,
                      mask=mask, causal=t > 1 and mask is None)
-        return self._residual(x, _mm(out[0].transpose(0, 1).reshape(t, -1), layer.o),
+        return self._residual(x, self._biased(out[0].transpose(0, 1).reshape(t, -1),
+                                              layer.o, layer.o_bias),
                               layer.attn_out_norm)
 
     def _eager(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, end: int,
@@ -580,7 +652,7 @@ class LeanLlama:
                                               attn_mask=mask, scale=self.scale)
 
     def _logits(self, x: torch.Tensor, mm: Matmul = _mm) -> torch.Tensor:
-        logits = mm(self._rms_norm(x, self.norm), self.lm_head)
+        logits = mm(self._final_hidden(x), self.lm_head)
         if self.arch.logits_scaling != 1.0:
             logits = logits / self.arch.logits_scaling  # granite's
         cap = self.arch.final_softcap
@@ -588,8 +660,15 @@ class LeanLlama:
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
 
-    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+    def _embed(self, ids: torch.Tensor, start: int, one_position: bool = False
+               ) -> torch.Tensor:
+        """The tokens' embeddings, at positions `start`.. (all at `start`: candidates),
+        plus gpt2's learned position embeddings there."""
         x = F.embedding(ids, self.embed)
+        if self.position_embed is not None:
+            count = 1 if one_position else ids.shape[0]
+            positions = torch.arange(start, start + count, device=self.device)
+            return x + F.embedding(positions, self.position_embed)
         if self._embed_scale is not None:
             return x * self._embed_scale  # gemma's
         multiplier = self.arch.embedding_multiplier
@@ -617,7 +696,7 @@ class LeanLlama:
         start, t = cache.length, input_ids.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        x, _ = self._through_layers(self._embed(input_ids[0]), cache, start,
+        x, _ = self._through_layers(self._embed(input_ids[0], start), cache, start,
                                     lambda window: self._mask(start, t, window))
         cache.length = start + t
         return self._logits(x if all_logits else x[-1:])
@@ -637,16 +716,23 @@ class LeanLlama:
             window = self.arch.window_of(number - 1)
             if window not in masks:
                 masks[window] = mask_of(window)
-            cos, sin = self.rope_tables(number - 1)
-            x = self._mlp(layer, self._attend(layer, keys, values, x, start,
-                                              cos[start:start + t, None],
-                                              sin[start:start + t, None],
+            cos, sin = self._rope_at(number - 1, start, t)
+            x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin,
                                               masks[window], window))
             if number in keep:
                 kept[number] = x
         return x, kept
 
-    def rope_tables(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _rope_at(self, layer: int, start: int, t: int
+                 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Layer `layer`'s rope tables at positions start..start + t - 1, (t, 1, d)
+        each; None for learned positions."""
+        cos, sin = self.rope_tables(layer)
+        if cos is None or sin is None:
+            return None, None
+        return cos[start:start + t, None], sin[start:start + t, None]
+
+    def rope_tables(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Layer `layer`'s rope tables: gemma3's sliding layers have their own."""
         if self.arch.local_rope and layer not in self.arch.full_layers:
             return self.local_cos, self.local_sin
@@ -677,7 +763,7 @@ class LeanLlama:
     def _final_hidden(self, x: torch.Tensor) -> torch.Tensor:
         """The last layer's output after the final norm: transformers'
         `hidden_states[-1]`, the input of lm_head."""
-        return self._rms_norm(x, self.norm)
+        return self._norm(x, self.norm, self.norm_bias)
 
     @torch.inference_mode()
     def forward_states(self, tokens: torch.Tensor, cache: LeanCache,
@@ -691,7 +777,7 @@ class LeanLlama:
         start, t = cache.length, tokens.shape[1]
         if start + t > cache.capacity:
             raise ValueError(f"{start + t} tokens exceed the KV buffers' {cache.capacity}")
-        embedded = self._embed(tokens[0])
+        embedded = self._embed(tokens[0], start)
         x, kept = self._through_layers(embedded, cache, start,
                                        lambda window: self._mask(start, t, window), layers)
         if 0 in layers:
@@ -717,7 +803,7 @@ class LeanLlama:
         start, k = cache.length, tokens.shape[0]
         if start + k > cache.capacity:
             raise ValueError(f"{start + k} tokens exceed the KV buffers' {cache.capacity}")
-        x = self._embed(tokens)
+        x = self._embed(tokens, start, one_position=True)
         x = self._candidate_layers(x, cache, start)
         return self._logits(x), self._final_hidden(x)
 
@@ -727,8 +813,7 @@ class LeanLlama:
         k = x.shape[0]
         for i, (layer, keys, values) in enumerate(zip(self.layers, cache.keys, cache.values)):
             window = self.arch.window_of(i)
-            cos, sin = self.rope_tables(i)
-            cos, sin = cos[start:start + 1, None], sin[start:start + 1, None]
+            cos, sin = self._rope_at(i, start, 1)
             x = self._mlp(layer, self._attend(layer, keys, values, x, start, cos, sin,
                                               self._candidate_mask(start, k, window), window))
         return x
@@ -763,7 +848,7 @@ class LeanLlama:
         # 2.11, hinted in 2.13; either way one graph serves every position, called
         # without its guards by DirectCompiled), as `_attend` does, and as transformers
         # does: a mask over the whole buffer instead would change bfloat16's sums. The
-        # step runs after a first token (`compiled_step`), so at least two are read:
+        # step runs after a first token (`compiled.lean_compiled_step`), so at least two are read:
         # CUDA's SDPA picks its kernel by whether the length is 1, a guard the graph
         # cannot hold on an unbacked size unless that bound is known.
         index = position.view(1)
@@ -772,7 +857,7 @@ class LeanLlama:
         torch._check(length <= keys[0].shape[2])
         cos = self.cos.index_select(0, index)[:, None]
         sin = self.sin.index_select(0, index)[:, None]
-        x = self._embed(token[0])
+        x = self._embed(token[0], 0)  # the compiled step runs no learned positions
         for layer, layer_keys, layer_values in zip(self.layers, keys, values):
             q, k, v = self._qkv(layer, x, cos, sin, _matvec)
             layer_keys.index_copy_(2, index, k)

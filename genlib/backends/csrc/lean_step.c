@@ -116,7 +116,22 @@ typedef struct {
     int gelu;
     const float *const *attn_out_norm, *const *mlp_out_norm;
     const float *const *layer_cos, *const *layer_sin;
+    /* gpt2's: LayerNorm (the mean removed, then weight and bias) for every norm whose
+     * bias is given (norm_bias, per layer input_norm_bias and post_norm_bias; NULL:
+     * RMSNorm); biases on the o, up and down products (per layer; NULL: none); learned
+     * positions, position_embed (positions, hidden) added to the token's embedding and
+     * no rope (NULL: rope); and an MLP without a gate (gate NULL: act(up) alone). gelu
+     * above is then GELU_TANH or GELU_EXACT (erf). */
+    const float *norm_bias;
+    const float *const *input_norm_bias, *const *post_norm_bias;
+    const float *const *o_bias, *const *up_bias, *const *down_bias;
+    const float *position_embed;
 } Model;
+
+/* Model.gelu: the MLP's activation. */
+#define SILU 0
+#define GELU_TANH 1
+#define GELU_EXACT 2
 
 /* gelu's tanh form, 0.5 x (1 + tanh(u)) with u = sqrt(2 / pi) (x + 0.044715 x^3), is
  * x * sigmoid(2u) = x / (1 + e^-(x (GELU_A + GELU_B x^2))): silu's form, the argument
@@ -176,7 +191,7 @@ static float exp_shifted(float *s, long n, float top) {
     return _mm512_reduce_add_ps(sum);
 }
 
-/* gate[j] = act(gate[j]) * up[j] for j < n: silu, gate / (1 + e^-gate), or with `gelu`
+/* gate[j] = act(gate[j]) * up[j] (up NULL: act(gate[j])) for j < n: silu, gate / (1 + e^-gate), or with `gelu`
  * gelu's tanh form, gate / (1 + e^-(gate * (GELU_A + GELU_B * gate^2))) (see GELU_A). */
 static void gate_times(float *gate, const float *up, int n, int gelu) {
     for (int j = 0; j < n; j += LANES) {
@@ -187,8 +202,8 @@ static void gate_times(float *gate, const float *up, int n, int gelu) {
                                                  _mm512_set1_ps(GELU_A)));
         __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), t));
         __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-        _mm512_mask_storeu_ps(gate + j, lanes,
-                              _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + j)));
+        if (up) silu = _mm512_mul_ps(silu, _mm512_maskz_loadu_ps(lanes, up + j));
+        _mm512_mask_storeu_ps(gate + j, lanes, silu);
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
@@ -246,8 +261,8 @@ static void gate_times(float *gate, const float *up, int n, int gelu) {
                                                  _mm256_set1_ps(GELU_A)));
         __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), t));
         __m256 silu = _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
-        _mm256_maskstore_ps(gate + j, lanes,
-                            _mm256_mul_ps(silu, _mm256_maskload_ps(up + j, lanes)));
+        if (up) silu = _mm256_mul_ps(silu, _mm256_maskload_ps(up + j, lanes));
+        _mm256_maskstore_ps(gate + j, lanes, silu);
     }
 }
 #else
@@ -260,10 +275,23 @@ static float exp_shifted(float *s, long n, float top) {
 static void gate_times(float *gate, const float *up, int n, int gelu) {
     for (int j = 0; j < n; j++) {
         float g = gate[j], t = gelu ? g * (GELU_A + GELU_B * g * g) : g;
-        gate[j] = g / (1.0f + expf(-t)) * up[j];
+        gate[j] = up ? g / (1.0f + expf(-t)) * up[j] : g / (1.0f + expf(-t));
     }
 }
 #endif
+
+/* The MLP's activation: gate[j] = act(gate[j]) * up[j] (up NULL: act(gate[j])), gelu
+ * GELU_EXACT as torch's exact gelu, x / 2 (1 + erf(x / sqrt 2)); else `gate_times`. */
+static void activate(float *gate, const float *up, int n, int gelu) {
+    if (gelu != GELU_EXACT) {
+        gate_times(gate, up, n, gelu);
+        return;
+    }
+    for (int j = 0; j < n; j++) {
+        float g = gate[j] * 0.5f * (1.0f + erff(gate[j] * (float)M_SQRT1_2));
+        gate[j] = up ? g * up[j] : g;
+    }
+}
 
 static float dot(const float *w, const float *x, int n) {
     vec acc = {0};
@@ -555,13 +583,43 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
     for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * scale);
 }
 
+/* LayerNorm: (x - mean) / sqrt(variance + eps) * weight + bias (gpt2's). */
+static void layer_norm(const float *x, const float *weight, const float *bias, float *out,
+                       int n, float eps) {
+    float mean = 0.0f, variance = 0.0f;
+    for (int i = 0; i < n; i++) mean += x[i];
+    mean /= n;
+    for (int i = 0; i < n; i++) variance += (x[i] - mean) * (x[i] - mean);
+    float scale = 1.0f / sqrtf(variance / n + eps);
+    for (int i = 0; i < n; i++) out[i] = (x[i] - mean) * scale * weight[i] + bias[i];
+}
+
+/* A block's norm: LayerNorm where it has a bias (gpt2's), else RMSNorm. */
+static void block_norm(const float *x, const float *weight, const float *bias, float *out,
+                       int n, float eps) {
+    if (bias)
+        layer_norm(x, weight, bias, out, n, eps);
+    else
+        rms_norm(x, weight, out, n, eps);
+}
+
+/* Layer i's entry of a per-layer array that may be absent (NULL). */
+static const float *of_layer(const float *const *array, int i) {
+    return array ? array[i] : 0;
+}
+
 /* cap * tanh(s / cap) for each of n scores or logits (gemma's soft-cap). */
 static void soft_cap(float *s, long n, float cap) {
     for (long j = 0; j < n; j++) s[j] = tanhf(s[j] / cap) * cap;
 }
 
-/* x * cos + roll(x, half) * sin, the sine table carrying rotate_half's sign. */
+/* x * cos + roll(x, half) * sin, the sine table carrying rotate_half's sign; x as it is
+ * where there are no tables (cos NULL: learned positions). */
 static void rotary(const float *x, const float *cos, const float *sin, float *out, int d) {
+    if (!cos) {
+        memcpy(out, x, sizeof(float) * d);
+        return;
+    }
     int half = d / 2;
     for (int i = 0; i < half; i++) out[i] = x[i] * cos[i] + x[i + half] * sin[i];
     for (int i = half; i < d; i++) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
@@ -655,13 +713,23 @@ static const float *head_norm(const Model *m, const float *const *norms, int i,
     return normed;
 }
 
-/* x[s][r] += branch[s][r] * multiplier for rows [r0, r1) of n slots (granite's scaled
- * residual branches). */
-static void add_branch(float *x, const float *branch, int n, int hidden, int r0, int r1,
-                       float multiplier) {
+/* x[s][r] += (branch[s][r] + bias[r]) * multiplier for rows [r0, r1) of n slots
+ * (granite's scaled residual branches; gpt2's biases, NULL: none). */
+static void add_branch(float *x, const float *branch, const float *bias, int n, int hidden,
+                       int r0, int r1, float multiplier) {
     for (int s = 0; s < n; s++)
-        for (int r = r0; r < r1; r++)
-            x[(long)s * hidden + r] += branch[(long)s * hidden + r] * multiplier;
+        for (int r = r0; r < r1; r++) {
+            float y = branch[(long)s * hidden + r];
+            if (bias) y += bias[r];
+            x[(long)s * hidden + r] += multiplier == 1.0f ? y : y * multiplier;
+        }
+}
+
+/* x[s][r] += bias[r] for rows [r0, r1) of n slots of `width` (gpt2's biases). */
+static void add_bias(float *x, const float *bias, int n, long width, int r0, int r1) {
+    if (!bias) return;
+    for (int s = 0; s < n; s++)
+        for (int r = r0; r < r1; r++) x[s * width + r] += bias[r];
 }
 
 /* Each (run, KV head) pair is one thread's: it writes the run's keys and values of that
@@ -679,7 +747,8 @@ static void attention(const Model *m, int i, const Slots *c, const Buffers *b, i
         int run = p / m->kv_heads, g = p % m->kv_heads;
         for (int s = c->run_start[run]; s < c->run_start[run + 1]; s++) {
             long position = c->positions[s], capacity = c->capacities[s];
-            const float *cos = cos_table + position * d, *sin = sin_table + position * d;
+            const float *cos = cos_table ? cos_table + position * d : 0;
+            const float *sin = sin_table ? sin_table + position * d : 0;
             const float *qkv = b->qkv + (long)s * rows;
             const float *value = qkv + (m->heads + m->kv_heads + g) * d;
             float *keys = c->keys[s][i] + (long)g * capacity * d;
@@ -713,20 +782,39 @@ static void add_normed(const Model *m, float *x, const float *branch, const floa
 /* x += a sublayer's output: the product of w (n columns) with the slots' inputs `in`
  * (row stride ldi), this thread's rows [r0, r1) of it; RMS-normed first where `norm`
  * (gemma: the whole branch written, then read after a barrier), scaled where the model
- * has a residual multiplier (granite). */
+ * has a residual multiplier (granite), its bias added first where it has one (gpt2). */
 static void add_branch_of(const Model *m, const weight_t *w, int n, const float *in,
-                          long ldi, const float *norm, const Slots *c, const Buffers *b,
-                          int r0, int r1) {
+                          long ldi, const float *norm, const float *bias, const Slots *c,
+                          const Buffers *b, int r0, int r1) {
     int hidden = m->hidden;
     if (norm) {
         matmul(w, n, in, ldi, b->branch, hidden, r0, r1, c->n, 0);
 #pragma omp barrier
         add_normed(m, b->x, b->branch, norm, c->n, r0, r1);
-    } else if (m->residual_multiplier == 1.0f) {
+    } else if (m->residual_multiplier == 1.0f && !bias) {
         matmul(w, n, in, ldi, b->x, hidden, r0, r1, c->n, 1);
-    } else {  /* this thread's rows of the branch in its own h, then added scaled */
+    } else {  /* this thread's rows of the branch in its own h, then added */
         matmul(w, n, in, ldi, b->h, hidden, r0, r1, c->n, 0);
-        add_branch(b->x, b->h, c->n, hidden, r0, r1, m->residual_multiplier);
+        add_branch(b->x, b->h, bias, c->n, hidden, r0, r1, m->residual_multiplier);
+    }
+}
+
+/* This thread's rows [r0, r1) of the MLP's activations for n slots, in b->mlp (rows of
+ * 2 * intermediate): act(gate) * up, or act(up + bias) without a gate (gpt2's). */
+static void mlp(const Model *m, int i, int n, const Buffers *b, int r0, int r1) {
+    int hidden = m->hidden, inter = m->intermediate;
+    if (!m->gate) {
+        matmul(m->up[i], hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
+        add_bias(b->mlp, of_layer(m->up_bias, i), n, 2L * inter, r0, r1);
+        for (int s = 0; s < n; s++)
+            activate(b->mlp + (long)s * 2 * inter + r0, 0, r1 - r0, m->gelu);
+        return;
+    }
+    matmul(m->gate[i], hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
+    matmul(m->up[i], hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
+    for (int s = 0; s < n; s++) {
+        float *row = b->mlp + (long)s * 2 * inter;
+        activate(row + r0, row + inter + r0, r1 - r0, m->gelu);
     }
 }
 
@@ -735,8 +823,8 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
     int n = c->n, hidden = m->hidden, d = m->head_dim, r0, r1;
     int rows = (m->heads + 2 * m->kv_heads) * d, inter = m->intermediate;
     for (int s = 0; s < n; s++)
-        rms_norm(b->x + (long)s * hidden, m->input_norm[i], b->h + (long)s * hidden, hidden,
-                 m->eps);
+        block_norm(b->x + (long)s * hidden, m->input_norm[i], of_layer(m->input_norm_bias, i),
+                   b->h + (long)s * hidden, hidden, m->eps);
     share(rows, thread, threads, &r0, &r1);
     matmul(m->qkv[i], hidden, b->h, hidden, b->qkv, rows, r0, r1, n, 0);
     if (m->qkv_bias[i])
@@ -747,22 +835,17 @@ static void layer(const Model *m, int i, const Slots *c, const Buffers *b, int t
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
     add_branch_of(m, m->o[i], m->heads * d, b->attn, m->heads * d,
-                  m->attn_out_norm ? m->attn_out_norm[i] : 0, c, b, r0, r1);
+                  of_layer(m->attn_out_norm, i), of_layer(m->o_bias, i), c, b, r0, r1);
 #pragma omp barrier
     for (int s = 0; s < n; s++)
-        rms_norm(b->x + (long)s * hidden, m->post_norm[i], b->h + (long)s * hidden, hidden,
-                 m->eps);
+        block_norm(b->x + (long)s * hidden, m->post_norm[i], of_layer(m->post_norm_bias, i),
+                   b->h + (long)s * hidden, hidden, m->eps);
     share(inter, thread, threads, &r0, &r1);
-    matmul(m->gate[i], hidden, b->h, hidden, b->mlp, 2 * inter, r0, r1, n, 0);
-    matmul(m->up[i], hidden, b->h, hidden, b->mlp + inter, 2 * inter, r0, r1, n, 0);
-    for (int s = 0; s < n; s++) {
-        float *mlp = b->mlp + (long)s * 2 * inter;
-        gate_times(mlp + r0, mlp + inter + r0, r1 - r0, m->gelu);
-    }
+    mlp(m, i, n, b, r0, r1);
 #pragma omp barrier
     share(hidden, thread, threads, &r0, &r1);
-    add_branch_of(m, m->down[i], inter, b->mlp, 2 * inter,
-                  m->mlp_out_norm ? m->mlp_out_norm[i] : 0, c, b, r0, r1);
+    add_branch_of(m, m->down[i], inter, b->mlp, 2 * inter, of_layer(m->mlp_out_norm, i),
+                  of_layer(m->down_bias, i), c, b, r0, r1);
 #pragma omp barrier
 }
 
@@ -804,6 +887,9 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
         memcpy(x + (long)s * hidden, m->embed + tokens[s] * hidden, sizeof(float) * hidden);
         if (m->embedding_multiplier != 1.0f)
             for (int j = 0; j < hidden; j++) x[(long)s * hidden + j] *= m->embedding_multiplier;
+        if (m->position_embed)
+            for (int j = 0; j < hidden; j++)
+                x[(long)s * hidden + j] += m->position_embed[positions[s] * hidden + j];
     }
 #pragma omp parallel num_threads(m->threads)
     {
@@ -816,8 +902,8 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
                      scores + (long)thread * capacity};
         for (int i = 0; i < m->layers; i++) layer(m, i, &c, &b, thread, threads);
         for (int j = 0; j < picked; j++)
-            rms_norm(x + (long)picks[j] * hidden, m->norm, b.h + (long)j * hidden, hidden,
-                     m->eps);
+            block_norm(x + (long)picks[j] * hidden, m->norm, m->norm_bias,
+                       b.h + (long)j * hidden, hidden, m->eps);
         share(m->vocab, thread, threads, &r0, &r1);
         matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
         if (m->logits_scaling != 1.0f)
