@@ -112,9 +112,9 @@ def test_native_greedy_gives_generates_tokens(arch, library, stories_tokenizer):
     assert ours == hf_generate(lm, PROMPT, STEPS)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokenizer):
-    lm = arch_lm(arch, stories_tokenizer)
+def assert_native_beam_is_generates(lm) -> None:
+    """Beam search (k=4, four sequences, STEPS tokens) on the native backend gives
+    transformers' generate() sequences, and they vary."""
     settings = GenerationSettings(strategy="beam", num_beams=4, num_return_sequences=4,
                                   max_new_tokens=STEPS, min_new_tokens=STEPS)
     events = list(generate.stream(lm, [PROMPT], settings, backend="native"))
@@ -124,6 +124,26 @@ def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokeni
     rows, _ = hf_beam(lm, [PROMPT], settings)
     assert_varied(ours[0])
     assert ours == rows
+
+
+def assert_native_follows_lean_on_build(model, flags: tuple[str, ...]) -> None:
+    """The kernel built with `flags` (a vector path), on one and two threads, follows the
+    lean forward over `model` (tests.test_native.assert_native_follows_lean)."""
+    from genlib.backends import kernel
+    from tests.test_native import assert_native_follows_lean
+
+    build = kernel.build(kernel.FLAGS + flags)
+    if build.library is None:
+        pytest.skip(f"no build here: {build.reason}")
+    lean = LeanLlama.from_model(model)
+    for threads in (1, 2):
+        step = kernel.NativeStep(lean, threads, build.library)
+        assert_native_follows_lean(lean, step, PROMPT, steps=48)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokenizer):
+    assert_native_beam_is_generates(arch_lm(arch, stories_tokenizer))
 
 
 @pytest.mark.parametrize("config, key", [

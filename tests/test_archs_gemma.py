@@ -21,14 +21,19 @@ from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama, refusal
 from genlib.errors import ConfigError
-from genlib.events import Prefill
 from genlib.models.loading import wrap_model
-from genlib.settings.config import GenerationSettings
 from tests.conftest import assert_lean_follows_transformers
-from tests.test_archs import PROMPT, STEPS, WINDOW, _common, assert_varied
-from tests.test_beam import hf_beam
+from tests.test_archs import (
+    PROMPT,
+    STEPS,
+    WINDOW,
+    _common,
+    assert_native_beam_is_generates,
+    assert_native_follows_lean_on_build,
+    assert_varied,
+)
 from tests.test_lean import genlab_greedy, hf_generate
-from tests.test_native import PORTABLE, assert_native_follows_lean
+from tests.test_native import PORTABLE
 from tests.test_quantized import dequantized, greedy_lean, greedy_native, quantized_build
 
 ARCHS = ("gemma2", "gemma3")
@@ -149,29 +154,14 @@ def test_native_greedy_gives_generates_tokens(arch, library, stories_tokenizer):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokenizer):
-    lm = gemma_lm(arch, stories_tokenizer)
-    settings = GenerationSettings(strategy="beam", num_beams=4, num_return_sequences=4,
-                                  max_new_tokens=STEPS, min_new_tokens=STEPS)
-    events = list(generate.stream(lm, [PROMPT], settings, backend="native"))
-    assert next(e for e in events if isinstance(e, Prefill)).backend == "native"
-    ours = [list(f.token_ids) for f in generate.generate(lm, [PROMPT], settings,
-                                                         backend="native")]
-    rows, _ = hf_beam(lm, [PROMPT], settings)
-    assert_varied(ours[0])
-    assert ours == rows
+    assert_native_beam_is_generates(gemma_lm(arch, stories_tokenizer))
 
 
 @pytest.mark.parametrize("flags", list(PORTABLE.values()), ids=list(PORTABLE))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_step_follows_the_lean_step_on_each_vector_path(arch, flags):
     """gelu's vectorized gate on AVX-512, AVX2 and the generic build."""
-    build = kernel.build(kernel.FLAGS + flags)
-    if build.library is None:
-        pytest.skip(f"no build here: {build.reason}")
-    lean = LeanLlama.from_model(gemma_model(arch))
-    for threads in (1, 2):
-        step = kernel.NativeStep(lean, threads, build.library)
-        assert_native_follows_lean(lean, step, PROMPT, steps=48)
+    assert_native_follows_lean_on_build(gemma_model(arch), flags)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "nf4"])

@@ -22,14 +22,17 @@ from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama, refusal
 from genlib.errors import ConfigError
-from genlib.events import Prefill
 from genlib.models.loading import wrap_model
-from genlib.settings.config import GenerationSettings
 from tests.conftest import ROOT, STORIES, assert_lean_follows_transformers
-from tests.test_archs import PROMPT, STEPS, assert_varied
-from tests.test_beam import hf_beam
+from tests.test_archs import (
+    PROMPT,
+    STEPS,
+    assert_native_beam_is_generates,
+    assert_native_follows_lean_on_build,
+    assert_varied,
+)
 from tests.test_lean import genlab_greedy, hf_generate
-from tests.test_native import PORTABLE, assert_native_follows_lean
+from tests.test_native import PORTABLE
 from tests.test_quantized import dequantized, greedy_lean, greedy_native, quantized_build
 
 # transformers' names: gelu_new (GPT-2's own), torch's tanh kernel, the exact gelu
@@ -101,16 +104,7 @@ def test_native_greedy_gives_generates_tokens(changes, library, stories_tokenize
 
 
 def test_native_beam_search_gives_generates_tokens(library, stories_tokenizer):
-    lm = gpt2_lm(stories_tokenizer)
-    settings = GenerationSettings(strategy="beam", num_beams=4, num_return_sequences=4,
-                                  max_new_tokens=STEPS, min_new_tokens=STEPS)
-    events = list(generate.stream(lm, [PROMPT], settings, backend="native"))
-    assert next(e for e in events if isinstance(e, Prefill)).backend == "native"
-    ours = [list(f.token_ids) for f in generate.generate(lm, [PROMPT], settings,
-                                                         backend="native")]
-    rows, _ = hf_beam(lm, [PROMPT], settings)
-    assert_varied(ours[0])
-    assert ours == rows
+    assert_native_beam_is_generates(gpt2_lm(stories_tokenizer))
 
 
 @pytest.mark.parametrize("flags", list(PORTABLE.values()), ids=list(PORTABLE))
@@ -118,13 +112,7 @@ def test_native_beam_search_gives_generates_tokens(library, stories_tokenizer):
 def test_native_step_follows_the_lean_step_on_each_vector_path(activation, flags):
     """LayerNorm, the biases, learned positions and each activation on AVX-512, AVX2
     and the generic build: logits within float32 rounding, the same KV cache."""
-    build = kernel.build(kernel.FLAGS + flags)
-    if build.library is None:
-        pytest.skip(f"no build here: {build.reason}")
-    lean = LeanLlama.from_model(gpt2_model(activation_function=activation))
-    for threads in (1, 2):
-        step = kernel.NativeStep(lean, threads, build.library)
-        assert_native_follows_lean(lean, step, PROMPT, steps=48)
+    assert_native_follows_lean_on_build(gpt2_model(activation_function=activation), flags)
 
 
 @pytest.mark.parametrize("name", ["q8_0", "nf4"])

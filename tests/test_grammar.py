@@ -309,7 +309,9 @@ def test_cli_an_invalid_branch_or_a_second_budget_is_warned_and_exits_1():
     args = ["explain", "x = ", "--regex", "(1|2345678)", "-n", "3", "--json"]
     plain = runner.invoke(app, args)
     assert plain.exit_code == 0 and "NOT valid" not in plain.stderr
-    branch = runner.invoke(app, [*args, "--branch", "0:#18"])
+    from tests.test_explain import builtin_token_id
+
+    branch = runner.invoke(app, [*args, "--branch", f"0:#{builtin_token_id('2')}"])
     assert json.loads(branch.stdout)["branch"]["finish_reason"] == "grammar_incomplete"
     assert branch.exit_code == 1 and "an output ended before" in branch.stderr
     # compare: a warning per max_new_tokens budget, each naming its own
