@@ -12,7 +12,7 @@ token-identical to transformers' `generate()`):
 | a float32 Llama-style model (arch.ARCHITECTURES) on a CPU with a compiler | native |
 | one row of such a model otherwise (no compiler, GENLAB_NATIVE=0) | lean |
 | one row of a Llama-style model in bfloat16/float16, on a CPU or a GPU | lean |
-| one row of an unquantized float32 model on a GPU | compiled |
+| one row of an unquantized float32 model on a GPU | compiled (lean: a sliding window) |
 | `--quantize` on a CPU, a Llama-style model (any rows) | native, its matrices quantized |
 | a quantized checkpoint (genlib.models.qformat) on a CPU (any rows) | native, its codes as stored |
 | several rows otherwise, a bitsandbytes model, or any other model | transformers |
