@@ -141,6 +141,20 @@ def assert_native_follows_lean_on_build(model, flags: tuple[str, ...]) -> None:
         assert_native_follows_lean(lean, step, PROMPT, steps=48)
 
 
+def assert_quantized_native_is_dequantized(model, name: str) -> None:
+    """The kernel over `model`'s matrices quantized as `name` (q8_0, nf4) gives the
+    greedy tokens of the lean forward over their dequantized values, and they vary."""
+    from genlib.backends import kernel
+    from tests.test_quantized import dequantized, greedy_lean, greedy_native, quantized_build
+
+    library = quantized_build(name)
+    lean = LeanLlama.from_model(model)
+    step = kernel.NativeStep(lean, 2, library, weights=name)
+    want = greedy_lean(LeanLlama.from_model(dequantized(model, name)), PROMPT, STEPS)
+    assert_varied(want)
+    assert greedy_native(step, lean, PROMPT, STEPS) == want
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokenizer):
     assert_native_beam_is_generates(arch_lm(arch, stories_tokenizer))

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from genlib import generate
-from genlib.backends import kernel
 from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
 from genlib.backends.llama import LeanLlama, refusal
@@ -29,11 +28,11 @@ from tests.test_archs import (
     STEPS,
     assert_native_beam_is_generates,
     assert_native_follows_lean_on_build,
+    assert_quantized_native_is_dequantized,
     assert_varied,
 )
 from tests.test_lean import genlab_greedy, hf_generate
 from tests.test_native import PORTABLE
-from tests.test_quantized import dequantized, greedy_lean, greedy_native, quantized_build
 
 # transformers' names: gelu_new (GPT-2's own), torch's tanh kernel, the exact gelu
 ACTIVATIONS = ("gelu_new", "gelu_pytorch_tanh", "gelu")
@@ -119,13 +118,7 @@ def test_native_step_follows_the_lean_step_on_each_vector_path(activation, flags
 def test_quantized_native_gives_the_dequantized_forwards_tokens(name):
     """--quantize 8bit and 4bit: the kernel over the quantized matrices gives the greedy
     tokens of the lean forward over their dequantized values."""
-    library = quantized_build(name)
-    model = gpt2_model()
-    lean = LeanLlama.from_model(model)
-    step = kernel.NativeStep(lean, 2, library, weights=name)
-    want = greedy_lean(LeanLlama.from_model(dequantized(model, name)), PROMPT, STEPS)
-    assert_varied(want)
-    assert greedy_native(step, lean, PROMPT, STEPS) == want
+    assert_quantized_native_is_dequantized(gpt2_model(), name)
 
 
 @pytest.mark.parametrize("backend", ["lean", "native"])
