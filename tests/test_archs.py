@@ -112,6 +112,20 @@ def test_native_greedy_gives_generates_tokens(arch, library, stories_tokenizer):
     assert ours == hf_generate(lm, PROMPT, STEPS)
 
 
+def assert_refused_naming(lm, key: str) -> None:
+    """A model whose config has `key` (an arithmetic genlab does not follow): auto falls
+    back to transformers naming it, and a forced lean or native backend is refused in one
+    line naming it."""
+    assert key in refusal(lm.model)
+    auto = choose_backend(lm, Request())
+    assert auto.name == "transformers" and key in auto.reason
+    for name in ("lean", "native"):
+        with pytest.raises(ConfigError) as error:
+            choose_backend(lm, Request(backend=name))
+        message = str(error.value)
+        assert key in message and "\n" not in message
+
+
 def assert_native_beam_is_generates(lm) -> None:
     """Beam search (k=4, four sequences, STEPS tokens) on the native backend gives
     transformers' generate() sequences, and they vary."""
@@ -182,14 +196,7 @@ def test_configs_it_cannot_follow_are_refused_naming_the_key(config, key, storie
         describe(cfg)
     torch.manual_seed(0)
     lm = wrap_model(AutoModelForCausalLM.from_config(cfg).eval(), stories_tokenizer, ref="m")
-    assert key in refusal(lm.model)
-    auto = choose_backend(lm, Request())
-    assert auto.name == "transformers" and key in auto.reason
-    for name in ("lean", "native"):
-        with pytest.raises(ConfigError) as error:
-            choose_backend(lm, Request(backend=name))
-        message = str(error.value)
-        assert key in message and "\n" not in message
+    assert_refused_naming(lm, key)
 
 
 @pytest.mark.parametrize("backend", ["lean", "native"])

@@ -18,8 +18,7 @@ import torch
 from genlib import generate
 from genlib.backends.arch import Unsupported, describe
 from genlib.backends.choose import Request, choose_backend
-from genlib.backends.llama import LeanLlama, refusal
-from genlib.errors import ConfigError
+from genlib.backends.llama import LeanLlama
 from genlib.models.loading import wrap_model
 from tests.conftest import assert_lean_follows_transformers
 from tests.test_archs import (
@@ -30,6 +29,7 @@ from tests.test_archs import (
     assert_native_beam_is_generates,
     assert_native_follows_lean_on_build,
     assert_quantized_native_is_dequantized,
+    assert_refused_naming,
     assert_varied,
 )
 from tests.test_lean import genlab_greedy, hf_generate
@@ -205,11 +205,4 @@ def test_configs_it_cannot_follow_are_refused_naming_the_key(arch, changes, key,
     with pytest.raises(Unsupported, match=key.replace(".", r"\.")):
         describe(config)
     lm = wrap_model(gemma_model(arch, **changes), stories_tokenizer, ref="m")
-    assert key in refusal(lm.model)
-    auto = choose_backend(lm, Request())
-    assert auto.name == "transformers" and key in auto.reason
-    for name in ("lean", "native"):
-        with pytest.raises(ConfigError) as error:
-            choose_backend(lm, Request(backend=name))
-        message = str(error.value)
-        assert key in message and "\n" not in message
+    assert_refused_naming(lm, key)

@@ -95,10 +95,6 @@ def lean_refusal(lm: LoadedModel) -> str:
     return refusal(lm.model) or "no lean forward"
 
 
-def is_float32_cpu(lm: LoadedModel) -> bool:
-    return lm.device.type == "cpu" and lm.dtype_name == "float32"
-
-
 def common_refusal(name: str, lm: LoadedModel, request: Request, *, native: bool = False,
                    hidden: bool = False, one_row: bool = False) -> str | None:
     """The refusals backends share: the native kernel's quantized matrices (read by the
