@@ -9,6 +9,8 @@ import gc
 import os
 import signal
 import sys
+import threading
+from types import FrameType
 from typing import Annotated
 
 import typer
@@ -64,6 +66,16 @@ app.add_typer(presets_cmd.app, name="presets")
 app.add_typer(cache_cmd.app, name="cache")
 
 
+def in_finalizer(frame: FrameType | None) -> bool:
+    """Whether a signal handler called at `frame` runs inside an object's `__del__` (the
+    garbage collector's, at any moment), where an exception it raises would be ignored."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
+
+
 def run() -> None:
     """Console-script entry point, and the process's rules for every command: a reader of
     stdout that goes away (`genlab beam ... | head`) ends the command quietly with
@@ -86,8 +98,11 @@ def run() -> None:
     Console.on_broken_pipe = on_broken_pipe  # type: ignore[method-assign]
     terminated = False
 
-    def on_sigterm(signum: int, frame: object) -> None:
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
         nonlocal terminated
+        if in_finalizer(frame):  # Python ignores an exception a finalizer raises
+            threading.Timer(0.01, signal.raise_signal, (signal.SIGTERM,)).start()
+            return
         terminated = True
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends it at once
         raise KeyboardInterrupt  # the loops keep what they produced, as for Ctrl-C

@@ -581,3 +581,22 @@ def test_show_settings_keeps_every_value_readable_at_80_columns(tmp_path):
     assert rows["top_k"][1].strip() == "0"
     assert all(len(line) <= 80 for line in result.stderr.splitlines())
     assert "generation_config" not in result.stderr.splitlines()[1]  # stories260K has none to show
+
+
+def test_sigterm_inside_a_finalizer_is_delivered_again_not_lost():
+    """A SIGTERM whose handler runs inside a `__del__` (the garbage collector's, at any
+    moment) would raise where Python ignores exceptions, and the run would go on to its
+    end with status 0; the handler sees that and delivers the signal again."""
+    import sys as _sys
+
+    from cli.main import in_finalizer
+
+    seen = []
+
+    class Finalized:
+        def __del__(self):
+            seen.append(in_finalizer(_sys._getframe()))
+
+    Finalized()
+    assert seen == [True]
+    assert not in_finalizer(_sys._getframe())
