@@ -30,7 +30,7 @@ def best(run: Callable[[], object], repeats: int = 3) -> float:
 def main() -> None:
     lm = load_model(ModelSpec("../shared/models/stories260K"))
     ids = lm.encode(PROMPT)
-    strategies = c.with_seed(c.build_strategies(
+    strategies = c.sharing_seed(c.build_strategies(
         [], ["strategy=greedy", "top_p=0.9"], {"max_new_tokens": 200, "ignore_eos": True},
         samples=1), 0)
     generate(lm, [ids], strategies[0].settings)  # warm-up

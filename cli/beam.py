@@ -19,7 +19,7 @@ from cli.context import (
 )
 from cli.errors import INTERRUPTED, exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
-from genlib.settings.config import parse_value, resolve_settings, with_seed
+from genlib.settings.config import resolve_settings
 
 if TYPE_CHECKING:
     from collections.abc import Generator
@@ -28,35 +28,6 @@ if TYPE_CHECKING:
     from genlib.events import Finish
     from genlib.models.loading import LoadedModel
     from genlib.settings.config import GenerationSettings
-
-BEAM_PANEL = "Beam search"
-
-NumBeams = Annotated[int | None, typer.Option(
-    "--num-beams", "-k", rich_help_panel=BEAM_PANEL, help="Beams kept per prompt (default 4).")]
-LengthPenalty = Annotated[float | None, typer.Option(
-    "--length-penalty", rich_help_panel=BEAM_PANEL,
-    help="score = logprob / length**penalty; > 0 favours longer outputs.")]
-EarlyStopping = Annotated[str | None, typer.Option(
-    "--early-stopping", rich_help_panel=BEAM_PANEL,
-    help="true: stop when num_beams outputs are done; false: when no running beam can "
-         "still win (heuristic); never: the exact rule.")]
-Sample = Annotated[bool | None, typer.Option(
-    "--sample/--no-sample", rich_help_panel=BEAM_PANEL,
-    help="Beam sampling: draw the continuations instead of taking the best.")]
-Groups = Annotated[int | None, typer.Option(
-    "--num-beam-groups", rich_help_panel=BEAM_PANEL,
-    help="Diverse beam search: split the beams into this many groups.")]
-Diversity = Annotated[float | None, typer.Option(
-    "--diversity-penalty", rich_help_panel=BEAM_PANEL,
-    help="Diverse beam search: penalty per earlier group that chose a token this step.")]
-Force = Annotated[list[str] | None, typer.Option(
-    "--force", rich_help_panel=BEAM_PANEL, help="Phrase that must appear (repeatable).")]
-Temperature = Annotated[float | None, typer.Option(
-    "--temperature", "-t", rich_help_panel=opt.DECODING_PANEL,
-    help="Sampling temperature (> 0) for beam sampling (--sample).")]
-ForceAny = Annotated[list[str] | None, typer.Option(
-    "--force-any", rich_help_panel=BEAM_PANEL,
-    help="'A|B|C': one of these phrases must appear (repeatable).")]
 
 
 def greedy_settings(settings: GenerationSettings) -> GenerationSettings:
@@ -193,43 +164,18 @@ def draw_live(run: Generator[Any, None, list[BeamResult]], prompt: str | None,
 
 
 @user_errors
-@opt.sampler_options(before="json_schema")
+@opt.settings_options(
+    ("ensemble", opt.BEAM + opt.without(opt.DECODING, "strategy", "num_return_sequences")
+     + opt.SAMPLERS + opt.CONSTRAINTS),
+    ("amateur", ("ensemble_mode",)), ("tree", ("cd_beta", "cd_alpha")),
+    helps={"temperature": "Sampling temperature (> 0) for beam sampling (--sample)."})
 def beam(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
-    num_beams: NumBeams = None,
-    length_penalty: LengthPenalty = None,
-    early_stopping: EarlyStopping = None,
-    num_return_sequences: opt.NumReturn = None,
-    sample: Sample = None,
-    num_beam_groups: Groups = None,
-    diversity_penalty: Diversity = None,
-    force: Force = None,
-    force_any: ForceAny = None,
-    max_new_tokens: opt.MaxNewTokens = None,
-    min_new_tokens: opt.MinNewTokens = None,
-    temperature: Temperature = None,
-    top_k: opt.TopK = None,
-    top_p: opt.TopP = None,
-    min_p: opt.MinP = None,
-    typical_p: opt.TypicalP = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    no_repeat_ngram_size: opt.NoRepeatNgram = None,
-    stop: opt.Stop = None,
-    seed: opt.Seed = None,
-    max_time: opt.MaxTime = None,
-    ignore_eos: opt.IgnoreEos = None,
-    json_schema: opt.JsonSchema = None,
-    regex: opt.Regex = None,
-    grammar: opt.Grammar = None,
-    grammar_timeout: opt.GrammarTimeout = None,
     ensemble: opt.Ensemble = None,
-    ensemble_mode: opt.EnsembleMode = None,
     amateur: opt.Amateur = None,
-    cd_beta: opt.CdBeta = None,
-    cd_alpha: opt.CdAlpha = None,
     tree: Annotated[bool, typer.Option(
         "--tree", rich_help_panel=opt.OUTPUT_PANEL,
         help="Draw the search tree: candidates kept, finished and pruned at each step.")
@@ -254,7 +200,7 @@ def beam(
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
-    **sampler_flags: Any,
+    **given: Any,
 ) -> None:
     """Beam search: the n best continuations with their scores, beside the greedy one.
 
@@ -263,21 +209,13 @@ def beam(
       genlab beam "Once upon a time" --force dog --force-any "cat|bird"\n
       genlab beam "Once upon a time" -k 6 --num-beam-groups 3 --diversity-penalty 1.0
     """
-    flags = opt.decoding_flags(
-        locals() | sampler_flags, strategy="beam", num_beams=num_beams,
-        length_penalty=length_penalty,
-        early_stopping=None if early_stopping is None
-        else parse_value("early_stopping", early_stopping),
-        do_sample=sample, num_beam_groups=num_beam_groups,
-        diversity_penalty=diversity_penalty, force_words=force or None,
-        force_any=force_any or None)
+    flags = opt.given_settings(given, prompt) | {"strategy": "beam"}
     target = sink(as_json, as_jsonl, output)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
                              tuple(ensemble or ()), amateur)
     settings, loaded_preset = settings_for(preset, flags,
                                            combination_defaults(model_flags, flags))
-    settings = with_seed(settings)
-    named = num_return_sequences is not None or (
+    named = "num_return_sequences" in flags or (
         loaded_preset is not None and "num_return_sequences" in loaded_preset.settings)
     if not named:  # the whole n-best unless the flag or the preset asks for fewer
         settings = settings.replace(num_return_sequences=settings.num_beams)

@@ -21,7 +21,6 @@ from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
 from genlib.errors import not_one_of
 from genlib.models.loading import QUANTIZATIONS
-from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.lab.bench import Case, Group, Result
@@ -86,7 +85,7 @@ def strategy_settings(names: list[tuple[str, bool]], seed: int, baseline: bool =
     out = []
     for name, is_preset in names:
         flags: dict[str, Any] = {} if is_preset else {"strategy": name}
-        settings, _ = settings_for(name if is_preset else None, flags)
+        settings, _ = settings_for(name if is_preset else None, flags, seed=seed)
         if settings.strategy == "beam":
             raise fail(f"{name}: bench measures the greedy/sampling decode loop; beam search "
                        f"is not supported here yet")
@@ -94,7 +93,7 @@ def strategy_settings(names: list[tuple[str, bool]], seed: int, baseline: bool =
         if gap is not None:
             raise fail(f"--baseline transformers: {name} uses {gap}, so the baseline would "
                        f"run other settings; measure {name} without --baseline")
-        out.append((name, with_seed(settings, seed)))
+        out.append((name, settings))
     return out
 
 

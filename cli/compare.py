@@ -624,22 +624,14 @@ MarkdownPath = Annotated[str | None, typer.Option(
 
 
 @user_errors
+@opt.settings_options(("model", ("max_new_tokens", "min_new_tokens", "stop_strings", "seed",
+                                 "max_time", "ignore_eos") + opt.CONSTRAINTS))
 def compare(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
     preset: opt.Presets = None,
     variant: Variants = None,
     samples: Samples = 1,
-    max_new_tokens: opt.MaxNewTokens = None,
-    min_new_tokens: opt.MinNewTokens = None,
-    stop: opt.Stop = None,
-    seed: opt.Seed = None,
-    max_time: opt.MaxTime = None,
-    ignore_eos: opt.IgnoreEos = None,
-    json_schema: opt.JsonSchema = None,
-    regex: opt.Regex = None,
-    grammar: opt.Grammar = None,
-    grammar_timeout: opt.GrammarTimeout = None,
     model: opt.Model = None,
     models: Models = None,
     quantize: Quantizations = "none",
@@ -659,6 +651,7 @@ def compare(
         help="Common random numbers: every sampled strategy uses the same uniform draw "
         "per step (inverse-CDF sampling), so columns differ by their settings, not by "
         "luck; --no-crn draws independently.")] = True,
+    **given: Any,
 ) -> None:
     """Run one prompt through several decoding strategies and show them side by side.
 
@@ -671,7 +664,7 @@ def compare(
       genlab compare "Once upon a time" --models MODEL_A,MODEL_B
     """
     from cli.context import presets_model, read_prompt
-    from genlib.lab.compare import build_strategies, strategy_from_variant, with_seed
+    from genlib.lab.compare import build_strategies, sharing_seed, strategy_from_variant
     from genlib.settings.config import fresh_seed
 
     target = sink(as_json, as_jsonl, output)
@@ -680,10 +673,10 @@ def compare(
         raise fail("-m/--model and --models exclude each other: give every model to "
                    "--models (comma-separated), or one with -m")
     presets = opt.preset_refs(preset)
-    flags = opt.decoding_flags(locals())
-    base_seed = seed if seed is not None else fresh_seed()
-    strategies = with_seed(build_strategies(presets, variant or [], flags, samples),
-                           base_seed)
+    flags = opt.given_settings(given, prompt)
+    base_seed = flags["seed"] if "seed" in flags else fresh_seed()
+    strategies = sharing_seed(build_strategies(presets, variant or [], flags, samples),
+                              base_seed)
     text = read_prompt(prompt)
     if model is None and models is None:
         model = presets_model(presets, ", or compare them with --models")
@@ -699,7 +692,7 @@ def compare(
     if len(model_refs) > 1 or len(quantizations) > 1:
         if not presets and not variant:
             greedy = strategy_from_variant("strategy=greedy", flags, label="greedy")
-            strategies = with_seed([greedy], base_seed)
+            strategies = sharing_seed([greedy], base_seed)
         if samples > 1:
             raise fail("--samples applies to comparing strategies, not --models/--quantize")
         with opened(target):

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cli.errors import fail
-from genlib.settings.config import GenerationSettings, resolve_settings
+from genlib.settings.config import GenerationSettings, resolve_settings, seeded
 from genlib.settings.presets import Preset, load_preset
 
 if TYPE_CHECKING:
@@ -60,10 +60,11 @@ def combination_defaults(model_flags: ModelFlags, flags: Mapping[str, Any]) -> d
 
 
 def settings_for(preset_ref: str | None, flags: dict[str, Any],
-                 defaults: Mapping[str, Any] | None = None
+                 defaults: Mapping[str, Any] | None = None, seed: int | None = None
                  ) -> tuple[GenerationSettings, Preset | None]:
-    """The settings of flag > preset > `defaults` (a command's own, explain's 20 new
-    tokens) > genlab's defaults, and the preset."""
+    """A run's settings, flag > preset > `defaults` (a command's own, explain's 20 new
+    tokens) > genlab's defaults, with the seed policy applied (settings that sample and
+    name no seed get `seed`, else a fresh one, to report); and the preset."""
     preset = load_preset(preset_ref) if preset_ref else None
     own = preset.settings if preset else {}
     # The command's defaults go under the preset, as a batch run's flags go under a
@@ -72,7 +73,7 @@ def settings_for(preset_ref: str | None, flags: dict[str, Any],
     from cli.render import warn_unused
 
     warn_unused(settings)
-    return settings, preset
+    return seeded(settings, seed), preset
 
 
 def presets_model(refs: Sequence[str], alternative: str = "") -> str | None:

@@ -20,7 +20,6 @@ from cli.context import (
     settings_for,
 )
 from cli.errors import fail, user_errors
-from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.models.loading import LoadedModel
@@ -102,36 +101,18 @@ def step_lines(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @user_errors
-@opt.sampler_options(before="json_schema")
+@opt.settings_options(
+    ("ensemble", opt.without(opt.DECODING, "num_return_sequences", "max_time")
+     + opt.SAMPLERS + opt.CONSTRAINTS),
+    ("amateur", ("ensemble_mode",)), ("chat", ("cd_beta", "cd_alpha")),
+    helps={"max_new_tokens": "Tokens to generate at most (default: the preset's, else 20)."})
 def explain(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
-    strategy: opt.Strategy = None,
-    max_new_tokens: Annotated[int | None, typer.Option(
-        "--max-new-tokens", "-n", rich_help_panel=opt.DECODING_PANEL,
-        help="Tokens to generate at most (default: the preset's, else 20).")] = None,
-    min_new_tokens: opt.MinNewTokens = None,
-    temperature: opt.Temperature = None,
-    top_k: opt.TopK = None,
-    top_p: opt.TopP = None,
-    min_p: opt.MinP = None,
-    typical_p: opt.TypicalP = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    no_repeat_ngram_size: opt.NoRepeatNgram = None,
-    stop: opt.Stop = None,
-    seed: opt.Seed = None,
-    ignore_eos: opt.IgnoreEos = None,
-    json_schema: opt.JsonSchema = None,
-    regex: opt.Regex = None,
-    grammar: opt.Grammar = None,
-    grammar_timeout: opt.GrammarTimeout = None,
     ensemble: opt.Ensemble = None,
-    ensemble_mode: opt.EnsembleMode = None,
     amateur: opt.Amateur = None,
-    cd_beta: opt.CdBeta = None,
-    cd_alpha: opt.CdAlpha = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -161,7 +142,7 @@ def explain(
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
-    **sampler_flags: Any,
+    **given: Any,
 ) -> None:
     """Step through a generation and see why each token was chosen.
 
@@ -177,7 +158,7 @@ def explain(
     from cli import render, render_explain
     from genlib.lab.explain import runs_of
 
-    flags = opt.decoding_flags(locals() | sampler_flags)
+    flags = opt.given_settings(given, prompt)
     target = output.sink(as_json, as_jsonl, output_file)
     if steps and target.machine and html_file is None:
         raise fail(f"--steps selects the steps of the terminal view or the --html page; "
@@ -194,7 +175,6 @@ def explain(
     if settings.strategy == "beam":
         raise fail("explain steps through greedy or sampled decoding, not beam search "
                    "(see `genlab beam --tree`)")
-    settings = with_seed(settings)
     text = read_prompt(prompt)
     lm = load(model_flags, loaded_preset, quick=True)
     ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)

@@ -23,7 +23,6 @@ from cli.context import (
 from cli.errors import exit_code, user_errors
 from cli.output import Json, Jsonl, Sink, opened, sink
 from cli.settings_view import show_settings_table
-from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.decoding.detail import Detail
@@ -175,38 +174,15 @@ def backend_note(prefill: Prefill | None) -> str:
 
 
 @user_errors
-@opt.sampler_options(before="json_schema")
+@opt.settings_options(("ensemble", opt.DECODING + opt.RERANK + opt.SAMPLERS + opt.CONSTRAINTS),
+                      ("amateur", ("ensemble_mode",)), ("chat", ("cd_beta", "cd_alpha")))
 def generate(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
-    strategy: opt.Strategy = None,
-    max_new_tokens: opt.MaxNewTokens = None,
-    min_new_tokens: opt.MinNewTokens = None,
-    temperature: opt.Temperature = None,
-    top_k: opt.TopK = None,
-    top_p: opt.TopP = None,
-    min_p: opt.MinP = None,
-    typical_p: opt.TypicalP = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    no_repeat_ngram_size: opt.NoRepeatNgram = None,
-    stop: opt.Stop = None,
-    seed: opt.Seed = None,
-    num_return_sequences: opt.NumReturn = None,
-    max_time: opt.MaxTime = None,
-    ignore_eos: opt.IgnoreEos = None,
-    rerank_samples: opt.Samples = None,
-    rerank: opt.Rerank = None,
-    json_schema: opt.JsonSchema = None,
-    regex: opt.Regex = None,
-    grammar: opt.Grammar = None,
-    grammar_timeout: opt.GrammarTimeout = None,
     ensemble: opt.Ensemble = None,
-    ensemble_mode: opt.EnsembleMode = None,
     amateur: opt.Amateur = None,
-    cd_beta: opt.CdBeta = None,
-    cd_alpha: opt.CdAlpha = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -256,7 +232,7 @@ def generate(
     batch_format: Annotated[str, typer.Option(
         "--format", help="--input/--output lines: auto (detected per file), genlab, or "
         "openai (OpenAI's Batch format, as vLLM's run-batch reads and writes).")] = "auto",
-    **sampler_flags: Any,
+    **given: Any,
 ) -> None:
     """Generate text for a prompt, streamed token by token.
 
@@ -265,8 +241,7 @@ def generate(
       echo "Once upon a time" | genlab generate -m ../shared/models/stories260K -p creative\n
       genlab generate "Hello" --json -n 20 --seed 1 -t 0.8
     """
-    flags = opt.decoding_flags(locals() | sampler_flags, samples=rerank_samples,
-                               rerank=rerank)
+    flags = opt.given_settings(given, prompt, input_file, interactive)
     opt.refuse_compile(compile)
     model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
                              tuple(ensemble or ()), amateur)
@@ -297,7 +272,6 @@ def generate(
     render_tokens.check_color_by(color_by)
     sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
     settings, loaded_preset = settings_for(preset, flags, combined)
-    settings = with_seed(settings)
     text = read_prompt(prompt)
     scorer = load_scorer(model_flags, settings)  # an unknown --rerank fails before loading
     lm = load(model_flags, loaded_preset, quick=True)

@@ -13,13 +13,11 @@ from typing import Annotated, Any
 import typer
 
 from cli import output
+from genlib.settings import config
 
 MODEL_PANEL = "Model"
-DECODING_PANEL = "Decoding"
 OUTPUT_PANEL = "Output"
-SAMPLERS_PANEL = "Samplers and penalties (docs/samplers.md)"
-GRAMMAR_PANEL = "Constrained output (xgrammar)"
-LAYERS_PANEL = "Contrastive search and DoLa (docs/strategies.md)"
+DECODING_PANEL, COMBINE_PANEL = config.DECODING, config.COMBINED  # the settings' panels
 
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
@@ -67,161 +65,18 @@ Presets = Annotated[list[str] | None, typer.Option(
     help="Preset name (see `genlab presets list`) or path to a .yaml file; repeatable, or "
          "a comma list.")]
 
-Strategy = Annotated[str | None, typer.Option(
-    "--strategy", "-s", rich_help_panel=DECODING_PANEL, help="greedy, sample or beam.")]
-MaxNewTokens = Annotated[int | None, typer.Option(
-    "--max-new-tokens", "-n", rich_help_panel=DECODING_PANEL, help="Tokens to generate at most.")]
-MinNewTokens = Annotated[int | None, typer.Option(
-    "--min-new-tokens", rich_help_panel=DECODING_PANEL, help="No end token before this many.")]
-Temperature = Annotated[float | None, typer.Option(
-    "--temperature", "-t", rich_help_panel=DECODING_PANEL,
-    help="Sampling temperature (> 0). Implies sampling unless --strategy says otherwise.")]
-TopK = Annotated[int | None, typer.Option(
-    "--top-k", rich_help_panel=DECODING_PANEL, help="Keep the k most probable tokens.")]
-TopP = Annotated[float | None, typer.Option(
-    "--top-p", rich_help_panel=DECODING_PANEL, help="Nucleus sampling mass, 0 < p <= 1.")]
-MinP = Annotated[float | None, typer.Option(
-    "--min-p", rich_help_panel=DECODING_PANEL, help="Drop tokens with p < min_p * p_max.")]
-TypicalP = Annotated[float | None, typer.Option(
-    "--typical-p", rich_help_panel=DECODING_PANEL, help="Locally typical sampling mass.")]
-RepetitionPenalty = Annotated[float | None, typer.Option(
-    "--repetition-penalty", rich_help_panel=DECODING_PANEL,
-    help="> 1 discourages tokens already in the context.")]
-NoRepeatNgram = Annotated[int | None, typer.Option(
-    "--no-repeat-ngram-size", rich_help_panel=DECODING_PANEL,
-    help="Never repeat an n-gram of this size.")]
-Stop = Annotated[list[str] | None, typer.Option(
-    "--stop", rich_help_panel=DECODING_PANEL,
-    help="Stop string (repeatable; \\n and \\t escapes work); it is not printed.")]
-Seed = Annotated[int | None, typer.Option(
-    "--seed", rich_help_panel=DECODING_PANEL, help="Random seed for sampling.")]
-NumReturn = Annotated[int | None, typer.Option(
-    "--num-return-sequences", rich_help_panel=DECODING_PANEL, help="Outputs per prompt.")]
-MaxTime = Annotated[float | None, typer.Option(
-    "--max-time", rich_help_panel=DECODING_PANEL, help="Stop after this many seconds.")]
-IgnoreEos = Annotated[bool | None, typer.Option(
-    "--ignore-eos", rich_help_panel=DECODING_PANEL, help="Never stop at an end token.")]
-# Sample and rerank (genlib.decoding.rerank).
-Samples = Annotated[int | None, typer.Option(
-    "--samples", rich_help_panel=DECODING_PANEL, metavar="N",
-    help="Draw N samples as one batch and print the one --rerank prefers (implies "
-         "sampling; samples are not streamed).")]
-Rerank = Annotated[str | None, typer.Option(
-    "--rerank", rich_help_panel=DECODING_PANEL, metavar="METHOD",
-    help="How --samples picks: logprob (best mean token logprob under the model, the "
-         "default), mbr (most like the others, chrF) or a model of the same tokenizer to "
-         "score with.")]
-
-# Samplers from other tools; each help names the tool whose semantics it follows.
-LogitBias = Annotated[list[str] | None, typer.Option(
-    "--logit-bias", rich_help_panel=SAMPLERS_PANEL, metavar="TOKEN=BIAS",
-    help="Add BIAS to TOKEN's logit; TOKEN is an id or text (repeatable; llama.cpp, OpenAI; "
-         "text of several tokens biases its last token after the others, as transformers' "
-         "sequence_bias).")]
-PresencePenalty = Annotated[float | None, typer.Option(
-    "--presence-penalty", rich_help_panel=SAMPLERS_PANEL,
-    help="Subtract this from every generated token's logit, -2..2 (OpenAI, vLLM).")]
-FrequencyPenalty = Annotated[float | None, typer.Option(
-    "--frequency-penalty", rich_help_panel=SAMPLERS_PANEL,
-    help="Subtract this times its count from each generated token's logit, -2..2 "
-         "(OpenAI, vLLM).")]
-DryMultiplier = Annotated[float | None, typer.Option(
-    "--dry-multiplier", rich_help_panel=SAMPLERS_PANEL,
-    help="DRY repetition penalty strength, 0 = off (llama.cpp).")]
-DryBase = Annotated[float | None, typer.Option(
-    "--dry-base", rich_help_panel=SAMPLERS_PANEL,
-    help="DRY: penalty = multiplier * base^(length - allowed length), default 1.75 "
-         "(llama.cpp).")]
-DryAllowedLength = Annotated[int | None, typer.Option(
-    "--dry-allowed-length", rich_help_panel=SAMPLERS_PANEL,
-    help="DRY: repetitions this long go unpenalized, default 2 (llama.cpp).")]
-DryPenaltyLastN = Annotated[int | None, typer.Option(
-    "--dry-penalty-last-n", rich_help_panel=SAMPLERS_PANEL,
-    help="DRY: tokens of context scanned, -1 = all, 0 = off (llama.cpp).")]
-DrySequenceBreaker = Annotated[list[str] | None, typer.Option(
-    "--dry-sequence-breaker", rich_help_panel=SAMPLERS_PANEL,
-    help="DRY: text that ends a repetition (repeatable, replaces the default "
-         "\\n : \" *; \\n escapes work; llama.cpp).")]
-XtcProbability = Annotated[float | None, typer.Option(
-    "--xtc-probability", rich_help_panel=SAMPLERS_PANEL,
-    help="XTC: chance per step of excluding the top choices, 0 = off (llama.cpp).")]
-XtcThreshold = Annotated[float | None, typer.Option(
-    "--xtc-threshold", rich_help_panel=SAMPLERS_PANEL,
-    help="XTC: tokens with p >= this are top choices, default 0.1 (llama.cpp).")]
-TopNSigma = Annotated[float | None, typer.Option(
-    "--top-n-sigma", rich_help_panel=SAMPLERS_PANEL,
-    help="top-nσ: drop tokens with logit < max - n * std, 0 = off (llama.cpp).")]
-EpsilonCutoff = Annotated[float | None, typer.Option(
-    "--epsilon-cutoff", rich_help_panel=SAMPLERS_PANEL,
-    help="Drop tokens with p < epsilon, 0 = off (transformers).")]
-EtaCutoff = Annotated[float | None, typer.Option(
-    "--eta-cutoff", rich_help_panel=SAMPLERS_PANEL,
-    help="Drop tokens with p < min(eta, sqrt(eta) * exp(-entropy)), 0 = off (transformers).")]
-Mirostat = Annotated[int | None, typer.Option(
-    "--mirostat", rich_help_panel=SAMPLERS_PANEL,
-    help="Mirostat version: 0 = off, 2 = Mirostat 2.0 (llama.cpp).")]
-MirostatTau = Annotated[float | None, typer.Option(
-    "--mirostat-tau", rich_help_panel=SAMPLERS_PANEL,
-    help="Mirostat target surprise in bits, default 5 (llama.cpp).")]
-MirostatEta = Annotated[float | None, typer.Option(
-    "--mirostat-eta", rich_help_panel=SAMPLERS_PANEL,
-    help="Mirostat learning rate, default 0.1 (llama.cpp).")]
-Samplers = Annotated[str | None, typer.Option(
-    "--samplers", rich_help_panel=SAMPLERS_PANEL, metavar="A;B;...",
-    help="The chain's order, stage names separated by ';'; stages left out do not run "
-         "(llama.cpp). Default: logit_bias; penalties; no_repeat_ngram; dry; temperature; "
-         "top_k; top_p; min_p; typical_p; epsilon_cutoff; eta_cutoff; top_n_sigma; xtc; "
-         "mirostat.")]
-
-JsonSchema = Annotated[str | None, typer.Option(
-    "--json-schema", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
-    help="Constrain the output to JSON valid against this JSON schema file (`-` = stdin).")]
-Regex = Annotated[str | None, typer.Option(
-    "--regex", rich_help_panel=GRAMMAR_PANEL, metavar="PATTERN",
-    help="Constrain the output to match this regular expression.")]
-Grammar = Annotated[str | None, typer.Option(
-    "--grammar", rich_help_panel=GRAMMAR_PANEL, metavar="FILE|-",
-    help="Constrain the output to this EBNF/GBNF grammar file (`-` = stdin; start rule: "
-         "root; llama.cpp's GBNF).")]
-PenaltyAlpha = Annotated[float | None, typer.Option(
-    "--penalty-alpha", rich_help_panel=LAYERS_PANEL, metavar="ALPHA",
-    help="Contrastive search (Su et al. 2022, as transformers): of --top-k K candidates "
-         "take the max of (1-ALPHA) * p - ALPHA * max cosine similarity of its hidden state "
-         "to the context's, 0 <= ALPHA <= 1 (transformers suggests 0.6 with --top-k 4).")]
-DolaLayers = Annotated[str | None, typer.Option(
-    "--dola-layers", rich_help_panel=LAYERS_PANEL, metavar="low|high|N,M",
-    help="DoLa (Chuang et al. 2024, as transformers): contrast the final layer with the "
-         "earlier layer, of these, that differs most; low or high halves of the model, or "
-         "layer numbers (0: the embeddings). The paper suggests --repetition-penalty 1.2.")]
-GrammarTimeout = Annotated[float | None, typer.Option(
-    "--grammar-timeout", rich_help_panel=GRAMMAR_PANEL, metavar="SECONDS",
-    help="Stop with exit status 1 when the grammar takes longer than this to compile "
-         "(default 30). Compiled grammars are cached on disk.")]
-
-# Combined models (genlib.sampling.combine): the models are flags only, the numbers are settings.
-COMBINE_PANEL = "Combined models (docs/combining.md)"
+# Combined models (genlib.sampling.combine): the models are flags, not settings; the
+# numbers (ensemble_mode, cd_beta, cd_alpha) are settings.
 Ensemble = Annotated[list[str] | None, typer.Option(
     "--ensemble", rich_help_panel=COMBINE_PANEL, metavar="MODEL[:WEIGHT]",
     help="Combine this model's next-token distribution with -m's, token by token "
          "(repeatable; WEIGHT > 0, default 1, beside -m's 1; weights are normalised to sum "
          "to 1). The models must share a tokenizer.")]
-EnsembleMode = Annotated[str | None, typer.Option(
-    "--ensemble-mode", rich_help_panel=COMBINE_PANEL,
-    help="mean (a weighted mixture of probabilities, the default) or product (a weighted "
-         "product of experts, renormalised).")]
 Amateur = Annotated[str | None, typer.Option(
     "--amateur", rich_help_panel=COMBINE_PANEL, metavar="MODEL",
     help="Contrastive decoding: score tokens by (1+beta) log p(-m) - beta log p(MODEL), "
          "among those -m finds plausible (Li et al. 2023). MODEL must share -m's "
          "tokenizer.")]
-CdBeta = Annotated[float | None, typer.Option(
-    "--cd-beta", rich_help_panel=COMBINE_PANEL,
-    help="Contrastive decoding's weight on the amateur, >= 0 (default 0.5; 0: the expert "
-         "alone).")]
-CdAlpha = Annotated[float | None, typer.Option(
-    "--cd-alpha", rich_help_panel=COMBINE_PANEL,
-    help="Contrastive decoding's plausibility cutoff: keep tokens with p >= alpha * max p "
-         "under -m, 0..1 (default 0.1).")]
 
 Chat = Annotated[bool, typer.Option(
     "--chat", help="Apply the tokenizer's chat template to the prompt.")]
@@ -290,88 +145,95 @@ def unescape(text: str) -> str:
                           f"backslash") from None
 
 
-# The samplers from other tools, offered alike by every command that samples: the
-# command takes them as `**sampler_flags` and `sampler_options` shows them to Typer.
-SAMPLER_OPTIONS: dict[str, Any] = {
-    "logit_bias": LogitBias, "presence_penalty": PresencePenalty,
-    "frequency_penalty": FrequencyPenalty, "dry_multiplier": DryMultiplier,
-    "dry_base": DryBase, "dry_allowed_length": DryAllowedLength,
-    "dry_penalty_last_n": DryPenaltyLastN, "dry_sequence_breaker": DrySequenceBreaker,
-    "xtc_probability": XtcProbability, "xtc_threshold": XtcThreshold,
-    "top_n_sigma": TopNSigma, "epsilon_cutoff": EpsilonCutoff, "eta_cutoff": EtaCutoff,
-    "mirostat": Mirostat, "mirostat_tau": MirostatTau, "mirostat_eta": MirostatEta,
-    "samplers": Samplers,
-    "penalty_alpha": PenaltyAlpha, "dola_layers": DolaLayers,
-}
+# --- Setting options -------------------------------------------------------------------
+# Every setting flag is made from the setting's declaration (genlib.settings.config.SPECS:
+# names, panel, help); a command names the settings it takes, in groups, and receives the
+# given ones in `**given`, keyed by setting name.
+
+DECODING = ("strategy", "max_new_tokens", "min_new_tokens", "temperature", "top_k", "top_p",
+            "min_p", "typical_p", "repetition_penalty", "no_repeat_ngram_size",
+            "stop_strings", "seed", "num_return_sequences", "max_time", "ignore_eos")
+BEAM = ("num_beams", "length_penalty", "early_stopping", "num_return_sequences", "do_sample",
+        "num_beam_groups", "diversity_penalty", "force_words", "force_any")
+RERANK = ("samples", "rerank")
+# The samplers from other tools, and the methods that read earlier layers.
+SAMPLERS = ("logit_bias", "presence_penalty", "frequency_penalty", "dry_multiplier",
+            "dry_base", "dry_allowed_length", "dry_penalty_last_n", "dry_sequence_breakers",
+            "xtc_probability", "xtc_threshold", "top_n_sigma", "epsilon_cutoff", "eta_cutoff",
+            "mirostat", "mirostat_tau", "mirostat_eta", "samplers", "penalty_alpha",
+            "dola_layers")
+CONSTRAINTS = ("json_schema", "regex", "grammar", "grammar_timeout")
+COMBINED = ("ensemble_mode", "cd_beta", "cd_alpha")  # beside --ensemble and --amateur
 
 
-def sampler_options(before: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a command that takes `**sampler_flags` the SAMPLER_OPTIONS as parameters of
-    its signature, just before its parameter `before` (where --help lists them); Typer
-    reads the signature and passes them in `sampler_flags`."""
+def without(keys: tuple[str, ...], *left_out: str) -> tuple[str, ...]:
+    """A group of settings less the ones a command does not take."""
+    return tuple(key for key in keys if key not in left_out)
+
+
+def setting_option(key: str, help_text: str | None = None) -> Any:
+    """The Typer option of setting `key`, made from its declaration; `help_text` replaces
+    the declared help where one command gives the flag a narrower meaning."""
+    spec = config.SPECS[key]
+    assert spec.flag is not None, f"setting {key} has no flag"
+    if spec.kind in ("strings", "bias"):
+        kind: Any = list[str]
+    else:
+        kind = {"int": int, "float": float, "bool": bool}.get(spec.kind, str)
+    return Annotated[kind | None, typer.Option(
+        *spec.flag.names, rich_help_panel=spec.flag.panel, metavar=spec.flag.metavar,
+        help=help_text or spec.flag_help())]
+
+
+def settings_options(*placed: tuple[str, tuple[str, ...]],
+                     helps: dict[str, str] | None = None
+                     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command that takes `**given` the options of the settings it names: each
+    `(before, keys)` puts the options of `keys` just before its parameter `before` (where
+    --help lists them). Typer reads the signature and passes what was given in `given`,
+    keyed by setting name; `helps` narrows a flag's help for this command."""
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
+        at = dict(placed)
         shown = []
         for parameter in signature.parameters.values():
-            if parameter.name == before:
-                shown += [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                            default=None, annotation=annotation)
-                          for name, annotation in SAMPLER_OPTIONS.items()]
+            shown += [inspect.Parameter(key, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                        annotation=setting_option(key, (helps or {}).get(key)))
+                      for key in at.pop(parameter.name, ())]
             if parameter.kind is not inspect.Parameter.VAR_KEYWORD:
                 shown.append(parameter)
+        assert not at, f"{command.__name__} has no parameter {', '.join(at)}"
         command.__signature__ = signature.replace(parameters=shown)  # type: ignore[attr-defined]
         return command
     return decorate
 
 
-# Parameter names of the shared decoding options above -> the setting each one sets.
-DECODING_PARAMS = {
-    "strategy": "strategy", "max_new_tokens": "max_new_tokens",
-    "min_new_tokens": "min_new_tokens", "temperature": "temperature", "top_k": "top_k",
-    "top_p": "top_p", "min_p": "min_p", "typical_p": "typical_p",
-    "repetition_penalty": "repetition_penalty", "no_repeat_ngram_size": "no_repeat_ngram_size",
-    "stop": "stop_strings", "seed": "seed", "num_return_sequences": "num_return_sequences",
-    "max_time": "max_time", "ignore_eos": "ignore_eos",
-    "logit_bias": "logit_bias", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "dry_multiplier": "dry_multiplier",
-    "dry_base": "dry_base", "dry_allowed_length": "dry_allowed_length",
-    "dry_penalty_last_n": "dry_penalty_last_n", "dry_sequence_breaker": "dry_sequence_breakers",
-    "xtc_probability": "xtc_probability", "xtc_threshold": "xtc_threshold",
-    "top_n_sigma": "top_n_sigma", "epsilon_cutoff": "epsilon_cutoff",
-    "eta_cutoff": "eta_cutoff", "mirostat": "mirostat", "mirostat_tau": "mirostat_tau",
-    "mirostat_eta": "mirostat_eta", "samplers": "samplers",
-    "grammar_timeout": "grammar_timeout",
-    "penalty_alpha": "penalty_alpha", "dola_layers": "dola_layers",
-}
-# The combined models' numbers, taken by the commands that take --ensemble/--amateur
-# (not speculate, whose one target model combines with nothing).
-COMBINE_PARAMS = {"ensemble_mode": "ensemble_mode", "cd_beta": "cd_beta",
-                  "cd_alpha": "cd_alpha"}
+def given_settings(given: dict[str, Any], prompt: str | None = None,
+                   input_file: Any = None, interactive: bool = False) -> dict[str, Any]:
+    """The settings a command's setting options gave (`given`, None = not given), in the
+    form `resolve_settings` takes: the file flags read, escapes and empty lists undone.
+    The prompt, `--input` and `--interactive` say whether the prompt reads stdin too."""
+    check_one_stdin(given, prompt, input_file, interactive)
+    flags = dict(given)
+    for key, value in given.items():
+        flag = config.SPECS[key].flag
+        if value is not None and flag is not None and flag.file:
+            flags[key] = _read_flag_file(flag.names[0], value)
+    return setting_flags(**flags)
 
 
-def decoding_flags(params: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """The settings given through the shared decoding options of a command, whose
-    parameters are `params` (the command's `locals()`), plus the command's own `extra`."""
-    picked = {setting: params[name]
-              for name, setting in (DECODING_PARAMS | COMBINE_PARAMS).items() if name in params}
-    check_one_stdin(params)
-    picked |= grammar_flags(params.get("json_schema"), params.get("regex"),
-                            params.get("grammar"))
-    return setting_flags(**(picked | extra))
-
-
-def check_one_stdin(params: dict[str, Any]) -> None:
-    """ConfigError, before anything reads it, when two inputs of a command (`params`, its
-    locals) would both come from stdin: the first would take it all, the other get
-    nothing (`--input -` with `--json-schema -` ran zero lines)."""
+def check_one_stdin(given: dict[str, Any], prompt: str | None, input_file: Any,
+                    interactive: bool) -> None:
+    """ConfigError, before anything reads it, when two inputs of a command would both
+    come from stdin: the first would take it all, the other get nothing (`--input -` with
+    `--json-schema -` ran zero lines)."""
     from genlib.errors import ConfigError
 
-    readers = [flag for flag, name in (("--json-schema -", "json_schema"),
-                                       ("--grammar -", "grammar")) if params.get(name) == "-"]
-    if params.get("input_file") is not None:
-        readers += ["--input -"] if str(params["input_file"]) == "-" else []
-    elif "prompt" in params and params["prompt"] in (None, "-") and \
-            not params.get("interactive") and (params["prompt"] == "-" or _stdin_piped()):
+    readers = [flag for flag, key in (("--json-schema -", "json_schema"),
+                                      ("--grammar -", "grammar")) if given.get(key) == "-"]
+    if input_file is not None:
+        readers += ["--input -"] if str(input_file) == "-" else []
+    elif prompt in (None, "-") and not interactive and (prompt == "-" or _stdin_piped()):
         readers.append("the prompt")
     if len(readers) > 1:
         raise ConfigError(f"{' and '.join(readers)} would both read stdin; give all but "
@@ -382,20 +244,6 @@ def _stdin_piped() -> bool:
     import sys
 
     return sys.stdin is not None and not sys.stdin.isatty()
-
-
-def grammar_flags(json_schema: str | None, regex: str | None, grammar: str | None
-                  ) -> dict[str, Any]:
-    """The settings --json-schema FILE|-, --regex and --grammar FILE give (files read
-    here; ConfigError naming the flag when one cannot be read)."""
-    out: dict[str, Any] = {}
-    if json_schema is not None:
-        out["json_schema"] = _read_flag_file("--json-schema", json_schema)
-    if regex is not None:
-        out["regex"] = regex
-    if grammar is not None:
-        out["grammar"] = _read_flag_file("--grammar", grammar)
-    return out
 
 
 def _read_flag_file(flag: str, path: str) -> str:
@@ -429,16 +277,17 @@ def _looks_inline(value: str) -> bool:
 
 
 def setting_flags(**flags: Any) -> dict[str, Any]:
-    """The settings the user gave on the command line (None = not given)."""
-    if flags.get("stop_strings") == []:
-        flags["stop_strings"] = None
-    if flags.get("stop_strings"):
-        flags["stop_strings"] = [unescape(s) for s in flags["stop_strings"]]
-    for key in ("logit_bias", "dry_sequence_breakers"):
-        if flags.get(key) == []:
-            flags[key] = None
-    if flags.get("dry_sequence_breakers"):
-        flags["dry_sequence_breakers"] = [unescape(s) for s in flags["dry_sequence_breakers"]]
-    if flags.get("ignore_eos") is False:
-        flags["ignore_eos"] = None
-    return {k: v for k, v in flags.items() if v is not None}
+    """The settings given on the command line, None (and an empty list, and a switch
+    whose default is off left off) meaning "not given"; escapes undone where the flag
+    takes them, and --early-stopping's words read as the setting's values."""
+    given = {}
+    for key, value in flags.items():
+        spec = config.SPECS[key]
+        if value is None or value == [] or (value is False and spec.default is False):
+            continue
+        if spec.flag is not None and spec.flag.escapes:
+            value = [unescape(text) for text in value]
+        elif spec.kind == "early_stopping":
+            value = config.parse_value(key, value)
+        given[key] = value
+    return given

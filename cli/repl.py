@@ -545,10 +545,10 @@ def write_turns(path: Path, turns: list[dict[str, Any]]) -> None:
 
 def turn(session: Session, text: str) -> None:
     """Generate for one prompt, streamed; record it for /save and for chat mode."""
-    from genlib.settings.config import with_seed
+    from genlib.settings.config import seeded
 
     lm = session.lm
-    settings = with_seed(session.settings)
+    settings = seeded(session.settings)  # a fresh seed each turn, reported
     if settings.num_return_sequences != 1:
         raise CommandError("the interactive session shows one answer per prompt; "
                            "/set num_return_sequences=1")

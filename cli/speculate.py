@@ -23,7 +23,6 @@ from cli.context import (
 )
 from cli.errors import exit_code, fail, user_errors
 from cli.output import Sink, opened, sink
-from genlib.settings.config import with_seed
 
 if TYPE_CHECKING:
     from genlib.decoding.speculative import Drafting, Summary
@@ -116,11 +115,6 @@ def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettin
     finish = next(e for e in events if isinstance(e, Finish))
     seconds = finish.end - prefill.time
     return finish, (finish.new_tokens / seconds if seconds > 0 else 0.0)
-
-
-Strategy = Annotated[str | None, typer.Option(
-    "--strategy", "-s", rich_help_panel=opt.DECODING_PANEL,
-    help="greedy or sample (speculative decoding has no beam search).")]
 
 
 def summary_json(s: Summary) -> dict[str, Any]:
@@ -258,7 +252,10 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
 
 
 @user_errors
-@opt.sampler_options(before="json_schema")
+@opt.settings_options(
+    ("chat", opt.without(opt.DECODING, "num_return_sequences") + opt.SAMPLERS
+     + opt.CONSTRAINTS),
+    helps={"strategy": "Greedy or sample (speculative decoding has no beam search)."})
 def speculate(
     prompt: Annotated[str | None, typer.Argument(
         help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
@@ -292,24 +289,6 @@ def speculate(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
     preset: opt.Preset = None,
-    strategy: Strategy = None,
-    max_new_tokens: opt.MaxNewTokens = None,
-    min_new_tokens: opt.MinNewTokens = None,
-    temperature: opt.Temperature = None,
-    top_k: opt.TopK = None,
-    top_p: opt.TopP = None,
-    min_p: opt.MinP = None,
-    typical_p: opt.TypicalP = None,
-    repetition_penalty: opt.RepetitionPenalty = None,
-    no_repeat_ngram_size: opt.NoRepeatNgram = None,
-    stop: opt.Stop = None,
-    seed: opt.Seed = None,
-    max_time: opt.MaxTime = None,
-    ignore_eos: opt.IgnoreEos = None,
-    json_schema: opt.JsonSchema = None,
-    regex: opt.Regex = None,
-    grammar: opt.Grammar = None,
-    grammar_timeout: opt.GrammarTimeout = None,
     chat: opt.Chat = False,
     system: opt.System = None,
     truncate_prompt: opt.TruncatePrompt = False,
@@ -322,7 +301,7 @@ def speculate(
     quantize: opt.Quantize = "none",
     trust_remote_code: opt.TrustRemoteCode = False,
     backend: opt.Backend = "auto",
-    **sampler_flags: Any,
+    **given: Any,
 ) -> None:
     """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
 
@@ -341,12 +320,11 @@ def speculate(
     from genlib.decoding.speculative import Drafting, check_request, draft_length
     from genlib.models.loading import resolve_model_ref
 
-    flags = opt.decoding_flags(locals() | sampler_flags)
+    flags = opt.given_settings(given, prompt)
     target_sink = sink(as_json, as_jsonl, output)
     settings, loaded_preset = settings_for(preset, flags)
     if settings.strategy == "beam":
         raise fail("speculative decoding does greedy or sampling, not beam search")
-    settings = with_seed(settings)
     target_ref = resolve_model_ref(model, loaded_preset.model if loaded_preset else None)
     draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
     check_draft_weights(draft_weights, draft_ref is not None)  # before the models load

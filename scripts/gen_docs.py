@@ -25,6 +25,10 @@ SUB_BEGIN = "<!-- usage of genlab {command}: written by scripts/gen_docs.py from
             "do not edit -->"
 SUB_BEGIN_PATTERN = re.compile(r"<!-- usage of genlab (.+?): written by scripts/gen_docs\.py")
 END = "<!-- /usage -->"
+KEYS_PAGE = ROOT / "docs" / "presets.md"
+KEYS_BEGIN = "<!-- keys: written by scripts/gen_docs.py from the settings' declarations; " \
+             "do not edit -->"
+KEYS_END = "<!-- /keys -->"
 COMMANDS = ("generate", "beam", "compare", "speculate", "bench", "explain", "presets",
             "cache")
 WIDTH = 100
@@ -111,6 +115,33 @@ def gone_subcommands(command: str, page: str) -> list[str]:
     return [name for name in SUB_BEGIN_PATTERN.findall(page) if name not in current]
 
 
+def keys_table() -> str:
+    """The settings table of docs/presets.md, made from the settings' declarations
+    (genlib.settings.config.SPECS), as `genlab presets keys` shows them."""
+    sys.path.insert(0, str(ROOT))
+    from genlib.settings.config import SPECS
+
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|")
+
+    def default(value: object) -> str:
+        shown = {None: "none", (): "[]", False: "false", True: "true"}
+        return shown[value] if isinstance(value, (type(None), tuple, bool)) and \
+            value in shown else f"`{value!r}`" if isinstance(value, tuple) else str(value)
+
+    rows = [f"| `{key}` | `{spec.flag.names[0].split('/')[0]}` | {cell(default(spec.default))} "
+            f"| {cell(spec.allowed or ', '.join(spec.choices) or spec.kind)} "
+            f"| {cell(spec.help)} |" for key, spec in SPECS.items()]
+    return "\n".join([KEYS_BEGIN, "| key | flag | default | allowed | meaning |",
+                      "| --- | --- | --- | --- | --- |", *rows, KEYS_END])
+
+
+def refreshed_keys(page: str) -> str:
+    """docs/presets.md with its settings table as the declarations make it."""
+    head, rest = page.split(KEYS_BEGIN, 1)
+    return head + keys_table() + rest.split(KEYS_END, 1)[1]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
@@ -127,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
             stale.append(path.name)
             if not args.check:
                 path.write_text(new)
+    page = KEYS_PAGE.read_text()
+    if refreshed_keys(page) != page:
+        stale.append(KEYS_PAGE.name)
+        if not args.check:
+            KEYS_PAGE.write_text(refreshed_keys(page))
     for entry in gone:
         print(f"usage of a command genlab no longer has ({entry}): delete its section")
     if args.check and stale:

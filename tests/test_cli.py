@@ -539,19 +539,39 @@ def test_no_model_named_uses_the_builtin_model_offline(monkeypatch):
     assert record["text"].strip()
 
 
-def test_decoding_flags_map_every_shared_option():
-    import inspect
+def test_every_setting_flag_is_made_from_the_settings_declaration():
+    """Each setting is declared once (SPECS); every command's flag for it has the
+    declared names and panel and sets that setting, and generate and beam between them
+    offer every setting."""
+    from typer.main import get_command
 
-    from cli import beam, generate, speculate
-    from cli.options import DECODING_PARAMS, decoding_flags
+    from genlib.settings.config import SPECS
 
-    assert set(DECODING_PARAMS) <= set(inspect.signature(generate.generate).parameters)
-    for command in (beam.beam, speculate.speculate):  # no typo can drop a flag silently
-        names = set(inspect.signature(command).parameters)
-        assert set(DECODING_PARAMS) - names <= {"strategy", "num_return_sequences"}
-    flags = decoding_flags({"stop": ["\\n"], "top_k": 5, "seed": None, "prompt": "x"},
-                           strategy="beam")
-    assert flags == {"stop_strings": ["\n"], "top_k": 5, "strategy": "beam"}
+    commands = get_command(app).commands
+    declared = {name: key for key, spec in SPECS.items()
+                for flag in spec.flag.names for name in flag.split("/")}
+    offered: set[str] = set()
+    for command in ("generate", "beam", "explain", "speculate", "compare"):
+        for param in commands[command].params:
+            names = param.opts + param.secondary_opts
+            keys = {declared[name] for name in names if name in declared}
+            if not keys or (command, param.name) == ("compare", "samples"):
+                continue  # compare's --samples: outputs per strategy, not the setting
+            assert keys == {param.name}, (command, names, keys)
+            spec = SPECS[param.name]
+            assert names == [n for flag in spec.flag.names for n in flag.split("/")]
+            assert param.rich_help_panel == spec.flag.panel, (command, param.name)
+            offered.add(param.name)
+    assert offered == set(SPECS)
+
+
+def test_given_settings_read_the_flags_values():
+    from cli.options import given_settings
+
+    flags = given_settings({"stop_strings": ["\\n"], "top_k": 5, "seed": None,
+                            "early_stopping": "never", "force_words": [],
+                            "ignore_eos": False}, prompt="x")
+    assert flags == {"stop_strings": ["\n"], "top_k": 5, "early_stopping": "never"}
 
 
 def test_sampling_flags_under_greedy_are_named_in_one_warning():

@@ -118,8 +118,8 @@ def test_sample_seeds_derive_from_base():
 
 @pytest.fixture(scope="module")
 def default_run(stories):
-    strategies = cmp.with_seed(cmp.build_strategies([], [], {"max_new_tokens": 12}, samples=2),
-                               5)
+    strategies = cmp.sharing_seed(
+        cmp.build_strategies([], [], {"max_new_tokens": 12}, samples=2), 5)
     return cmp.compare(stories, stories.encode(PROMPT), strategies, prompt=PROMPT, seed=5)
 
 
@@ -135,8 +135,8 @@ def test_one_untimed_token_comes_before_the_first_strategys_clock(stories, monke
         yield from stream(lm, prompts, settings, **kwargs)
 
     monkeypatch.setattr(genlib.generate, "stream", recording)
-    strategies = cmp.with_seed(cmp.build_strategies(["greedy"], ["top_k=5"],
-                                                    {"max_new_tokens": 6}), 1)
+    strategies = cmp.sharing_seed(
+        cmp.build_strategies(["greedy"], ["top_k=5"], {"max_new_tokens": 6}), 1)
     result = cmp.compare(stories, stories.encode(PROMPT), strategies, prompt=PROMPT, seed=1)
     assert calls == [("greedy", 1), ("greedy", 6), ("sample", 6)]
     assert [len(r.samples[0].token_ids) for r in result.results] == [6, 6]  # none counted
@@ -198,7 +198,7 @@ def test_samples_reproduce_generate_with_the_same_seed(stories, default_run):
 def test_greedy_repeats_more_than_top_p_in_a_long_story(stories):
     """The seed notes: greedy repeats itself in open-ended text; nucleus sampling does
     not. 200 tokens of story (greedy loops after ~120), top-p averaged over 2 samples."""
-    strategies = cmp.with_seed(cmp.build_strategies(
+    strategies = cmp.sharing_seed(cmp.build_strategies(
         [], ["strategy=greedy", "top_p=0.9"], {"max_new_tokens": 200, "ignore_eos": True},
         samples=2), 0)
     greedy, top_p = cmp.compare(stories, stories.encode(PROMPT), strategies).results

@@ -213,7 +213,7 @@ def test_compare_runs_rerank_beside_the_samples_it_chooses_from(stories):
     strategies = compare.build_strategies(["rerank"], ["temperature=1.0"],
                                           {"max_new_tokens": 12}, samples=8)
     result = compare.compare(stories, stories.encode(PROMPT),
-                             compare.with_seed(strategies, 4), seed=4)
+                             compare.sharing_seed(strategies, 4), seed=4)
     reranked, plain = result.results
     assert reranked.error is None and plain.error is None
     assert len(reranked.samples) == 1 and len(plain.samples) == 8

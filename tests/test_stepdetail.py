@@ -186,10 +186,10 @@ def test_crn_gives_two_settings_the_same_draws(stories):
 
 @pytest.mark.parametrize("crn", [True, False])
 def test_compare_draws_by_inverse_cdf_with_crn_only(stories, crn):
-    from genlib.lab.compare import build_strategies, compare, with_seed
+    from genlib.lab.compare import build_strategies, compare, sharing_seed
 
-    strategies = with_seed(build_strategies([], ["temperature=1.2", "top_k=20"],
-                                            {"max_new_tokens": 8, "ignore_eos": True}), 9)
+    strategies = sharing_seed(build_strategies([], ["temperature=1.2", "top_k=20"],
+                                               {"max_new_tokens": 8, "ignore_eos": True}), 9)
     ids = stories.encode("Once upon a time")
     comparison = compare(stories, ids, strategies, seed=9, crn=crn)
     assert comparison.to_dict()["random_draws"] == ("common (inverse CDF)" if crn

@@ -205,7 +205,7 @@ def with_samples(strategy: Strategy, samples: int) -> Strategy:
     return Strategy(strategy.label, settings, strategy.source)
 
 
-def with_seed(strategies: Sequence[Strategy], seed: int) -> list[Strategy]:
+def sharing_seed(strategies: Sequence[Strategy], seed: int) -> list[Strategy]:
     """Give every strategy that names no seed of its own the same base seed: sample i
     of each then uses the same seed (row 0: `seed`, row i: `derive_seed(seed, i)`).
     A variant's or preset's own `seed=` is kept: comparing seeds is a comparison too."""
@@ -332,7 +332,7 @@ def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Str
             ) -> Comparison:
     """Run every strategy to the end (no live display) and collect the Comparison.
 
-    The strategies should already carry `seed` (see `with_seed`); it is recorded here.
+    The strategies should already carry `seed` (see `sharing_seed`); it is recorded here.
     """
     results = [e.result for _, e in comparison_events(lm, prompt_ids, strategies, crn,
                                                       logprobs)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from genlib.errors import ConfigError
-from genlib.settings.config import DEFAULT_SAMPLERS, fresh_seed
+from genlib.settings.config import DEFAULT_SAMPLERS, STAGE_ON, fresh_seed
 
 if TYPE_CHECKING:
     from genlib.settings.config import GenerationSettings
@@ -401,52 +401,49 @@ def mirostat_v2(state: MirostatState) -> Processor:
     return truncate
 
 
-def _stage_fn(name: str, s: GenerationSettings, ctx: _BuildContext) -> Stage | None:
-    """Stage `name` under settings `s`; None when the stage is off."""
-    fn: Processor | None = None
+# The truncations that keep at least `min_keep` tokens, each named as its setting.
+_TRUNCATIONS: dict[str, Callable[[Any, int], Processor]] = {
+    "top_k": top_k, "top_p": top_p, "min_p": min_p, "typical_p": typical_p,
+    "epsilon_cutoff": epsilon_cutoff, "eta_cutoff": eta_cutoff}
+
+
+def _stage(name: str, s: GenerationSettings, ctx: _BuildContext) -> Stage:
+    """Stage `name` under settings `s`, which turn it on (`config.STAGE_ON`)."""
     state: RowState | None = None
-    if name == "logit_bias" and s.logit_bias:
+    fn: Processor
+    if name == "logit_bias":
         fn = logit_bias(ctx.bias_sequences(s.logit_bias))
     elif name == "penalties":
         fn = _penalties(s, ctx.prompt_width)
-    elif name == "no_repeat_ngram" and s.no_repeat_ngram_size > 0:
+    elif name == "no_repeat_ngram":
         fn = no_repeat_ngram(s.no_repeat_ngram_size)
-    elif name == "dry" and s.dry_multiplier > 0 and s.dry_penalty_last_n != 0:
+    elif name == "dry":
         fn = dry(s.dry_multiplier, s.dry_base, s.dry_allowed_length,
                  ctx.breaker_ids(s.dry_sequence_breakers), s.dry_penalty_last_n)
-    elif name == "temperature" and s.temperature != 1.0:
+    elif name == "temperature":
         fn = temperature(s.temperature)
-    elif name == "top_k" and s.top_k > 0:
-        fn = top_k(s.top_k, ctx.min_keep)
-    elif name == "top_p" and s.top_p < 1.0:
-        fn = top_p(s.top_p, ctx.min_keep)
-    elif name == "min_p" and s.min_p > 0.0:
-        fn = min_p(s.min_p, ctx.min_keep)
-    elif name == "typical_p" and s.typical_p < 1.0:
-        fn = typical_p(s.typical_p, ctx.min_keep)
-    elif name == "epsilon_cutoff" and s.epsilon_cutoff > 0.0:
-        fn = epsilon_cutoff(s.epsilon_cutoff, ctx.min_keep)
-    elif name == "eta_cutoff" and s.eta_cutoff > 0.0:
-        fn = eta_cutoff(s.eta_cutoff, ctx.min_keep)
-    elif name == "top_n_sigma" and s.top_n_sigma > 0.0:
+    elif name in _TRUNCATIONS:
+        fn = _TRUNCATIONS[name](getattr(s, name), ctx.min_keep)
+    elif name == "top_n_sigma":
         fn = top_n_sigma(s.top_n_sigma)
-    elif name == "xtc" and s.xtc_probability > 0.0:
+    elif name == "xtc":
         fn = xtc(s.xtc_threshold, s.xtc_probability, ctx.seed)
-    elif name == "mirostat" and s.mirostat == 2:
+    else:  # mirostat
         state = MirostatState(s.mirostat_tau, s.mirostat_eta)
         fn = mirostat_v2(state)
-    return Stage(name, fn, state) if fn is not None else None
+    return Stage(name, fn, state)
 
 
-def _penalties(s: GenerationSettings, prompt_width: int) -> Processor | None:
-    """The penalties stage: the CTRL repetition penalty, then presence and frequency."""
+def _penalties(s: GenerationSettings, prompt_width: int) -> Processor:
+    """The penalties stage: the CTRL repetition penalty, then presence and frequency
+    (the ones the settings turn on; at least one is)."""
     parts: list[Processor] = []
     if s.repetition_penalty != 1.0:
         parts.append(repetition_penalty(s.repetition_penalty))
     if s.presence_penalty != 0.0 or s.frequency_penalty != 0.0:
         parts.append(presence_frequency(s.presence_penalty, s.frequency_penalty, prompt_width))
-    if len(parts) < 2:
-        return parts[0] if parts else None
+    if len(parts) == 1:
+        return parts[0]
 
     def penalties(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         """penalties: repetition penalty, then presence/frequency."""
@@ -539,11 +536,10 @@ def build_processors(settings: GenerationSettings, *, prompt_width: int = 0,
         matchers = grammar.Matchers.start(constraint)
         chain.append(Stage(GRAMMAR_STAGE, grammar.mask_fn(matchers, prompt_width), matchers))
     for name in stage_order(settings):
-        if name in SAMPLING_STAGES and not settings.do_sample:
+        if (name in SAMPLING_STAGES and not settings.do_sample) \
+                or not STAGE_ON[name](settings.__dict__):
             continue
-        stage = _stage_fn(name, settings, ctx)
-        if stage is not None:
-            chain.append(stage)
+        chain.append(_stage(name, settings, ctx))
     return chain
 
 

@@ -60,143 +60,242 @@ def shown(value: Any) -> str:
     return _SHOW.repr(value)
 
 
+# The panels `--help` groups the setting flags into.
+DECODING = "Decoding"
+BEAM = "Beam search"
+SAMPLERS = "Samplers and penalties (docs/samplers.md)"
+CONSTRAINTS = "Constrained output (xgrammar)"
+LAYERS = "Contrastive search and DoLa (docs/strategies.md)"
+COMBINED = "Combined models (docs/combining.md)"
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How a setting is given on the command line: its names (the long one first; Typer's
+    `--on/--off` form for a switch), the `--help` panel, and what the flag's syntax adds
+    to the setting's meaning (`note`: repeatable, escapes, a file to read)."""
+
+    names: tuple[str, ...]
+    panel: str = DECODING
+    metavar: str | None = None
+    note: str = ""
+    file: bool = False  # the flag names a file (or - for stdin) that holds the value
+    escapes: bool = False  # Python's backslash escapes are read: --stop "\\n\\n"
+
+
 @dataclass(frozen=True)
 class Spec:
-    """How one setting is typed, bounded and explained."""
+    """One setting, declared once: its type, default, bounds, meaning and flag. The
+    settings dataclass, preset and JSONL validation, `presets keys` and every command's
+    setting options (cli/options.py) are made from it."""
 
     kind: str  # "int", "float", "bool", "str", "strings", "choice", "early_stopping",
-    #            "bias", "samplers", "schema"
+    #            "bias", "samplers", "schema", "layers"
     default: Any
     help: str
     allowed: str = ""
     check: Callable[[Any], bool] | None = None
     optional: bool = False  # None is a valid value
     choices: tuple[str, ...] = ()
+    flag: Flag | None = None
 
+    def flag_help(self) -> str:
+        """The flag's `--help` text: the meaning as a sentence, the bounds and the default
+        (where the meaning does not say them), then the flag's note."""
+        text = self.help[:1].upper() + self.help[1:] + "."
+        numeric = self.kind in ("int", "float")
+        bounds = [self.allowed] if numeric and self.allowed and len(self.allowed) <= 32 else []
+        if numeric and self.default is not None and "default" not in self.help \
+                and "= off" not in self.help:
+            bounds.append(f"default {self.default}")
+        if bounds:
+            said = "; ".join(bounds)
+            text += f" {said[:1].upper()}{said[1:]}."
+        return f"{text} {self.flag.note}" if self.flag and self.flag.note else text
+
+
+def _flag(*names: str, **how: Any) -> Flag:
+    return Flag(names, **how)
+
+
+_ESCAPES = "Repeatable; \\n and \\t escapes work."
+_FILE = "The flag names a file that holds it (`-` = stdin)."
 
 SPECS: dict[str, Spec] = {
     "strategy": Spec("choice", None,
                      "greedy, sample or beam (default: inferred from the other settings)",
-                     choices=STRATEGIES, optional=True),
-    "do_sample": Spec("bool", None, "sample instead of taking the argmax (beam: beam sampling)",
-                      optional=True),
-    "max_new_tokens": Spec("int", 128, "tokens to generate at most", ">= 1", lambda v: v >= 1),
+                     choices=STRATEGIES, optional=True, flag=_flag("--strategy", "-s")),
+    "do_sample": Spec("bool", None, "sample instead of taking the argmax (beam: beam sampling, "
+                      "drawing the continuations instead of taking the best)", optional=True,
+                      flag=_flag("--sample/--no-sample", panel=BEAM)),
+    "max_new_tokens": Spec("int", 128, "tokens to generate at most", ">= 1", lambda v: v >= 1,
+                           flag=_flag("--max-new-tokens", "-n")),
     "min_new_tokens": Spec("int", 0, "end tokens are suppressed before this many new tokens",
-                           ">= 0", lambda v: v >= 0),
-    "ignore_eos": Spec("bool", False, "never stop at an end token (benchmarks)"),
-    "temperature": Spec("float", 1.0, "divide logits by this (lower = sharper)",
+                           ">= 0", lambda v: v >= 0, flag=_flag("--min-new-tokens")),
+    "ignore_eos": Spec("bool", False, "never stop at an end token (benchmarks)",
+                       flag=_flag("--ignore-eos")),
+    "temperature": Spec("float", 1.0, "divide logits by this (lower = sharper); it implies "
+                        "sampling unless the strategy says otherwise",
                         "> 0 (for deterministic output use strategy greedy)",
-                        lambda v: v > 0),
-    "top_k": Spec("int", 0, "keep the k most probable tokens (0 = off)", ">= 0", lambda v: v >= 0),
+                        lambda v: v > 0, flag=_flag("--temperature", "-t")),
+    "top_k": Spec("int", 0, "keep the k most probable tokens (0 = off)", ">= 0", lambda v: v >= 0,
+                  flag=_flag("--top-k")),
     "top_p": Spec("float", 1.0, "nucleus: keep the smallest set with probability >= top_p",
-                  "0 < top_p <= 1", lambda v: 0 < v <= 1),
+                  "0 < top_p <= 1", lambda v: 0 < v <= 1, flag=_flag("--top-p")),
     "min_p": Spec("float", 0.0, "drop tokens with p < min_p * p_max (0 = off)",
-                  "0 <= min_p <= 1", lambda v: 0 <= v <= 1),
+                  "0 <= min_p <= 1", lambda v: 0 <= v <= 1, flag=_flag("--min-p")),
     "typical_p": Spec("float", 1.0, "locally typical sampling mass (1 = off)",
-                      "0 < typical_p <= 1", lambda v: 0 < v <= 1),
-    "repetition_penalty": Spec("float", 1.0, "penalise tokens already in the context (1 = off)",
-                               "> 0", lambda v: v > 0),
+                      "0 < typical_p <= 1", lambda v: 0 < v <= 1, flag=_flag("--typical-p")),
+    "repetition_penalty": Spec("float", 1.0, "penalise tokens already in the context; > 1 "
+                               "discourages them (1 = off)", "> 0", lambda v: v > 0,
+                               flag=_flag("--repetition-penalty")),
     "no_repeat_ngram_size": Spec("int", 0, "forbid repeating any n-gram of this size (0 = off)",
-                                 ">= 0", lambda v: v >= 0),
-    "stop_strings": Spec("strings", (), "stop when the text contains one of these (not printed)"),
+                                 ">= 0", lambda v: v >= 0, flag=_flag("--no-repeat-ngram-size")),
+    "stop_strings": Spec("strings", (), "stop when the text contains one of these (not printed)",
+                         flag=_flag("--stop", note=_ESCAPES, escapes=True)),
     "seed": Spec("int", None, "random seed (default: a fresh one, reported in --json)",
                  f"0 <= seed <= 2**64-1 ({MAX_SEED})", lambda v: 0 <= v <= MAX_SEED,
-                 optional=True),
+                 optional=True, flag=_flag("--seed")),
     "num_return_sequences": Spec("int", 1, "outputs per prompt",
                                  f"1 <= num_return_sequences <= {MAX_ROWS}",
-                                 lambda v: 1 <= v <= MAX_ROWS),
+                                 lambda v: 1 <= v <= MAX_ROWS,
+                                 flag=_flag("--num-return-sequences")),
     "max_time": Spec("float", None, "stop after this many seconds", "> 0", lambda v: v > 0,
-                     optional=True),
-    "num_beams": Spec("int", 1, "beams kept per prompt", f"1 <= num_beams <= {MAX_ROWS}",
-                      lambda v: 1 <= v <= MAX_ROWS),
-    "length_penalty": Spec("float", 1.0, "beam score = logprob / length**length_penalty"),
+                     optional=True, flag=_flag("--max-time")),
+    "num_beams": Spec("int", 1, "beams kept per prompt (beam search: default 4)",
+                      f"1 <= num_beams <= {MAX_ROWS}", lambda v: 1 <= v <= MAX_ROWS,
+                      flag=_flag("--num-beams", "-k", panel=BEAM)),
+    "length_penalty": Spec("float", 1.0, "beam score = logprob / length**length_penalty; > 0 "
+                           "favours longer outputs", flag=_flag("--length-penalty", panel=BEAM)),
     "early_stopping": Spec("early_stopping", False,
-                           "beam: true, false or never (as in transformers)",
-                           "true, false or \"never\""),
-    "num_beam_groups": Spec("int", 1, "diverse beam search groups", ">= 1", lambda v: v >= 1),
+                           "beam: true stops when num_beams outputs are done, false when no "
+                           "running beam can still win (a heuristic), never by the exact rule "
+                           "(as in transformers)", "true, false or \"never\"",
+                           flag=_flag("--early-stopping", panel=BEAM)),
+    "num_beam_groups": Spec("int", 1, "diverse beam search: split the beams into this many "
+                            "groups", ">= 1", lambda v: v >= 1,
+                            flag=_flag("--num-beam-groups", panel=BEAM)),
     "diversity_penalty": Spec("float", 0.0, "diverse beam search: penalty for tokens other groups "
-                              "chose at this step", ">= 0", lambda v: v >= 0),
-    "force_words": Spec("strings", (), "constrained beam search: phrases that must appear"),
+                              "chose at this step", ">= 0", lambda v: v >= 0,
+                              flag=_flag("--diversity-penalty", panel=BEAM)),
+    "force_words": Spec("strings", (), "constrained beam search: phrases that must appear",
+                        flag=_flag("--force", panel=BEAM, note="Repeatable.")),
     "force_any": Spec("strings", (), "constrained beam search: sets 'A|B|C', one of which must "
-                      "appear"),
+                      "appear", flag=_flag("--force-any", panel=BEAM, note="Repeatable.")),
     "logit_bias": Spec("bias", (), "add BIAS to a token's logit: TOKEN=BIAS, the token as an "
                        "id or as text (text of several tokens biases that sequence's last "
                        "token after the others, as transformers' sequence_bias; llama.cpp, "
-                       "OpenAI)"),
+                       "OpenAI)", flag=_flag("--logit-bias", panel=SAMPLERS, metavar="TOKEN=BIAS",
+                                             note="Repeatable.")),
     "presence_penalty": Spec("float", 0.0, "subtract this from the logit of every token already "
-                             "generated (OpenAI, vLLM; 0 = off)", "-2 <= presence_penalty <= 2",
-                             lambda v: -2 <= v <= 2),
+                             "generated (OpenAI, vLLM); 0 = off", "-2 <= presence_penalty <= 2",
+                             lambda v: -2 <= v <= 2,
+                             flag=_flag("--presence-penalty", panel=SAMPLERS)),
     "frequency_penalty": Spec("float", 0.0, "subtract this times its count so far from each "
-                              "generated token's logit (OpenAI, vLLM; 0 = off)",
-                              "-2 <= frequency_penalty <= 2", lambda v: -2 <= v <= 2),
-    "dry_multiplier": Spec("float", 0.0, "DRY repetition penalty strength (llama.cpp; 0 = off)",
-                           ">= 0", lambda v: v >= 0),
+                              "generated token's logit (OpenAI, vLLM); 0 = off",
+                              "-2 <= frequency_penalty <= 2", lambda v: -2 <= v <= 2,
+                              flag=_flag("--frequency-penalty", panel=SAMPLERS)),
+    "dry_multiplier": Spec("float", 0.0, "DRY repetition penalty strength (llama.cpp); 0 = off",
+                           ">= 0", lambda v: v >= 0,
+                           flag=_flag("--dry-multiplier", panel=SAMPLERS)),
     "dry_base": Spec("float", 1.75, "DRY: the penalty grows as base**(length - allowed_length) "
-                     "(llama.cpp)", ">= 1", lambda v: v >= 1),
+                     "(llama.cpp)", ">= 1", lambda v: v >= 1,
+                     flag=_flag("--dry-base", panel=SAMPLERS)),
     "dry_allowed_length": Spec("int", 2, "DRY: repetitions up to this long go unpenalized "
-                               "(llama.cpp)", ">= 1", lambda v: v >= 1),
+                               "(llama.cpp)", ">= 1", lambda v: v >= 1,
+                               flag=_flag("--dry-allowed-length", panel=SAMPLERS)),
     "dry_penalty_last_n": Spec("int", -1, "DRY: tokens of context scanned for repetitions "
-                               "(llama.cpp; -1 = all, 0 = off)", ">= -1", lambda v: v >= -1),
+                               "(llama.cpp); -1 = all, 0 = off", ">= -1", lambda v: v >= -1,
+                               flag=_flag("--dry-penalty-last-n", panel=SAMPLERS)),
     "dry_sequence_breakers": Spec("strings", ("\n", ":", "\"", "*"),
-                                  "DRY: texts that end a repetition (llama.cpp)"),
+                                  "DRY: texts that end a repetition (llama.cpp; default \\n : "
+                                  "\" *)", flag=_flag("--dry-sequence-breaker", panel=SAMPLERS,
+                                                     note=_ESCAPES + " Replaces the default.",
+                                                     escapes=True)),
     "xtc_probability": Spec("float", 0.0, "XTC: chance of excluding the top choices each step "
-                            "(llama.cpp; 0 = off)", "0 <= xtc_probability <= 1",
-                            lambda v: 0 <= v <= 1),
+                            "(llama.cpp); 0 = off", "0 <= xtc_probability <= 1",
+                            lambda v: 0 <= v <= 1,
+                            flag=_flag("--xtc-probability", panel=SAMPLERS)),
     "xtc_threshold": Spec("float", 0.1, "XTC: tokens with p >= this are top choices (llama.cpp)",
                           "0 <= xtc_threshold <= 0.5 (above 0.5 no two tokens can reach it)",
-                          lambda v: 0 <= v <= 0.5),
+                          lambda v: 0 <= v <= 0.5,
+                          flag=_flag("--xtc-threshold", panel=SAMPLERS)),
     "top_n_sigma": Spec("float", 0.0, "top-nσ: drop tokens with logit < max - n * std "
-                        "(llama.cpp; 0 = off)", ">= 0", lambda v: v >= 0),
-    "epsilon_cutoff": Spec("float", 0.0, "drop tokens with p < epsilon (transformers; 0 = off)",
-                           "0 <= epsilon_cutoff < 1", lambda v: 0 <= v < 1),
+                        "(llama.cpp); 0 = off", ">= 0", lambda v: v >= 0,
+                        flag=_flag("--top-n-sigma", panel=SAMPLERS)),
+    "epsilon_cutoff": Spec("float", 0.0, "drop tokens with p < epsilon (transformers); 0 = off",
+                           "0 <= epsilon_cutoff < 1", lambda v: 0 <= v < 1,
+                           flag=_flag("--epsilon-cutoff", panel=SAMPLERS)),
     "eta_cutoff": Spec("float", 0.0, "drop tokens with p < min(eta, sqrt(eta) * exp(-entropy)) "
-                       "(transformers; 0 = off)", "0 <= eta_cutoff < 1", lambda v: 0 <= v < 1),
+                       "(transformers); 0 = off", "0 <= eta_cutoff < 1", lambda v: 0 <= v < 1,
+                       flag=_flag("--eta-cutoff", panel=SAMPLERS)),
     "mirostat": Spec("int", 0, "Mirostat version: 0 = off, 2 = Mirostat 2.0 (llama.cpp)",
-                     "0 or 2 (Mirostat 1.0 is not implemented)", lambda v: v in (0, 2)),
+                     "0 or 2 (Mirostat 1.0 is not implemented)", lambda v: v in (0, 2),
+                     flag=_flag("--mirostat", panel=SAMPLERS)),
     "mirostat_tau": Spec("float", 5.0, "Mirostat: target surprise in bits (llama.cpp)", "> 0",
-                         lambda v: v > 0),
+                         lambda v: v > 0,
+                         flag=_flag("--mirostat-tau", panel=SAMPLERS)),
     "mirostat_eta": Spec("float", 0.1, "Mirostat: learning rate (llama.cpp)", "> 0",
-                         lambda v: v > 0),
-    "samplers": Spec("samplers", (), "the processor chain's order, names separated by ';' "
-                     "(llama.cpp); stages left out do not run (default: the documented "
-                     "order, docs/samplers.md)"),
+                         lambda v: v > 0,
+                         flag=_flag("--mirostat-eta", panel=SAMPLERS)),
+    "samplers": Spec("samplers", (), "the processor chain's order, stage names separated by ';' "
+                     "(llama.cpp); stages left out do not run. Default: "
+                     + "; ".join(DEFAULT_SAMPLERS),
+                     flag=_flag("--samplers", panel=SAMPLERS, metavar="A;B;...")),
     "json_schema": Spec("schema", None, "constrain the output to JSON valid against this "
-                        "schema (xgrammar)", optional=True),
+                        "schema (xgrammar)", optional=True,
+                        flag=_flag("--json-schema", panel=CONSTRAINTS, metavar="FILE|-",
+                                   note=_FILE, file=True)),
     "regex": Spec("str", None, "constrain the output to match this regular expression "
-                  "(xgrammar)", optional=True),
+                  "(xgrammar)", optional=True,
+                  flag=_flag("--regex", panel=CONSTRAINTS, metavar="PATTERN")),
     "grammar": Spec("str", None, "constrain the output to this EBNF/GBNF grammar, rule root "
-                    "(xgrammar)", optional=True),
+                    "(xgrammar)", optional=True,
+                    flag=_flag("--grammar", panel=CONSTRAINTS, metavar="FILE|-",
+                               note=_FILE, file=True)),
     "grammar_timeout": Spec("float", 30.0, "seconds a json_schema, regex or grammar may take "
-                            "to compile before the run stops (compiled grammars are cached)",
-                            "> 0", lambda v: v > 0),
+                            "to compile before the run stops with exit status 1 (compiled "
+                            "grammars are cached on disk)",
+                            "> 0", lambda v: v > 0,
+                            flag=_flag("--grammar-timeout", panel=CONSTRAINTS, metavar="SECONDS")),
     # Sample and rerank (genlib.decoding.rerank): one batch of `samples` rows, one output kept.
     "samples": Spec("int", None, "draw this many samples as one batch and keep the one "
-                    "rerank prefers (sampling only)", f"1 <= samples <= {MAX_ROWS}",
-                    lambda v: 1 <= v <= MAX_ROWS, optional=True),
+                    "rerank prefers (sampling only; samples are not streamed)",
+                    f"1 <= samples <= {MAX_ROWS}",
+                    lambda v: 1 <= v <= MAX_ROWS, optional=True,
+                    flag=_flag("--samples", metavar="N")),
     "rerank": Spec("str", None, "how samples picks its output: logprob (the best mean token "
                    "logprob under the model), mbr (minimum Bayes risk under chrF) or a "
                    "scoring model's folder or hub id (default with samples: logprob)",
-                   optional=True),
+                   optional=True,
+                   flag=_flag("--rerank", metavar="METHOD")),
     # Combined models (genlib.sampling.combine): the settings say which combination runs, the
     # models come from --ensemble / --amateur, never from a setting.
     "ensemble_mode": Spec("choice", None, "combine the --ensemble models' next-token "
                           "distributions: mean (a weighted mixture) or product (a weighted "
                           "product of experts, renormalised); default mean with --ensemble",
-                          choices=("mean", "product"), optional=True),
+                          choices=("mean", "product"), optional=True,
+                          flag=_flag("--ensemble-mode", panel=COMBINED)),
     "cd_beta": Spec("float", None, "contrastive decoding: score (1+beta) log p_expert - beta "
                     "log p_amateur against the --amateur model (default 0.5 with "
                     "--amateur; 0 = the expert alone)", ">= 0", lambda v: v >= 0,
-                    optional=True),
+                    optional=True,
+                    flag=_flag("--cd-beta", panel=COMBINED)),
     "cd_alpha": Spec("float", 0.1, "contrastive decoding: keep only tokens with p_expert >= "
-                     "alpha * max p_expert", "0 <= cd_alpha <= 1", lambda v: 0 <= v <= 1),
+                     "alpha * max p_expert", "0 <= cd_alpha <= 1", lambda v: 0 <= v <= 1,
+                     flag=_flag("--cd-alpha", panel=COMBINED)),
     "penalty_alpha": Spec("float", None, "contrastive search (Su et al. 2022, as transformers): "
                           "of the top_k candidates pick the max of (1-alpha) * p - alpha * "
-                          "their hidden state's max cosine similarity to the context's",
-                          "0 <= penalty_alpha <= 1", lambda v: 0 <= v <= 1, optional=True),
+                          "their hidden state's max cosine similarity to the context's "
+                          "(transformers suggests 0.6 with top_k 4)",
+                          "0 <= penalty_alpha <= 1", lambda v: 0 <= v <= 1, optional=True,
+                          flag=_flag("--penalty-alpha", panel=LAYERS, metavar="ALPHA")),
     "dola_layers": Spec("layers", None, "DoLa (Chuang et al. 2024, as transformers): contrast "
                         "the final layer with the earlier layer, of these, that differs most: "
-                        "low, high or layer numbers N,M (0: the embeddings)",
-                        "low, high or layer numbers such as 2,4", optional=True),
+                        "low, high or layer numbers N,M (0: the embeddings); the paper "
+                        "suggests repetition_penalty 1.2",
+                        "low, high or layer numbers such as 2,4", optional=True,
+                        flag=_flag("--dola-layers", panel=LAYERS, metavar="low|high|N,M")),
 }
 
 
@@ -718,7 +817,7 @@ def row_seeds(base: int | None, rows: int) -> list[int]:
     return [base if i == 0 else derive_seed(base, i) for i in range(rows)]
 
 
-def with_seed(settings: GenerationSettings, seed: int | None = None) -> GenerationSettings:
+def seeded(settings: GenerationSettings, seed: int | None = None) -> GenerationSettings:
     """Sampling settings with a fixed seed (`seed`, else a fresh one) when they have
     none, so a run can report and repeat it; other settings unchanged."""
     if settings.do_sample and settings.seed is None:
@@ -726,21 +825,30 @@ def with_seed(settings: GenerationSettings, seed: int | None = None) -> Generati
     return settings
 
 
+# When each stage of the processor chain runs: the one place a setting turns a stage on
+# (genlib.sampling.processors builds the stages these name; `samplers` must list them).
+STAGE_ON: dict[str, Callable[[Mapping[str, Any]], bool]] = {
+    "logit_bias": lambda s: bool(s["logit_bias"]),
+    "penalties": lambda s: s["repetition_penalty"] != 1.0 or s["presence_penalty"] != 0.0
+    or s["frequency_penalty"] != 0.0,
+    "no_repeat_ngram": lambda s: s["no_repeat_ngram_size"] > 0,
+    "dry": lambda s: s["dry_multiplier"] > 0 and s["dry_penalty_last_n"] != 0,
+    "temperature": lambda s: s["temperature"] != 1.0,
+    "top_k": lambda s: s["top_k"] > 0,
+    "top_p": lambda s: s["top_p"] < 1.0,
+    "min_p": lambda s: s["min_p"] > 0.0,
+    "typical_p": lambda s: s["typical_p"] < 1.0,
+    "epsilon_cutoff": lambda s: s["epsilon_cutoff"] > 0.0,
+    "eta_cutoff": lambda s: s["eta_cutoff"] > 0.0,
+    "top_n_sigma": lambda s: s["top_n_sigma"] > 0.0,
+    "xtc": lambda s: s["xtc_probability"] > 0.0,
+    "mirostat": lambda s: s["mirostat"] == 2,
+}
+
+
 def active_stages(s: Mapping[str, Any]) -> list[str]:
     """The stages whose settings turn them on (whatever the order or strategy)."""
-    on = {
-        "logit_bias": bool(s["logit_bias"]),
-        "penalties": s["repetition_penalty"] != 1.0 or s["presence_penalty"] != 0.0
-        or s["frequency_penalty"] != 0.0,
-        "no_repeat_ngram": s["no_repeat_ngram_size"] > 0,
-        "dry": s["dry_multiplier"] > 0 and s["dry_penalty_last_n"] != 0,
-        "temperature": s["temperature"] != 1.0, "top_k": s["top_k"] > 0,
-        "top_p": s["top_p"] < 1.0, "min_p": s["min_p"] > 0.0, "typical_p": s["typical_p"] < 1.0,
-        "epsilon_cutoff": s["epsilon_cutoff"] > 0.0, "eta_cutoff": s["eta_cutoff"] > 0.0,
-        "top_n_sigma": s["top_n_sigma"] > 0.0, "xtc": s["xtc_probability"] > 0.0,
-        "mirostat": s["mirostat"] == 2,
-    }
-    return [name for name in DEFAULT_SAMPLERS if on[name]]
+    return [name for name in DEFAULT_SAMPLERS if STAGE_ON[name](s)]
 
 
 def _check_new_samplers(s: Mapping[str, Any]) -> None:
