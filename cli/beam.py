@@ -9,7 +9,6 @@ import typer
 
 from cli import options as opt
 from cli.context import (
-    ModelFlags,
     combination_defaults,
     encode_prompt,
     load,
@@ -164,14 +163,14 @@ def draw_live(run: Generator[Any, None, list[BeamResult]], prompt: str | None,
 
 
 @user_errors
-@opt.settings_options(
+@opt.options(
     ("ensemble", opt.BEAM + opt.without(opt.DECODING, "strategy", "num_return_sequences")
      + opt.SAMPLERS + opt.CONSTRAINTS),
     ("amateur", ("ensemble_mode",)), ("tree", ("cd_beta", "cd_alpha")),
+    ("as_json", opt.PROMPT_OPTIONS), ("", opt.MODEL_OPTIONS),
     helps={"temperature": "Sampling temperature (> 0) for beam sampling (--sample)."})
 def beam(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    prompt: opt.Prompt = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
     ensemble: opt.Ensemble = None,
@@ -189,17 +188,9 @@ def beam(
     no_greedy: Annotated[bool, typer.Option(
         "--no-greedy", rich_help_panel=opt.OUTPUT_PANEL,
         help="Skip the greedy run shown for contrast.")] = False,
-    chat: opt.Chat = False,
-    system: opt.System = None,
-    truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
     as_jsonl: opt.Jsonl = False,
     output: opt.OutputFile = None,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    quantize: opt.Quantize = "none",
-    trust_remote_code: opt.TrustRemoteCode = False,
-    backend: opt.Backend = "auto",
     **given: Any,
 ) -> None:
     """Beam search: the n best continuations with their scores, beside the greedy one.
@@ -211,8 +202,7 @@ def beam(
     """
     flags = opt.given_settings(given, prompt) | {"strategy": "beam"}
     target = sink(as_json, as_jsonl, output)
-    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
-                             tuple(ensemble or ()), amateur)
+    model_flags = opt.model_flags(given, model, ensemble, amateur)
     settings, loaded_preset = settings_for(preset, flags,
                                            combination_defaults(model_flags, flags))
     named = "num_return_sequences" in flags or (
@@ -221,7 +211,7 @@ def beam(
         settings = settings.replace(num_return_sequences=settings.num_beams)
     text = read_prompt(prompt)
     lm = load(model_flags, loaded_preset)
-    ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(lm, settings)
     with opened(target) as target:
         code = run_beam(lm, ids, text, settings, sink=target, tree=tree,

@@ -624,11 +624,10 @@ MarkdownPath = Annotated[str | None, typer.Option(
 
 
 @user_errors
-@opt.settings_options(("model", ("max_new_tokens", "min_new_tokens", "stop_strings", "seed",
-                                 "max_time", "ignore_eos") + opt.CONSTRAINTS))
+@opt.options(("model", ("max_new_tokens", "min_new_tokens", "stop_strings", "seed",
+                        "max_time", "ignore_eos") + opt.CONSTRAINTS))
 def compare(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    prompt: opt.Prompt = None,
     preset: opt.Presets = None,
     variant: Variants = None,
     samples: Samples = 1,

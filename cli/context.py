@@ -35,6 +35,15 @@ class ModelFlags:
         return bool(self.ensemble or self.amateur)
 
 
+@dataclass(frozen=True)
+class PromptFlags:
+    """How a command makes its prompt: --chat, --system, --truncate-prompt."""
+
+    chat: bool = False
+    system: str | None = None
+    truncate: bool = False
+
+
 def combination_defaults(model_flags: ModelFlags, flags: Mapping[str, Any]) -> dict[str, Any]:
     """The settings --ensemble and --amateur imply where neither a flag nor the preset
     sets them (a mean ensemble; contrastive decoding at beta 0.5), to go under the
@@ -227,8 +236,11 @@ def text_of(text: str, what: str) -> str:
     return text
 
 
-def encode_prompt(lm: LoadedModel, prompt: str, chat: bool, system: str | None,
-                  truncate: bool, max_new_tokens: int) -> list[int]:
+def encode_prompt(lm: LoadedModel, prompt: str, flags: PromptFlags,
+                  max_new_tokens: int) -> list[int]:
+    """The prompt's token ids: through the chat template with --chat, cut to its last
+    tokens with --truncate-prompt, refused when it cannot fit."""
+    chat, system, truncate = flags.chat, flags.system, flags.truncate
     if chat:
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]

@@ -11,7 +11,6 @@ import typer
 from cli import options as opt
 from cli import output
 from cli.context import (
-    ModelFlags,
     combination_defaults,
     encode_prompt,
     load,
@@ -101,21 +100,18 @@ def step_lines(record: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 @user_errors
-@opt.settings_options(
+@opt.options(
     ("ensemble", opt.without(opt.DECODING, "num_return_sequences", "max_time")
      + opt.SAMPLERS + opt.CONSTRAINTS),
-    ("amateur", ("ensemble_mode",)), ("chat", ("cd_beta", "cd_alpha")),
+    ("amateur", ("ensemble_mode",)),
+    ("steps", ("cd_beta", "cd_alpha") + opt.PROMPT_OPTIONS), ("", opt.MODEL_OPTIONS),
     helps={"max_new_tokens": "Tokens to generate at most (default: the preset's, else 20)."})
 def explain(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    prompt: opt.Prompt = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
     ensemble: opt.Ensemble = None,
     amateur: opt.Amateur = None,
-    chat: opt.Chat = False,
-    system: opt.System = None,
-    truncate_prompt: opt.TruncatePrompt = False,
     steps: Annotated[str | None, typer.Option(
         "--steps", rich_help_panel=opt.OUTPUT_PANEL,
         help="Steps to show, A:B (0-based, B excluded; default all), in the terminal "
@@ -137,11 +133,6 @@ def explain(
         "--html", rich_help_panel=opt.OUTPUT_PANEL,
         help="Write one self-contained page: tokens coloured by probability, click one "
         "for its step (with --branch, both runs).")] = None,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    quantize: opt.Quantize = "none",
-    trust_remote_code: opt.TrustRemoteCode = False,
-    backend: opt.Backend = "auto",
     **given: Any,
 ) -> None:
     """Step through a generation and see why each token was chosen.
@@ -168,8 +159,7 @@ def explain(
 
         check_output_path(html_file, "--html")
     first, last = parse_steps(steps)
-    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
-                             tuple(ensemble or ()), amateur)
+    model_flags = opt.model_flags(given, model, ensemble, amateur)
     settings, loaded_preset = settings_for(
         preset, flags, EXPLAIN_DEFAULTS | combination_defaults(model_flags, flags))
     if settings.strategy == "beam":
@@ -177,7 +167,7 @@ def explain(
                    "(see `genlab beam --tree`)")
     text = read_prompt(prompt)
     lm = load(model_flags, loaded_preset, quick=True)
-    ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced)

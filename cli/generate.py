@@ -11,7 +11,6 @@ import typer
 from cli import options as opt
 from cli import render_tokens
 from cli.context import (
-    ModelFlags,
     combination_defaults,
     encode_prompt,
     load,
@@ -174,18 +173,16 @@ def backend_note(prefill: Prefill | None) -> str:
 
 
 @user_errors
-@opt.settings_options(("ensemble", opt.DECODING + opt.RERANK + opt.SAMPLERS + opt.CONSTRAINTS),
-                      ("amateur", ("ensemble_mode",)), ("chat", ("cd_beta", "cd_alpha")))
+@opt.options(("ensemble", opt.DECODING + opt.RERANK + opt.SAMPLERS + opt.CONSTRAINTS),
+             ("amateur", ("ensemble_mode",)),
+             ("as_json", ("cd_beta", "cd_alpha") + opt.PROMPT_OPTIONS),
+             ("compile", opt.MODEL_OPTIONS))
 def generate(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    prompt: opt.Prompt = None,
     model: opt.Model = None,
     preset: opt.Preset = None,
     ensemble: opt.Ensemble = None,
     amateur: opt.Amateur = None,
-    chat: opt.Chat = False,
-    system: opt.System = None,
-    truncate_prompt: opt.TruncatePrompt = False,
     as_json: Json = False,
     as_jsonl: Jsonl = False,
     output: Annotated[str | None, typer.Option(
@@ -198,11 +195,6 @@ def generate(
     show_settings: opt.ShowSettings = False,
     show_stats: Annotated[bool, typer.Option(
         "--stats", help="Print tokens, time to first token and tokens/s to stderr.")] = False,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    quantize: opt.Quantize = "none",
-    trust_remote_code: opt.TrustRemoteCode = False,
-    backend: opt.Backend = "auto",
     compile: opt.RetiredCompile = False,
     interactive: Annotated[bool, typer.Option(
         "--interactive", "-i", help="Interactive session: load the model once, then type "
@@ -243,8 +235,7 @@ def generate(
     """
     flags = opt.given_settings(given, prompt, input_file, interactive)
     opt.refuse_compile(compile)
-    model_flags = ModelFlags(model, device, dtype, quantize, trust_remote_code, backend,
-                             tuple(ensemble or ()), amateur)
+    model_flags = opt.model_flags(given, model, ensemble, amateur)
     combined = combination_defaults(model_flags, flags)
     from cli.batch import EngineFlags
 
@@ -255,7 +246,7 @@ def generate(
 
         batch_cmd.check_modes(prompt, interactive, input_file, output, batch_size,
                               {"--json": as_json, "--jsonl": as_jsonl, "--stats": show_stats,
-                               "--truncate-prompt": truncate_prompt,
+                               "--truncate-prompt": given["truncate_prompt"],
                                # --input lines take it (each result line's logprobs)
                                "--logprobs": bool(logprobs) and input_file is None,
                                "--color-by": color_by is not None,
@@ -265,9 +256,10 @@ def generate(
         if interactive:
             from cli import repl
 
-            return repl.run(flags, preset, model_flags, chat, system, combined)
+            return repl.run(flags, preset, model_flags, given["chat"], given["system"], combined)
         return batch_cmd.run(flags, preset, model_flags, input_file, output, batch_size,
-                             chat, system, batch_cmd.ResumeFlags(redo_changed, retry_errors),
+                             given["chat"], given["system"],
+                             batch_cmd.ResumeFlags(redo_changed, retry_errors),
                              engine_flags, logprobs or 0, combined)
     render_tokens.check_color_by(color_by)
     sink(as_json, as_jsonl, output)  # refuses --json with --jsonl before any work
@@ -277,7 +269,7 @@ def generate(
     lm = load(model_flags, loaded_preset, quick=True)
     if show_settings:
         show_settings_table(settings, flags, loaded_preset, lm)
-    ids = encode_prompt(lm, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(lm, settings)
     with opened(sink(as_json, as_jsonl, output)) as target:
         code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by,

@@ -19,6 +19,8 @@ MODEL_PANEL = "Model"
 OUTPUT_PANEL = "Output"
 DECODING_PANEL, COMBINE_PANEL = config.DECODING, config.COMBINED  # the settings' panels
 
+Prompt = Annotated[str | None, typer.Argument(
+    help="The prompt; `-` or omitted with piped input reads stdin.")]
 Model = Annotated[str | None, typer.Option(
     "--model", "-m", rich_help_panel=MODEL_PANEL,
     help="Hub id, local folder, or a built-in model: builtin:code-small, builtin:code-tiny. "
@@ -171,6 +173,18 @@ def without(keys: tuple[str, ...], *left_out: str) -> tuple[str, ...]:
     return tuple(key for key in keys if key not in left_out)
 
 
+# The options every generating command shares that are not settings: how the model
+# loads (ModelFlags) and how the prompt is made (PromptFlags); `options` places them as
+# it places settings, by name.
+MODEL_OPTIONS = ("device", "dtype", "quantize", "trust_remote_code", "backend")
+PROMPT_OPTIONS = ("chat", "system", "truncate_prompt")
+_SHARED: dict[str, tuple[Any, Any]] = {
+    "device": (Device, "auto"), "dtype": (Dtype, "auto"), "quantize": (Quantize, "none"),
+    "trust_remote_code": (TrustRemoteCode, False), "backend": (Backend, "auto"),
+    "chat": (Chat, False), "system": (System, None), "truncate_prompt": (TruncatePrompt, False),
+}
+
+
 def setting_option(key: str, help_text: str | None = None) -> Any:
     """The Typer option of setting `key`, made from its declaration; `help_text` replaces
     the declared help where one command gives the flag a narrower meaning."""
@@ -185,34 +199,58 @@ def setting_option(key: str, help_text: str | None = None) -> Any:
         help=help_text or spec.flag_help())]
 
 
-def settings_options(*placed: tuple[str, tuple[str, ...]],
-                     helps: dict[str, str] | None = None
-                     ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Give a command that takes `**given` the options of the settings it names: each
-    `(before, keys)` puts the options of `keys` just before its parameter `before` (where
-    --help lists them). Typer reads the signature and passes what was given in `given`,
-    keyed by setting name; `helps` narrows a flag's help for this command."""
+def options(*placed: tuple[str, tuple[str, ...]], helps: dict[str, str] | None = None
+            ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give a command that takes `**given` the options it names: settings (made from
+    their declarations) and the shared MODEL_OPTIONS and PROMPT_OPTIONS. Each
+    `(before, names)` puts the options of `names` just before the command's parameter
+    `before` ("" for the end), where --help lists them. Typer reads the signature and
+    passes the values in `given`, keyed by name; `helps` narrows a setting flag's help
+    for this command."""
+    def parameter(name: str) -> inspect.Parameter:
+        annotation, default = _SHARED.get(name) or (
+            setting_option(name, (helps or {}).get(name)), None)
+        return inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                                 default=default, annotation=annotation)
+
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         signature = inspect.signature(command, eval_str=True)
         at = dict(placed)
         shown = []
-        for parameter in signature.parameters.values():
-            shown += [inspect.Parameter(key, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
-                                        annotation=setting_option(key, (helps or {}).get(key)))
-                      for key in at.pop(parameter.name, ())]
-            if parameter.kind is not inspect.Parameter.VAR_KEYWORD:
-                shown.append(parameter)
+        for declared in signature.parameters.values():
+            if declared.kind is inspect.Parameter.VAR_KEYWORD:
+                shown += [parameter(name) for name in at.pop("", ())]
+                continue
+            shown += [parameter(name) for name in at.pop(declared.name, ())]
+            shown.append(declared)
         assert not at, f"{command.__name__} has no parameter {', '.join(at)}"
         command.__signature__ = signature.replace(parameters=shown)  # type: ignore[attr-defined]
         return command
     return decorate
 
 
+def model_flags(given: dict[str, Any], model: str | None, ensemble: list[str] | None = None,
+                amateur: str | None = None) -> Any:
+    """The ModelFlags of a command's -m, --ensemble, --amateur and MODEL_OPTIONS."""
+    from cli.context import ModelFlags
+
+    return ModelFlags(model, *(given[name] for name in MODEL_OPTIONS),
+                      tuple(ensemble or ()), amateur)
+
+
+def prompt_flags(given: dict[str, Any]) -> Any:
+    """The PromptFlags of a command's PROMPT_OPTIONS."""
+    from cli.context import PromptFlags
+
+    return PromptFlags(*(given[name] for name in PROMPT_OPTIONS))
+
+
 def given_settings(given: dict[str, Any], prompt: str | None = None,
                    input_file: Any = None, interactive: bool = False) -> dict[str, Any]:
-    """The settings a command's setting options gave (`given`, None = not given), in the
+    """The settings a command's setting options gave (of `given`; None = not given), in the
     form `resolve_settings` takes: the file flags read, escapes and empty lists undone.
     The prompt, `--input` and `--interactive` say whether the prompt reads stdin too."""
+    given = {key: value for key, value in given.items() if key in config.SPECS}
     check_one_stdin(given, prompt, input_file, interactive)
     flags = dict(given)
     for key, value in given.items():

@@ -13,7 +13,6 @@ import typer
 from cli import options as opt
 from cli import render_tokens
 from cli.context import (
-    ModelFlags,
     encode_prompt,
     keep_last_tokens,
     load,
@@ -252,13 +251,12 @@ def result_json(target: LoadedModel, drafter: str, prompt: str, prompt_tokens: i
 
 
 @user_errors
-@opt.settings_options(
-    ("chat", opt.without(opt.DECODING, "num_return_sequences") + opt.SAMPLERS
-     + opt.CONSTRAINTS),
+@opt.options(
+    ("as_json", opt.without(opt.DECODING, "num_return_sequences") + opt.SAMPLERS
+     + opt.CONSTRAINTS + opt.PROMPT_OPTIONS), ("", opt.MODEL_OPTIONS),
     helps={"strategy": "Greedy or sample (speculative decoding has no beam search)."})
 def speculate(
-    prompt: Annotated[str | None, typer.Argument(
-        help="The prompt; `-` or omitted with piped input reads stdin.")] = None,
+    prompt: opt.Prompt = None,
     model: opt.Model = None,
     draft_model: Annotated[str | None, typer.Option(
         "--draft-model", "-d", rich_help_panel=SPEC_PANEL,
@@ -289,18 +287,10 @@ def speculate(
         "--baseline/--no-baseline", rich_help_panel=SPEC_PANEL,
         help="Also decode without speculation and report the measured speed-up.")] = True,
     preset: opt.Preset = None,
-    chat: opt.Chat = False,
-    system: opt.System = None,
-    truncate_prompt: opt.TruncatePrompt = False,
     as_json: opt.Json = False,
     logprobs: opt.Logprobs = None,
     as_jsonl: opt.Jsonl = False,
     output: opt.OutputFile = None,
-    device: opt.Device = "auto",
-    dtype: opt.Dtype = "auto",
-    quantize: opt.Quantize = "none",
-    trust_remote_code: opt.TrustRemoteCode = False,
-    backend: opt.Backend = "auto",
     **given: Any,
 ) -> None:
     """Speculative decoding: a draft proposes, the target verifies; acceptance shown.
@@ -329,15 +319,15 @@ def speculate(
     draft_ref = pick_draft(target_ref, draft_model, prompt_lookup)
     check_draft_weights(draft_weights, draft_ref is not None)  # before the models load
     text = read_prompt(prompt)
-    model_flags = ModelFlags(target_ref, device, dtype, quantize, trust_remote_code, backend)
+    model_flags = opt.model_flags(given, target_ref)
     target = load(model_flags)
     # the kernels the draft may run (auto: choose.draft_request picks), built announced
     kernels = tuple(WEIGHTS) if draft_weights == "auto" else (draft_weights,)
-    draft = load(ModelFlags(draft_ref, device, dtype, quantize, trust_remote_code, backend),
+    draft = load(opt.model_flags(given, draft_ref),
                  weights=kernels) if draft_ref is not None else None
-    ids = encode_prompt(target, text, chat, system, truncate_prompt, settings.max_new_tokens)
+    ids = encode_prompt(target, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(target, settings)
-    if truncate_prompt and draft is not None and draft.max_positions is not None:
+    if given["truncate_prompt"] and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two
         ids = keep_last_tokens(target, ids, draft.max_positions - settings.max_new_tokens)
     # before the rehearsal, which feeds both models the prompt

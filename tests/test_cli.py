@@ -156,7 +156,7 @@ def test_user_errors_are_one_line_and_exit_2(args, fragment):
 
 
 def test_truncate_prompt_is_opt_in(llama2xs):
-    from cli.context import encode_prompt
+    from cli.context import PromptFlags, encode_prompt
 
     long_prompt = "Once upon a time " * 60
     refused = invoke("generate", long_prompt, "-m", str(LLAMA2XS), "-n", "100")
@@ -166,7 +166,7 @@ def test_truncate_prompt_is_opt_in(llama2xs):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["prompt_tokens"] == 256 - 100
     full = llama2xs.encode(long_prompt)
-    kept = encode_prompt(llama2xs, long_prompt, False, None, True, 100)
+    kept = encode_prompt(llama2xs, long_prompt, PromptFlags(truncate=True), 100)
     assert kept == full[:1] + full[len(full) - 155:]  # BOS, then the prompt's last tokens
 
 
