@@ -45,15 +45,18 @@ def arch_config(arch: str):
         # intermediate size whose rows end in a vector tail (silu on the strided gate)
         return Phi3Config(sliding_window=WINDOW, pad_token_id=0,
                           **{**_common(), "intermediate_size": 72})
-    if arch in ("linear", "yarn"):  # llama with a rope scaling computed once
+    if arch in ROPES:  # llama with a rope scaling computed once
         rope = {"rope_type": arch, "factor": 2.0, "rope_theta": 10000.0}
-        if arch == "yarn":
+        if arch in ("yarn", "llama3"):
             rope["original_max_position_embeddings"] = 64
+        if arch == "llama3":  # Llama 3.1's bands, over a short original context
+            rope |= {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
         return LlamaConfig(rope_parameters=rope, **_common())
     raise ValueError(arch)
 
 
 ARCHS = ("qwen3", "mistral", "granite", "phi3")
+ROPES = ("linear", "yarn", "llama3")  # the rope scalings the lean forward follows
 
 
 def arch_model(arch: str, dtype: torch.dtype = torch.float32):
@@ -72,19 +75,19 @@ def assert_varied(tokens: list[int]) -> None:
     assert len(tokens) == STEPS and len(set(tokens)) >= 10, tokens
 
 
-@pytest.mark.parametrize("arch", ARCHS + ("linear", "yarn"))
+@pytest.mark.parametrize("arch", ARCHS + ROPES)
 def test_describe_reads_each_difference_from_the_config(arch):
     got = describe(arch_config(arch))
     expected = {"qwen3": dict(qk_norm=True), "mistral": dict(window=WINDOW),
                 "phi3": dict(fused=True, window=WINDOW),
                 "granite": dict(embedding_multiplier=4.0, residual_multiplier=0.4,
                                 attention_multiplier=0.2, logits_scaling=1.5)}.get(arch, {})
-    assert got.name == ("llama" if arch in ("linear", "yarn") else arch)
+    assert got.name == ("llama" if arch in ROPES else arch)
     for field, value in expected.items():
         assert getattr(got, field) == value
 
 
-@pytest.mark.parametrize("arch", ARCHS + ("yarn",))
+@pytest.mark.parametrize("arch", ARCHS + ("yarn", "llama3"))
 def test_lean_logits_equal_transformers_bit_for_bit(arch):
     """Past mistral's window at prefill (a prompt longer than it) and while stepping."""
     model = arch_model(arch)
@@ -94,7 +97,7 @@ def test_lean_logits_equal_transformers_bit_for_bit(arch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("arch", ARCHS + ("linear", "yarn"))
+@pytest.mark.parametrize("arch", ARCHS + ROPES)
 def test_lean_greedy_gives_generates_tokens(arch, dtype, stories_tokenizer):
     lm = arch_lm(arch, stories_tokenizer, dtype)
     ours = genlab_greedy(lm, PROMPT, STEPS, backend="lean")
@@ -102,10 +105,10 @@ def test_lean_greedy_gives_generates_tokens(arch, dtype, stories_tokenizer):
     assert ours == hf_generate(lm, PROMPT, STEPS)
 
 
-@pytest.mark.parametrize("arch", ARCHS + ("yarn",))
+@pytest.mark.parametrize("arch", ARCHS + ("yarn", "llama3"))
 def test_native_greedy_gives_generates_tokens(arch, library, stories_tokenizer):
     lm = arch_lm(arch, stories_tokenizer)
-    name = "llama" if arch == "yarn" else arch
+    name = "llama" if arch in ROPES else arch
     assert choose_backend(lm, Request()).reason == f"a float32 {name} model on the CPU"
     ours = genlab_greedy(lm, PROMPT, STEPS, backend="native")
     assert_varied(ours)
