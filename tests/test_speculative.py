@@ -529,7 +529,7 @@ def test_draft_bans_say_what_process_does_to_a_draft(stories, flags, step, draws
     None where a chain runs."""
     settings = resolve_settings({"max_new_tokens": 20, **flags})
     plan = make_plan(stories, settings, 1)
-    bans = draft_bans(plan, stories, step, 4)
+    bans = draft_bans(plan, step, 4)
     if draws == "chain":
         assert bans is None
         return
@@ -547,7 +547,7 @@ def test_a_model_without_end_ids_bans_nothing():
     lm = tiny_lm(1)
     assert lm.eos_ids == ()
     plan = make_plan(lm, resolve_settings({"max_new_tokens": 8, "ignore_eos": True}), 1)
-    assert draft_bans(plan, lm, 0, 3) == Bans()
+    assert draft_bans(plan, 0, 3) == Bans()
 
 
 @needs_models

@@ -66,6 +66,8 @@ class Candidates:
     each, the best by `rank` is kept, and its logits are the next step's, so the loop's
     own forward has nothing left to run. Holds the context's final hidden states."""
 
+    draft_weights = None
+
     def __init__(self) -> None:
         self.hidden: torch.Tensor | None = None  # (length, hidden)
         self.next: tuple[torch.Tensor, torch.Tensor] | None = None  # kept logits, state
@@ -79,7 +81,8 @@ class Candidates:
         return logits
 
     def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
-               logits: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor, None]:
+               logits: torch.Tensor | None, step: int) -> loop.Chosen:
+        assert logits is not None
         settings = plan.settings
         processed = process_logits(settings, plan.chain, plan.suppress_eos, context, logits,
                                    step)
@@ -92,7 +95,7 @@ class Candidates:
         tokens = ids[index:index + 1]
         processors.observe(plan.chain, processed, tokens)
         logprobs = logits.log_softmax(dim=-1)[0, tokens]
-        return tokens, logprobs, None
+        return loop.one_each(tokens, logprobs)
 
     def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
         assert self.next is not None and self.hidden is not None

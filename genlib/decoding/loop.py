@@ -9,14 +9,17 @@ Batches of prompts of different lengths are left-padded; each row stops on its o
 
 How a step picks its tokens and gets the next logits is a `Stepper`: `Sampled` (the
 processed distribution's draw, then one forward) here, contrastive search's candidates
-(genlib.decoding.contrastive) the other. The loop around it, its events and its stop
-rules are the same for both.
+(genlib.decoding.contrastive) and speculative decoding's draft-and-verify
+(genlib.decoding.speculative, which commits several tokens a step) the others. The loop
+around them, its events, its stop rules and its Ctrl-C handling are written once.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -42,27 +45,58 @@ from genlib.models.loading import LoadedModel
 from genlib.sampling import processors
 from genlib.settings.config import GenerationSettings
 
+# One committed token: (id, logprob under the raw model, per-step record or None, whether
+# a drafter proposed it, or None outside speculative decoding).
+Commit = tuple[int, float, Any, "bool | None"]
+
+
+@dataclass(slots=True)
+class Chosen:
+    """What one step commits: for each row of the batch, in order, its tokens (one; a
+    speculative step's accepted drafts and the target's own); `feed`, the tokens (rows,)
+    the next forward takes and the context grows by (None where the stepper feeds its
+    own and keeps its own context); `events`, yielded before the tokens (Verify)."""
+
+    rows: list[list[Commit]]
+    feed: torch.Tensor | None = None
+    events: tuple[Event, ...] = ()
+
 
 class Stepper(Protocol):
     """How a step of the loop picks its tokens and gets the next logits."""
 
+    draft_weights: str | None  # the Prefill event's: how a draft model's weights are held
+
     def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
-                capacity: int) -> torch.Tensor:
-        """Start the rows on `backend`; the last position's logits (rows, vocab)."""
+                capacity: int) -> torch.Tensor | None:
+        """Start the rows on `backend`; the last position's logits (rows, vocab), or None
+        where the stepper scores its own positions."""
 
     def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
-               logits: torch.Tensor, step: int
-               ) -> tuple[torch.Tensor, torch.Tensor, list[Any] | None]:
-        """(tokens (rows,), their model logprobs (rows,), per-row records or None)."""
+               logits: torch.Tensor | None, step: int) -> Chosen:
+        """The step's commits; `step` counts the steps so far."""
 
-    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor | None:
         """The next step's logits, once the chosen `tokens` (rows,) are in the cache."""
+
+
+def one_each(tokens: torch.Tensor, logprobs: torch.Tensor,
+             details: list[Any] | None = None) -> Chosen:
+    """A step that commits one token a row (`tokens`, their `logprobs`, records), and
+    feeds those tokens to the next forward."""
+    values = _host_values(tokens, logprobs)
+    if details is None:
+        return Chosen([[(tok, lp, None, None)] for tok, lp in values], tokens)
+    return Chosen([[(tok, lp, details[pos], None)] for pos, (tok, lp) in enumerate(values)],
+                  tokens)
 
 
 class Sampled:
     """The plain step: prefill the rows, draw each row's token from its processed
     distribution (`choose_tokens`, with the per-step record where the plan asks), feed
     the tokens back as one forward."""
+
+    draft_weights = None
 
     def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
                 capacity: int) -> torch.Tensor:
@@ -71,11 +105,11 @@ class Sampled:
         return logits
 
     def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
-               logits: torch.Tensor, step: int
-               ) -> tuple[torch.Tensor, torch.Tensor, list[Any] | None]:
+               logits: torch.Tensor | None, step: int) -> Chosen:
+        assert logits is not None
         if plan.records:
-            return choose_with_detail(plan, context, logits, step)
-        return (*choose_tokens(plan, context, logits, step), None)
+            return one_each(*choose_with_detail(plan, context, logits, step))
+        return one_each(*choose_tokens(plan, context, logits, step))
 
     def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
         return backend.step(tokens)
@@ -100,9 +134,10 @@ def decode(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
 
 def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         stepper: Stepper | None = None) -> Iterator[Event]:
-    """The loop: prefill, then each step the `stepper`'s tokens (default `Sampled`), each
-    row's events and stop rules (`step.stop_reason`), finished rows dropped, until every
-    row has finished. On KeyboardInterrupt the rows still running finish "interrupted"."""
+    """The loop: prefill, then each step the `stepper`'s commits (default `Sampled`),
+    each token's event and the stop rules (`step.stop_reason`), finished rows dropped,
+    until every row has finished. On KeyboardInterrupt the rows still running finish
+    "interrupted"."""
     stepper = stepper or Sampled()
     settings = plan.settings
     start = time.perf_counter()
@@ -114,27 +149,35 @@ def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         logits = stepper.prefill(backend, plan, prompts, capacity)
         context = context_of(prompts, lm.device) if plan.needs_context else None
         yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
-                      time.perf_counter(), backend.name, backend.reason)
-        for step in range(settings.max_new_tokens):
-            tokens, logprobs, details = stepper.choose(backend, plan, context, logits, step)
+                      time.perf_counter(), backend.name, backend.reason,
+                      stepper.draft_weights)
+        for step in itertools.count():
+            chosen = stepper.choose(backend, plan, context, logits, step)
+            yield from chosen.events
             now = time.perf_counter()
             done: list[int] = []
-            for pos, (tok, lp) in enumerate(_host_values(tokens, logprobs)):
-                row = rows[active[pos]]
-                event, reason = advance(lm, row, active[pos], tok, lp, step, now,
-                                        details[pos] if details else None)
-                if event is not None:
-                    yield event
-                reason = stop_reason(plan, row, reason, step, now, deadline)
-                if reason is not None:
-                    yield from finish_row(row, active[pos], reason, start)
-                    done.append(pos)
+            for pos, commits in enumerate(chosen.rows):
+                row_number = active[pos]
+                row = rows[row_number]
+                for token, logprob, detail, drafted in commits:  # to the first stop
+                    event, reason = advance(lm, row, row_number, token, logprob, len(row.ids),
+                                            now, detail, drafted)
+                    if event is not None:
+                        yield event
+                    reason = stop_reason(plan, row, reason, len(row.ids) - 1, now, deadline)
+                    if reason is not None:
+                        yield from finish_row(row, row_number, reason, start)
+                        done.append(pos)
+                        break
             if len(done) == len(active):
                 return
+            tokens = chosen.feed
             if done:
                 keep = _drop_rows(backend, plan, active, done, lm.device)
-                tokens = tokens.index_select(0, keep)
+                tokens = tokens.index_select(0, keep) if tokens is not None else None
                 context = context.index_select(0, keep) if context is not None else None
+            if tokens is None:  # the stepper feeds its own tokens
+                continue
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
             logits = stepper.forward(backend, tokens)

@@ -38,6 +38,7 @@ from genlib.backends.choose import (
     draft_request,
 )
 from genlib.decoding import detail as stepdetail
+from genlib.decoding import loop
 from genlib.decoding.detail import RAW, Detail, StepDetail
 from genlib.decoding.drafters import (
     Draft,
@@ -50,11 +51,8 @@ from genlib.decoding.drafters import (
 )
 from genlib.decoding.step import (
     Plan,
-    Row,
-    advance,
     check_prompts,
     draft_bans,
-    finish_row,
     make_plan,
     new_row,
     process_logits,
@@ -199,7 +197,7 @@ def speculative_step(spec: Speculation, gamma: int) -> StepResult:
         return process(plan, context, logits, base + i)
 
     draft = _grammar_valid(plan, spec, spec.drafter.propose(
-        spec.ids, gamma, draft_process, generator, draft_bans(plan, spec.target, base, gamma)))
+        spec.ids, gamma, draft_process, generator, draft_bans(plan, base, gamma)))
     begin = time.perf_counter()
     fed = [spec.ids[-1], *draft.tokens]
     raw = spec.backend.extend(torch.tensor(
@@ -366,8 +364,8 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                                                backend=backend or target_lm.backend))
     plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids), detail=detail)
     row = new_row(target_lm, 0, prompt_ids, settings)
-    yield from _speculative_loop(target_lm, target, plan, drafter, row,
-                                 GammaSchedule(gamma, adapts(adaptive, draft_lm is not None)))
+    schedule = GammaSchedule(gamma, adapts(adaptive, draft_lm is not None))
+    yield from loop.run(target_lm, target, plan, [row], Speculative(target_lm, drafter, schedule))
 
 
 def speculate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
@@ -383,52 +381,42 @@ def speculate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Gener
                                   detail=detail, draft_weights=drafting.draft_weights)
 
 
-def _speculative_loop(target: LoadedModel, backend: Backend, plan: Plan, drafter: Drafter,
-                      row: Row, schedule: GammaSchedule) -> Iterator[Event]:
-    settings = plan.settings
-    begin = time.perf_counter()
-    deadline = begin + settings.max_time if settings.max_time else None
-    try:
-        spec = start(target, backend, row.prompt_ids, plan, drafter)
-        yield Prefill((len(row.prompt_ids),), time.perf_counter() - begin, time.perf_counter(),
-                      backend.name, backend.reason, drafter.draft_weights)
-        while True:
-            # The verify yields up to gamma + 1 tokens: never draft past the budget.
-            room = settings.max_new_tokens - spec.generated
-            result = speculative_step(spec, min(schedule.gamma, room - 1))
-            schedule.update(result.proposed, result.accepted)
-            yield Verify(0, result.proposed, result.accepted, result.draft_seconds,
-                         result.target_seconds, result.draft_forwards, time.perf_counter())
-            reason = yield from _emit(target, row, result, settings.max_new_tokens, deadline)
-            if reason is not None:
-                reason = grammar.finish_reason(processors.grammar_of(plan.chain), row.ids,
-                                               reason)
-                yield from finish_row(row, 0, reason, begin)
-                return
-    except KeyboardInterrupt:
-        if not row.finished:
-            yield from finish_row(row, 0, "interrupted", begin)
+class Speculative:
+    """Speculative decoding's step (a `loop.Stepper`), one row: draft up to gamma tokens,
+    verify them with one target forward, commit the accepted ones and the target's own
+    (`speculative_step`). The verify feeds the tokens itself, so the loop's forward has
+    nothing to run; the step's `Verify` event comes before its tokens."""
 
+    def __init__(self, target: LoadedModel, drafter: Drafter, schedule: GammaSchedule
+                 ) -> None:
+        self.target, self.drafter, self.schedule = target, drafter, schedule
+        self.spec: Speculation | None = None
 
-def _emit(target: LoadedModel, row: Row, result: StepResult, max_new_tokens: int,
-          deadline: float | None) -> Iterator[Event]:
-    """Token events for one step's tokens, through the core loop's `advance` (end ids,
-    stop strings); returns the finish reason, if the row ended inside this step."""
-    now = time.perf_counter()
-    details = result.details or [None] * len(result.tokens)
-    for token, drafted, logprob, detail in zip(result.tokens, result.from_draft,
-                                               result.logprobs, details):
-        step = len(row.ids)
-        event, reason = advance(target, row, 0, token, logprob, step, now, detail, drafted)
-        if event is not None:
-            yield event
-        if reason is None and deadline is not None and now >= deadline:
-            reason = "time"
-        if reason is None and len(row.ids) >= max_new_tokens:
-            reason = "length"
-        if reason is not None:
-            return reason
-    return None
+    @property
+    def draft_weights(self) -> str | None:
+        return self.drafter.draft_weights
+
+    def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
+                capacity: int) -> None:
+        [prompt] = prompts
+        self.spec = start(self.target, backend, prompt, plan, self.drafter)
+
+    def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
+               logits: torch.Tensor | None, step: int) -> loop.Chosen:
+        spec = self.spec
+        assert spec is not None
+        # The verify commits up to gamma + 1 tokens: never draft past the budget.
+        room = plan.settings.max_new_tokens - spec.generated
+        result = speculative_step(spec, min(self.schedule.gamma, room - 1))
+        self.schedule.update(result.proposed, result.accepted)
+        verify = Verify(0, result.proposed, result.accepted, result.draft_seconds,
+                        result.target_seconds, result.draft_forwards, time.perf_counter())
+        details = result.details or [None] * len(result.tokens)
+        return loop.Chosen([list(zip(result.tokens, result.logprobs, details, result.from_draft))],
+                      events=(verify,))
+
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> None:
+        raise AssertionError("a speculative step feeds its own tokens")
 
 
 @dataclass

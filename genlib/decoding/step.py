@@ -49,7 +49,7 @@ class Plan:
     chain: list[processors.Stage]
     sampler: sampling.Sampler
     generators: list[torch.Generator] | None
-    suppress_eos: processors.Processor | None
+    suppress_eos: processors.suppress_tokens | None
     needs_context: bool
     seeds: list[int]
     detail: stepdetail.Detail | None = None
@@ -113,7 +113,7 @@ def suppressed_ids(lm: LoadedModel, settings: GenerationSettings) -> tuple[int, 
 
 
 def suppress_eos_for(lm: LoadedModel, settings: GenerationSettings
-                     ) -> processors.Processor | None:
+                     ) -> processors.suppress_tokens | None:
     """The processor that suppresses `suppressed_ids`; None when there are none."""
     ids = suppressed_ids(lm, settings)
     return processors.suppress_tokens(ids) if ids else None
@@ -136,17 +136,17 @@ def process_logits(settings: GenerationSettings, chain: Sequence[processors.Proc
     return processors.apply(chain, context, logits)
 
 
-def draft_bans(plan: Plan, lm: LoadedModel, step: int, count: int) -> Bans | None:
-    """What `process_logits` does to `count` positions from `step` (new tokens so far)
-    where all it does is ban ids: `suppressed_ids` at the positions before
-    `min_new_tokens` (all of them with `ignore_eos`). None where a processor chain runs. It restates
-    `process_logits` for a whole greedy draft (`Backend.draft_greedy`): a stage added
-    there needs its place here."""
+def draft_bans(plan: Plan, step: int, count: int) -> Bans | None:
+    """What `process_logits` does to `count` positions from `step` (new tokens so far),
+    for a greedy draft that runs without it (`Backend.draft_greedy`): the plan's own
+    end-token suppression's ids, at the positions `suppresses_eos` names. None where the
+    plan runs a processor chain, which only `process_logits` can apply."""
     if plan.chain:
         return None
-    ids = suppressed_ids(lm, plan.settings)
-    return Bans(ids, sum(suppresses_eos(plan.settings, step + i) for i in range(count))
-                if ids else 0)
+    if plan.suppress_eos is None:
+        return Bans()
+    return Bans(plan.suppress_eos.ids,
+                sum(suppresses_eos(plan.settings, step + i) for i in range(count)))
 
 
 def choose_tokens(plan: Plan, context: torch.Tensor | None, logits: torch.Tensor, step: int

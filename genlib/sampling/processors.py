@@ -75,14 +75,17 @@ class Stage:
         return self.fn(token_ids, logits)
 
 
-def suppress_tokens(ids: Sequence[int]) -> Processor:
-    index = torch.tensor(list(ids), dtype=torch.long)
+class suppress_tokens:  # noqa: N801 (a processor, named as the others' factories are)
+    """suppress: logit[id] = -inf for the given ids (min_new_tokens, ignore_eos). `ids`
+    says which, so a step that only bans ids (a native greedy draft) takes them from the
+    processor itself."""
 
-    def suppress(token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        """suppress: logit[id] = -inf for the given ids (min_new_tokens, ignore_eos)."""
-        return logits.index_fill(-1, index.to(logits.device), NEG_INF)
+    def __init__(self, ids: Sequence[int]) -> None:
+        self.ids = tuple(ids)
+        self.index = torch.tensor(list(ids), dtype=torch.long)
 
-    return suppress
+    def __call__(self, token_ids: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_fill(-1, self.index.to(logits.device), NEG_INF)
 
 
 def repetition_penalty(penalty: float) -> Processor:
