@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
 from cli import output
 from genlib.settings import config
+
+if TYPE_CHECKING:
+    from cli.context import ModelFlags, PromptFlags
 
 MODEL_PANEL = "Model"
 OUTPUT_PANEL = "Output"
@@ -230,7 +233,7 @@ def options(*placed: tuple[str, tuple[str, ...]], helps: dict[str, str] | None =
 
 
 def model_flags(given: dict[str, Any], model: str | None, ensemble: list[str] | None = None,
-                amateur: str | None = None) -> Any:
+                amateur: str | None = None) -> ModelFlags:
     """The ModelFlags of a command's -m, --ensemble, --amateur and MODEL_OPTIONS."""
     from cli.context import ModelFlags
 
@@ -238,7 +241,7 @@ def model_flags(given: dict[str, Any], model: str | None, ensemble: list[str] | 
                       tuple(ensemble or ()), amateur)
 
 
-def prompt_flags(given: dict[str, Any]) -> Any:
+def prompt_flags(given: dict[str, Any]) -> PromptFlags:
     """The PromptFlags of a command's PROMPT_OPTIONS."""
     from cli.context import PromptFlags
 

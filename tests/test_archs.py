@@ -181,6 +181,10 @@ def test_native_beam_search_gives_generates_tokens(arch, library, stories_tokeni
     (lambda: arch_config("linear").__class__(
         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
         **_common()), "rope_parameters.rope_type 'dynamic'"),
+    (lambda: arch_config("phi3").__class__(pad_token_id=0, rope_parameters={
+        "rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8,
+        "rope_theta": 1e4}, original_max_position_embeddings=64, **_common()),
+     "rope_parameters.rope_type 'longrope'"),
     (lambda: arch_config("linear").__class__(
         attn_logit_softcapping=30.0, **_common()), "attn_logit_softcapping 30.0"),
     (lambda: arch_config("qwen3").__class__(use_sliding_window=True, sliding_window=16,
