@@ -206,7 +206,8 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
                          adapt, engine, results, tally)
             elif todo:
                 lm = load(model_flags, preset, quick=batch_size == 1)
-                _generate(lm, todo, run_defaults, batch_size, results, tally)
+                _generate(lm, todo, run_defaults, batch_size, results, tally,
+                          model_flags.backend)
         except KeyboardInterrupt:
             tally.interrupted = True
         results.check()  # what the summary counts is still in the file
@@ -343,16 +344,16 @@ def _encode_all(lm: Any, jobs: list[Job], results: ResultsFile, tally: Tally,
 
 
 def _generate(lm: Any, jobs: list[Job], run_defaults: Any, batch_size: int,
-              results: ResultsFile, tally: Tally) -> None:
-    """The local engine: encode here, generate here; a backend that cannot serve even
-    one row is refused once, before any line."""
+              results: ResultsFile, tally: Tally, backend: str) -> None:
+    """The local engine: encode here, generate here, on the user's `backend`; a backend
+    that cannot serve even one row is refused once, before any line."""
     from genlib.backends.choose import Request, backend_name
     from genlib.batch.jobs import generate_jobs
 
-    backend_name(lm, Request(backend=lm.backend))
+    backend_name(lm, Request(backend=backend))
     ready = _encode_all(lm, jobs, results, tally, run_defaults)
-    _record_outcomes(generate_jobs(lm, ready, batch_size), len(jobs), len(jobs) - len(ready),
-                     results, tally)
+    _record_outcomes(generate_jobs(lm, ready, batch_size, backend), len(jobs),
+                     len(jobs) - len(ready), results, tally)
 
 
 def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,

@@ -65,7 +65,7 @@ def result_json(lm: LoadedModel, prompt: str, prompt_tokens: int, result: BeamRe
 
 def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationSettings,
              *, sink: Sink, tree: bool, tree_steps: int, tree_width: int,
-             with_greedy: bool) -> int:
+             with_greedy: bool, backend: str = "auto") -> int:
     """Search, run the greedy contrast, show both; the exit code: INTERRUPTED when Ctrl-C
     cut the search short (its best beams so far are shown, marked "interrupted", and
     greedy is skipped), 1 when an output is not valid under its grammar, else 0."""
@@ -77,18 +77,18 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
     from genlib.decoding.beam import backend_request, search
     from genlib.generate import generate
 
-    backend = for_generation(lm, [ids], settings, backend_request([ids], settings, lm.backend))
+    searcher = for_generation(lm, [ids], settings, backend_request([ids], settings, backend))
     start = time.perf_counter()
-    run = search(lm, [ids], settings, record_tree=tree, backend=backend)
+    run = search(lm, [ids], settings, record_tree=tree, backend=searcher)
     live = tree and not sink.machine and render.out.is_terminal
     result = (draw_live(run, prompt, tree_steps, tree_width) if live else finish(run))[0]
     seconds = time.perf_counter() - start
-    greedy = generate(lm, [ids], greedy_settings(settings))[0] \
+    greedy = generate(lm, [ids], greedy_settings(settings), backend=backend)[0] \
         if with_greedy and not result.interrupted else None
     # The greedy run's loop keeps a Ctrl-C too: its row ends "interrupted".
     interrupted = result.interrupted or (greedy is not None and greedy.reason == "interrupted")
     doc = result_json(lm, prompt, len(ids), result, greedy, settings, seconds, tree,
-                      {"name": backend.name, "reason": backend.reason,
+                      {"name": searcher.name, "reason": searcher.reason,
                        "architecture": architecture(lm)})
     for out in doc["outputs"]:
         sink.json_line(output.line(doc, out, role="beam"))
@@ -216,7 +216,7 @@ def beam(
     with opened(target) as target:
         code = run_beam(lm, ids, text, settings, sink=target, tree=tree,
                         tree_steps=tree_steps, tree_width=tree_width,
-                        with_greedy=not no_greedy)
+                        with_greedy=not no_greedy, backend=given["backend"])
     if code == INTERRUPTED:
         raise fail("interrupted: the results above are those so far", INTERRUPTED)
     if code:

@@ -287,10 +287,11 @@ def console_for(target: Sink, markdown_path: str | None) -> Console:
 
 
 def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strategy],
-             crn: bool, console: Console, logprobs: int = 0) -> tuple[View, bool]:
-    """Run every strategy, redrawing the view as tokens arrive on a terminal (piped, the
-    caller prints it once, as it ended). Return the view, whose `done` are the
-    strategies that ran, and whether Ctrl-C hit."""
+             crn: bool, console: Console, logprobs: int = 0, backend: str = "auto"
+             ) -> tuple[View, bool]:
+    """Run every strategy on the user's `backend`, redrawing the view as tokens arrive
+    on a terminal (piped, the caller prints it once, as it ended). Return the view,
+    whose `done` are the strategies that ran, and whether Ctrl-C hit."""
     from rich.live import Live
 
     from genlib.lab.compare import StrategyDone, comparison_events
@@ -303,7 +304,8 @@ def run_live(lm: Any, prompt: str, prompt_ids: list[int], strategies: list[Strat
     if live is not None:
         live.start()
     try:
-        for index, event in comparison_events(lm, prompt_ids, strategies, crn, logprobs):
+        for index, event in comparison_events(lm, prompt_ids, strategies, crn, logprobs,
+                                              backend):
             view.on_event(index, event)
             now = time.perf_counter()
             if live is not None and (isinstance(event, StrategyDone)
@@ -762,7 +764,8 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
         render.info(CRN_NOTE if crn else NO_CRN_NOTE)
     if logprobs and any(s.settings.strategy == "beam" for s in strategies):
         render.info(BEAM_NOTE)
-    view, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs)
+    view, interrupted = run_live(lm, text, ids, strategies, crn, console, logprobs,
+                                 model_flags.backend)
     results = view.done
     comparison = Comparison(model=lm.ref, prompt=text, prompt_tokens=len(ids), seed=seed,
                             results=results, crn=crn)

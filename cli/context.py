@@ -111,7 +111,7 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
                      trust_remote_code=flags.trust_remote_code, backend=check_name(flags.backend))
     with loading(ref):
         lm = load_model(spec, quick=quick)
-    build_native_kernel(lm, weights)
+    build_native_kernel(lm, spec.backend, weights)
     lm.partners = load_partners(flags, lm, quick)
     freeze_heap()  # no pause of the collector's over what loading made, mid-decode
     return lm
@@ -120,6 +120,7 @@ def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
 def load_partners(flags: ModelFlags, lm: LoadedModel, quick: bool) -> tuple[Any, ...]:
     """The --ensemble and --amateur models, loaded as `lm` was (device, dtype, backend)
     and checked to combine with it (one device, one tokenizer)."""
+    from genlib.backends.choose import check_name
     from genlib.models.loading import ModelSpec, load_model
     from genlib.sampling.combine import AMATEUR, ENSEMBLE, Partner, check_partner, parse_member
 
@@ -129,17 +130,19 @@ def load_partners(flags: ModelFlags, lm: LoadedModel, quick: bool) -> tuple[Any,
     for ref, weight, role, flag in wanted:
         spec = ModelSpec(ref=ref, device=flags.device, dtype=flags.dtype,
                          quantize=flags.quantize, trust_remote_code=flags.trust_remote_code,
-                         backend=lm.backend)
+                         backend=check_name(flags.backend))
         with loading(ref):
             other = load_model(spec, quick=quick)
         check_partner(lm, other, flag)
-        build_native_kernel(other)
+        build_native_kernel(other, spec.backend)
         partners.append(Partner(other, role, weight))
     return tuple(partners)
 
 
-def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)) -> None:
-    """Build the native kernel now, where a generation on `lm` may run it, so its one-off
+def build_native_kernel(lm: LoadedModel, backend: str = "auto",
+                        weights: tuple[str, ...] = ("float32",)) -> None:
+    """Build the native kernel now, where a generation on `lm` under the user's `backend`
+    may run it, so its one-off
     build (a few seconds, once per machine) is announced and timed apart: one line on
     stderr, with a spinner while it compiles on a terminal. `weights`: which builds
     (`kernel.WEIGHTS`). A model mapped from its file (genlib.models.quickload) has its float32
@@ -154,12 +157,12 @@ def build_native_kernel(lm: LoadedModel, weights: tuple[str, ...] = ("float32",)
     stored = stored_format(lm)
     if lm.weights is not None:  # --quantize on the native kernel: the format's build
         weights = (lm.weights,)
-    elif lm.backend not in ("auto", "native") or lm.device.type != "cpu" \
+    elif backend not in ("auto", "native") or lm.device.type != "cpu" \
             or lm.dtype != torch.float32 or lm.quantize != "none":
         return
     elif stored:  # a quantized checkpoint: the kernel that reads its codes
         weights = (stored,)
-    if lm.backend == "auto" and not native_allowed():
+    if backend == "auto" and not native_allowed():
         return
     from cli.render import building, warn
 

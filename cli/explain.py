@@ -69,21 +69,23 @@ def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, 
 
 def explain_record(lm: LoadedModel, ids: list[int], prompt: str,
                    settings: GenerationSettings, top: int,
-                   branch: tuple[int, int] | None) -> dict[str, Any]:
+                   branch: tuple[int, int] | None, backend: str = "auto") -> dict[str, Any]:
     """The whole `--json` document (docs/output.md): the original run and, with a
-    branch, the branch and where the two diverge."""
+    branch, the branch and where the two diverge; on the user's `backend`."""
     from genlib.lab.explain import divergence, explain, model_logprobs, run_dict
 
-    original = explain(lm, ids, settings, top=top)
+    original = explain(lm, ids, settings, top=top, backend=backend)
     record = output.document(
         "explain", lm.ref, prompt=prompt, prompt_tokens=len(ids),
         settings=settings.to_dict(),
         sampler="inverse_cdf" if settings.do_sample else "greedy",
-        original=run_dict(lm, original, model_logprobs(lm, settings, ids, original)))
+        original=run_dict(lm, original,
+                          model_logprobs(lm, settings, ids, original, backend)))
     if branch is not None:
-        forked = explain(lm, ids, settings, top=top, force={branch[0]: branch[1]})
-        record["branch"] = {"step": branch[0], "token_id": branch[1],
-                            **run_dict(lm, forked, model_logprobs(lm, settings, ids, forked))}
+        forked = explain(lm, ids, settings, top=top, force={branch[0]: branch[1]},
+                         backend=backend)
+        record["branch"] = {"step": branch[0], "token_id": branch[1], **run_dict(
+            lm, forked, model_logprobs(lm, settings, ids, forked, backend))}
         record["branch"]["diverges_at"] = divergence(original.ids, forked.ids)
     return record
 
@@ -170,7 +172,7 @@ def explain(
     ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
-    record = explain_record(lm, ids, text, settings, top, forced)
+    record = explain_record(lm, ids, text, settings, top, forced, model_flags.backend)
     runs = runs_of(record)
     invalid = render.warn_incomplete([run["finish_reason"] for run in runs.values()],
                                      settings.max_new_tokens)

@@ -92,10 +92,11 @@ def detail_for(logprobs: int | None, color_by: str | None) -> Detail | None:
 def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                    settings: GenerationSettings, sink: Sink, show_stats: bool,
                    logprobs: int | None = None, color_by: str | None = None,
-                   scorer: LoadedModel | None = None) -> int:
-    """Stream one prompt's outputs; return the exit code (130 if interrupted, 1 if an
-    output ended before its grammar was complete). With `settings.samples`, the chosen
-    sample streams once chosen, and the document lists every sample (`rerank_json`)."""
+                   scorer: LoadedModel | None = None, backend: str = "auto") -> int:
+    """Stream one prompt's outputs on the user's `backend`; return the exit code (130 if
+    interrupted, 1 if an output ended before its grammar was complete). With
+    `settings.samples`, the chosen sample streams once chosen, and the document lists
+    every sample (`rerank_json`)."""
     from cli import output, render
     from genlib.backends.choose import architecture
     from genlib.decoding.step import collect
@@ -131,8 +132,8 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
                                                    tokens.get(event.row, ())), **extra))
 
     detail = detail_for(logprobs, color_by)
-    _, interrupted = collect(stream(lm, [ids], settings, detail=detail, scorer=scorer),
-                             handle)
+    _, interrupted = collect(stream(lm, [ids], settings, detail=detail, scorer=scorer,
+                                    backend=backend), handle)
     interrupted = interrupted or any(f.reason == "interrupted" for f in finished)
     if live:
         render.end_line()  # before --stats, which would otherwise follow the text
@@ -273,6 +274,6 @@ def generate(
     prepare_grammar(lm, settings)
     with opened(sink(as_json, as_jsonl, output)) as target:
         code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by,
-                              scorer)
+                              scorer, model_flags.backend)
     if code:
         raise typer.Exit(code)

@@ -90,6 +90,7 @@ class Session:
     last: tuple[list[int], GenerationSettings] | None = None  # for /branch
     scorer: LoadedModel | None = None  # the model --rerank MODEL scores with
     combined: dict[str, Any] = field(default_factory=dict)  # what --ensemble/--amateur imply
+    backend: str = "auto"  # --backend
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
@@ -102,7 +103,8 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     scorer = load_scorer(model_flags, settings)
     lm = load(model_flags, preset, quick=True)
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
-                      system=system, scorer=scorer, combined=dict(combined or {}))
+                      system=system, scorer=scorer, combined=dict(combined or {}),
+                      backend=model_flags.backend)
     if chat:
         probe_chat(lm)  # without a template: ChatTemplateError, exit 2 (drop --chat)
         set_chat(session, "on")
@@ -516,7 +518,7 @@ def branch(session: Session, args: str) -> None:
                           usage="/branch needs STEP TOKEN, e.g. /branch 3 #421 (a token id) "
                                 "or /branch 3 the (a text that is one token; a leading space "
                                 "is tried too); STEP counts the answer's tokens from 0")
-    record = explain_record(session.lm, ids, "", settings, 1, forced)
+    record = explain_record(session.lm, ids, "", settings, 1, forced, session.backend)
     render_explain.show_branch(record["original"], record["branch"])
 
 
@@ -563,7 +565,8 @@ def turn(session: Session, text: str) -> None:
     lm.check_fits(len(ids), settings.max_new_tokens,
                   remedy="/reset to forget the conversation's earlier turns" if session.chat
                   else "shorten the prompt")
-    finish = stream_answer(lm, ids, settings, session.logprobs, session.scorer)
+    finish = stream_answer(lm, ids, settings, session.logprobs, session.scorer,
+                           session.backend)
     session.last = (ids, settings)
     if finish is None:
         return
@@ -577,7 +580,8 @@ def turn(session: Session, text: str) -> None:
 
 
 def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
-                  logprobs: int = 0, scorer: LoadedModel | None = None) -> Finish | None:
+                  logprobs: int = 0, scorer: LoadedModel | None = None,
+                  backend: str = "auto") -> Finish | None:
     """Print the answer as it arrives; Ctrl-C ends it early ("interrupted"). Sampling
     draws by inverse CDF (one uniform per step) so /branch can replay the answer with
     the same draws; `logprobs` > 0 prints each token's logprobs after it. With
@@ -608,7 +612,8 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
             finish = event
             render.stream_text(event.tail)
 
-    collect(stream(lm, [ids], settings, detail=detail, scorer=scorer), handle)
+    collect(stream(lm, [ids], settings, detail=detail, scorer=scorer,
+                   backend=backend), handle)
     render.end_line()
     if logprobs and tokens and tokens[0].detail is not None:
         render_tokens.logprobs_table(lm, tokens)

@@ -62,11 +62,11 @@ def drafter_name(draft: LoadedModel | None, prompt_lookup: int | None) -> str:
 
 
 def stream_speculation(target: LoadedModel, ids: list[int], settings: GenerationSettings,
-                       drafting: Drafting, live: bool, logprobs: int = 0
-                       ) -> tuple[list[Event], bool, float]:
-    """Run speculation, streaming its text when `live`: (events, whether Ctrl-C cut it
-    short, seconds spent printing), the last to keep printing out of its timing, as the
-    baseline prints nothing."""
+                       drafting: Drafting, live: bool, logprobs: int = 0,
+                       backend: str = "auto") -> tuple[list[Event], bool, float]:
+    """Run speculation on the user's `backend`, streaming its text when `live`: (events,
+    whether Ctrl-C cut it short, seconds spent printing), the last to keep printing out
+    of its timing, as the baseline prints nothing."""
     from cli import render
     from genlib.decoding.detail import Detail
     from genlib.decoding.step import collect
@@ -89,7 +89,7 @@ def stream_speculation(target: LoadedModel, ids: list[int], settings: Generation
             render.end_line()
 
     detail = Detail(logprobs=logprobs) if logprobs else None
-    events = stream(target, [ids], settings, drafter=drafting, detail=detail)
+    events = stream(target, [ids], settings, drafter=drafting, detail=detail, backend=backend)
     seen, interrupted = collect(events, handle)
     return seen, interrupted, printing
 
@@ -103,13 +103,13 @@ def without_printing(summary: Summary, printing: float) -> Summary:
                                                            0.0))
 
 
-def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettings
-                 ) -> tuple[Finish, float]:
+def run_baseline(target: LoadedModel, ids: list[int], settings: GenerationSettings,
+                 backend: str = "auto") -> tuple[Finish, float]:
     """Plain decoding of the same prompt and settings: (finish, decode tokens/s)."""
     from genlib.events import Finish, Prefill
     from genlib.generate import stream
 
-    events = list(stream(target, [ids], settings))
+    events = list(stream(target, [ids], settings, backend=backend))
     prefill = next(e for e in events if isinstance(e, Prefill))
     finish = next(e for e in events if isinstance(e, Finish))
     seconds = finish.end - prefill.time
@@ -336,7 +336,8 @@ def speculate(
                         num_draft_tokens=num_draft_tokens, adaptive=adaptive,
                         draft_weights=draft_weights)
     with opened(target_sink) as out:
-        code = report(target, drafting, ids, text, settings, baseline, out, logprobs or 0)
+        code = report(target, drafting, ids, text, settings, baseline, out, logprobs or 0,
+                      given["backend"])
     if code:
         raise typer.Exit(code)
 
@@ -345,7 +346,7 @@ REHEARSAL_TOKENS = 8
 
 
 def rehearse(target: LoadedModel, ids: list[int], settings: GenerationSettings,
-             drafting: Drafting, baseline: bool) -> None:
+             drafting: Drafting, baseline: bool, backend: str = "auto") -> None:
     """An untimed short run of each side the report compares (speculation, and plain
     decoding where it runs), so that first-call costs (a backend's allocations and lazy
     set-up, the draft kernel's first call, code the speculative path imports on first
@@ -355,31 +356,34 @@ def rehearse(target: LoadedModel, ids: list[int], settings: GenerationSettings,
     tokens = min(REHEARSAL_TOKENS, settings.max_new_tokens)
     short = settings.replace(max_new_tokens=tokens,
                              min_new_tokens=min(settings.min_new_tokens, tokens))
-    for _ in stream(target, [ids], short, drafter=drafting):
+    for _ in stream(target, [ids], short, drafter=drafting, backend=backend):
         pass
     if baseline:
-        for _ in stream(target, [ids], short):
+        for _ in stream(target, [ids], short, backend=backend):
             pass
 
 
 def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
-           settings: GenerationSettings, baseline: bool, sink: Sink, logprobs: int = 0
-           ) -> int:
-    """Stream the speculative run, then the baseline and the report; the exit code."""
+           settings: GenerationSettings, baseline: bool, sink: Sink, logprobs: int = 0,
+           backend: str = "auto") -> int:
+    """Stream the speculative run, then the baseline and the report, on the user's
+    `backend`; the exit code."""
     from cli import output
     from genlib.backends.choose import architecture
     from genlib.decoding.speculative import adapts, draft_length, summarize
     from genlib.events import Finish, Token
 
     draft = drafting.draft_lm
-    rehearse(target, ids, settings, drafting, baseline)
+    rehearse(target, ids, settings, drafting, baseline, backend)
     drafter = drafter_name(draft, drafting.prompt_lookup)
     events, interrupted, printing = stream_speculation(
-        target, ids, settings, drafting, live=not sink.machine, logprobs=logprobs)
+        target, ids, settings, drafting, live=not sink.machine, logprobs=logprobs,
+        backend=backend)
     finish = next(e for e in events if isinstance(e, Finish))
     interrupted = interrupted or finish.reason == "interrupted"
     summary = without_printing(summarize(events), printing)
-    plain = run_baseline(target, ids, settings) if baseline and not interrupted else None
+    plain = run_baseline(target, ids, settings, backend) if baseline and not interrupted \
+        else None
     if plain is not None and plain[0].reason == "interrupted":
         plain, interrupted = None, True  # a cut-off baseline would give a false comparison
     tokens = [e for e in events if isinstance(e, Token)]

@@ -27,17 +27,17 @@ from genlib.settings.config import GenerationSettings
 
 
 def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           *, drafter: Drafting | None = None, backend: str | None = None,
+           *, drafter: Drafting | None = None, backend: str = "auto",
            seeds: Sequence[int] | None = None, record_tree: bool = False,
            detail: Detail | None = None, scorer: LoadedModel | None = None
            ) -> Iterator[Event]:
     """Generate for `prompts` with `settings`; yield events. `drafter` decodes
     speculatively (one prompt); beam search runs for strategy beam (`record_tree` adds
     its tree to the BeamStep events); the plain loop otherwise. `backend` is the user's
-    choice, default the model's (`LoadedModel.backend`, from --backend; auto: the fastest
-    exact one). `seeds`: one per output row. `detail` (plain loop only) adds a
-    per-step record to each Token event and can ask for inverse-CDF sampling with common
-    random numbers or a branch's forced tokens (`genlib.decoding.detail.Detail`).
+    choice of backend (--backend; auto: the fastest exact one for the request). `seeds`:
+    one per output row. `detail` (plain loop only) adds a per-step record to each Token
+    event and can ask for inverse-CDF sampling with common random numbers or a branch's
+    forced tokens (`genlib.decoding.detail.Detail`).
     `settings.samples` draws that many samples per prompt as one batch and keeps one
     (`genlib.decoding.rerank`; `seeds` then one per prompt); `scorer` is the model a `rerank`
     that names one scores with."""
@@ -57,10 +57,9 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
                           "contrastive decoding cannot be its target: drop one of them")
     _check_layer_methods(lm, settings, drafter, detail)
     if drafter is not None:
-        yield from speculative.speculate(lm, prompts, settings, drafter, backend or lm.backend,
-                                      detail)
+        yield from speculative.speculate(lm, prompts, settings, drafter, backend, detail)
     elif settings.strategy == "beam":
-        request = beam.backend_request(prompts, settings, backend or lm.backend)
+        request = beam.backend_request(prompts, settings, backend)
         check_prompts(lm, prompts, settings)
         yield from beam.search_events(lm, prompts, settings,
                                for_generation(lm, prompts, settings, request),
@@ -68,7 +67,7 @@ def stream(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
     else:
         check_prompts(lm, prompts, settings)
         request = Request(rows=len(prompts) * settings.num_return_sequences,
-                          backend=backend or lm.backend)
+                          backend=backend)
         if settings.penalty_alpha is not None:
             searcher = choose_backend(lm, replace(request, hidden="contrastive search"))
             yield from contrastive.search(lm, prompts, settings, searcher, seeds=seeds)
@@ -106,7 +105,7 @@ def _check_layer_methods(lm: LoadedModel, settings: GenerationSettings,
 
 
 def _reranked(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-              *, drafter: Drafting | None, backend: str | None, seeds: Sequence[int] | None,
+              *, drafter: Drafting | None, backend: str, seeds: Sequence[int] | None,
               detail: Detail | None, scorer: LoadedModel | None) -> Iterator[Event]:
     """Sample and rerank: the plain loop's batch of samples, reranked per prompt."""
     if drafter is not None:
@@ -119,7 +118,7 @@ def _reranked(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Gener
 
 
 def generate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-             *, drafter: Drafting | None = None, backend: str | None = None,
+             *, drafter: Drafting | None = None, backend: str = "auto",
              seeds: Sequence[int] | None = None, scorer: LoadedModel | None = None
              ) -> list[Finish]:
     """Run `stream` to the end; the Finish events in row order."""

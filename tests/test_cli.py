@@ -620,3 +620,23 @@ def test_sigterm_inside_a_finalizer_is_delivered_again_not_lost():
     Finalized()
     assert seen == [True]
     assert not in_finalizer(_sys._getframe())
+
+
+LEAN_CANNOT_BEAM = ("the lean backend runs one row, and this generation needs beam search; "
+                    "use --backend native or transformers (or auto)")
+
+
+@pytest.mark.parametrize("args, backend, said", [
+    (["beam", "Once", "-n", "3", "-k", "2"], "lean", LEAN_CANNOT_BEAM),
+    (["explain", "Once", "-n", "3", "--dola-layers", "low"], "transformers",
+     "the transformers backend gives no hidden states, which DoLa needs"),
+    (["compare", "Once", "-n", "3", "--variant", "strategy=beam,num_beams=2", "--json"],
+     "lean", LEAN_CANNOT_BEAM),
+    (["generate", "-i", "-n", "3"], "lean", LEAN_CANNOT_BEAM),
+])
+def test_the_backend_asked_for_reaches_each_commands_generation(args, backend, said):
+    """--backend travels with the request of every command's generation (not on the
+    loaded model): a backend that cannot serve it is refused there, naming itself."""
+    typed = "/set strategy=beam num_beams=2\nOnce\n/quit\n" if "-i" in args else None
+    result = invoke(*args, *MODEL, "--backend", backend, input=typed)
+    assert said in result.output, result.output

@@ -32,9 +32,8 @@ def code_draft():
     return shared_model(CODE_DRAFT)
 
 
-def with_amateur(expert, amateur, backend: str = "auto"):
-    return dataclasses.replace(expert, backend=backend, partners=(
-        Partner(dataclasses.replace(amateur, backend=backend), "amateur"),))
+def with_amateur(expert, amateur):
+    return dataclasses.replace(expert, partners=(Partner(amateur, "amateur"),))
 
 
 def logprobs_along(lm, ids: list[int]) -> torch.Tensor:
@@ -54,10 +53,11 @@ def reference_scores(expert, amateur, ids: list[int], beta: float, alpha: float
 @pytest.mark.parametrize("backend", ["native", "transformers"])
 def test_beta_zero_gives_the_experts_greedy_tokens(code_target, code_draft, backend) -> None:
     ids = code_target.encode(CODE_PROMPT)
-    expert = generate(dataclasses.replace(code_target, backend=backend), [ids],
-                      GenerationSettings(max_new_tokens=32))[0]
-    cd = generate(with_amateur(code_target, code_draft, backend), [ids],
-                  GenerationSettings(max_new_tokens=32, cd_beta=0.0, cd_alpha=0.1))[0]
+    expert = generate(code_target, [ids], GenerationSettings(max_new_tokens=32),
+                      backend=backend)[0]
+    cd = generate(with_amateur(code_target, code_draft), [ids],
+                  GenerationSettings(max_new_tokens=32, cd_beta=0.0, cd_alpha=0.1),
+                  backend=backend)[0]
     assert cd.token_ids == expert.token_ids
 
 
@@ -69,7 +69,7 @@ def test_greedy_tokens_follow_the_formula(code_target, code_draft, stories, llam
     expert, amateur = (code_target, code_draft) if pair == "code" else (stories, llama2xs)
     ids = expert.encode(CODE_PROMPT if pair == "code" else "One day, a little bird")
     settings = GenerationSettings(max_new_tokens=24, cd_beta=beta, cd_alpha=alpha)
-    out = generate(with_amateur(expert, amateur, backend), [ids], settings)[0]
+    out = generate(with_amateur(expert, amateur), [ids], settings, backend=backend)[0]
     scores = reference_scores(expert, amateur, ids + list(out.token_ids), beta, alpha)
     picks = [int(scores[len(ids) - 1 + step].argmax()) for step in range(len(out.token_ids))]
     assert list(out.token_ids) == picks

@@ -33,15 +33,14 @@ PROMPTS = {"stories": "Once upon a time",
            "code": "import os\nimport sys\n\n\ndef main(argv):\n    "}
 
 
-def on(lm, backend: str, *partners: Partner):
-    """`lm` run on `backend`, with `partners` (also run on it)."""
-    moved = tuple(dataclasses.replace(p, lm=dataclasses.replace(p.lm, backend=backend))
-                  for p in partners)
-    return dataclasses.replace(lm, backend=backend, partners=moved)
+def combined(lm, *partners: Partner):
+    """`lm` with `partners` to combine with (each run on the backend a generation asks)."""
+    return dataclasses.replace(lm, partners=partners)
 
 
-def backend_of(lm, ids, settings) -> str:
-    return next(e for e in stream(lm, [ids], settings) if isinstance(e, Prefill)).backend
+def backend_of(lm, ids, settings, backend: str) -> str:
+    return next(e for e in stream(lm, [ids], settings, backend=backend)
+                if isinstance(e, Prefill)).backend
 
 
 @pytest.mark.parametrize("mode", ["mean", "product"])
@@ -51,11 +50,11 @@ def test_an_ensemble_of_a_model_with_itself_is_that_model(stories, code_target, 
                                                           backend, which) -> None:
     lm = stories if which == "stories" else code_target
     ids = lm.encode(PROMPTS[which])
-    alone = generate(on(lm, backend), [ids], GenerationSettings(max_new_tokens=24))[0]
-    doubled = on(lm, backend, Partner(lm, "ensemble"))
+    alone = generate(lm, [ids], GenerationSettings(max_new_tokens=24), backend=backend)[0]
+    doubled = combined(lm, Partner(lm, "ensemble"))
     settings = GenerationSettings(max_new_tokens=24, ensemble_mode=mode)
-    assert generate(doubled, [ids], settings)[0].token_ids == alone.token_ids
-    assert backend_of(doubled, ids, settings) == backend
+    assert generate(doubled, [ids], settings, backend=backend)[0].token_ids == alone.token_ids
+    assert backend_of(doubled, ids, settings, backend) == backend
 
 
 def transformers_logprobs(lm, ids: list[int]) -> torch.Tensor:
@@ -69,15 +68,16 @@ def transformers_logprobs(lm, ids: list[int]) -> torch.Tensor:
 def test_a_mean_ensemble_takes_the_argmax_of_the_mixture(stories, llama2xs, backend) -> None:
     ids = stories.encode("One day, a little bird")  # the two models part at step 6
     weight = 0.5  # llama2xs's, beside stories260K's 1: weights 2/3 and 1/3
-    lm = on(stories, backend, Partner(llama2xs, "ensemble", weight))
-    out = generate(lm, [ids], GenerationSettings(max_new_tokens=20, ensemble_mode="mean"))[0]
+    lm = combined(stories, Partner(llama2xs, "ensemble", weight))
+    out = generate(lm, [ids], GenerationSettings(max_new_tokens=20, ensemble_mode="mean"),
+                   backend=backend)[0]
     full = ids + list(out.token_ids)
     a, b = transformers_logprobs(stories, full), transformers_logprobs(llama2xs, full)
     mix = torch.logaddexp(a + torch.log(torch.tensor(2 / 3)), b + torch.log(torch.tensor(1 / 3)))
     for step, token in enumerate(out.token_ids):  # teacher-forced: each step's argmax
         position = len(ids) - 1 + step
         assert int(mix[position].argmax()) == token, step
-    alone = generate(on(stories, backend), [ids], GenerationSettings(max_new_tokens=20))[0]
+    alone = generate(stories, [ids], GenerationSettings(max_new_tokens=20), backend=backend)[0]
     assert alone.token_ids != out.token_ids  # the partner changed the output
 
 
@@ -94,12 +94,11 @@ def test_mixture_and_product_on_hand_written_distributions() -> None:
 
 def test_beam_search_reorders_every_models_cache(stories, llama2xs) -> None:
     ids = stories.encode(PROMPTS["stories"])
-    lm = on(stories, "native", Partner(llama2xs, "ensemble"))
+    lm = combined(stories, Partner(llama2xs, "ensemble"))
     settings = GenerationSettings(strategy="beam", num_beams=3, max_new_tokens=12,
                                   ensemble_mode="product")
-    native = generate(lm, [ids], settings)[0]
-    reference = generate(on(stories, "transformers", Partner(llama2xs, "ensemble")), [ids],
-                         settings)[0]
+    native = generate(lm, [ids], settings, backend="native")[0]
+    reference = generate(lm, [ids], settings, backend="transformers")[0]
     assert native.token_ids == reference.token_ids
 
 
@@ -112,10 +111,11 @@ def test_a_combination_the_settings_ask_for_needs_its_models(stories) -> None:
 
 
 def test_a_partner_too_short_for_the_generation_is_named(stories, llama2xs) -> None:
-    lm = on(stories, "native", Partner(llama2xs, "ensemble"))
+    lm = combined(stories, Partner(llama2xs, "ensemble"))
     ids = stories.encode(PROMPTS["stories"])
     with pytest.raises(Exception, match="llama2xs's 256 positions"):
-        generate(lm, [ids], GenerationSettings(max_new_tokens=300, ensemble_mode="mean"))
+        generate(lm, [ids], GenerationSettings(max_new_tokens=300, ensemble_mode="mean"),
+                 backend="native")
 
 
 def test_tokenizers_are_compared_id_by_id(stories, llama2xs, code_target) -> None:
@@ -147,7 +147,7 @@ def test_members_with_a_bad_weight_are_refused(text) -> None:
 
 
 def test_the_combined_backend_names_every_part(stories, llama2xs) -> None:
-    lm = on(stories, "auto", Partner(llama2xs, "ensemble"))
+    lm = combined(stories, Partner(llama2xs, "ensemble"))
     events = list(stream(lm, [stories.encode("Once")],
                          GenerationSettings(max_new_tokens=2, ensemble_mode="mean")))
     prefill = next(e for e in events if isinstance(e, Prefill))

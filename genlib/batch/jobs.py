@@ -475,8 +475,10 @@ def error_record(item: Job | LineError, message: str) -> dict[str, Any]:
     return {"id": item.id, "error": message, FINGERPRINT_KEY: item.fingerprint}
 
 
-def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]]:
-    """Generate one batch; yield (job, LineFinish) as each row ends.
+def run_batch(lm: LoadedModel, batch: Sequence[Job], backend: str = "auto"
+              ) -> Iterator[tuple[Job, Any]]:
+    """Generate one batch on the user's `backend`; yield (job, LineFinish) as each row
+    ends.
 
     Rows ended by Ctrl-C (reason "interrupted") are yielded too: the caller must not
     record them as results.
@@ -489,7 +491,7 @@ def run_batch(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]
     detail = logprobs_detail(batch[0].logprobs)
     recorded: dict[int, list[Token]] = {}
     for event in stream(lm, [job.ids for job in batch], settings, seeds=seeds,
-                        detail=detail):
+                        detail=detail, backend=backend):
         if isinstance(event, Token) and event.detail is not None:
             recorded.setdefault(event.row, []).append(event)
         elif isinstance(event, Finish):
@@ -515,23 +517,25 @@ def line_finish(lm: LoadedModel, finish: Finish, tokens: Sequence[Token] | None
     return LineFinish(**fields, logprobs_object=logprobs)
 
 
-def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int
-                  ) -> Iterator[tuple[Job, Any]]:
-    """Every job's outcome as it ends: (job, Finish), or (job, error message) when it
-    cannot be generated. Stops early after rows ended by Ctrl-C (reason "interrupted").
-    TooLargeError, before any batch runs, when one cannot fit in memory."""
+def generate_jobs(lm: LoadedModel, jobs: Sequence[Job], batch_size: int,
+                  backend: str = "auto") -> Iterator[tuple[Job, Any]]:
+    """Every job's outcome as it ends, on the user's `backend`: (job, Finish), or (job,
+    error message) when it cannot be generated. Stops early after rows ended by Ctrl-C
+    (reason "interrupted"). TooLargeError, before any batch runs, when one cannot fit in
+    memory."""
     batches = plan_batches(jobs, batch_size)
     for batch in batches:
         check_memory(lm, rows_of(len(batch), batch[0].settings),
                      max(len(job.ids) for job in batch) + batch[0].settings.max_new_tokens,
                      remedy="lower --batch-size, or the lines' max_new_tokens")
     for batch in batches:
-        interrupted = yield from _isolated(lm, batch)
+        interrupted = yield from _isolated(lm, batch, backend)
         if interrupted:
             return
 
 
-def _isolated(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]]:
+def _isolated(lm: LoadedModel, batch: Sequence[Job], backend: str
+              ) -> Iterator[tuple[Job, Any]]:
     """One batch's outcomes. When the batch fails (a row's bad value, out of memory, a
     model error), its unfinished rows run again one by one, so only a row that fails on
     its own gets an error; its batch-mates' texts are the same as batched (seeds are per
@@ -539,14 +543,14 @@ def _isolated(lm: LoadedModel, batch: Sequence[Job]) -> Iterator[tuple[Job, Any]
     pending = {id(job): job for job in batch}
     interrupted = False
     try:
-        for job, finish in run_batch(lm, batch):
+        for job, finish in run_batch(lm, batch, backend):
             pending.pop(id(job), None)
             interrupted = interrupted or finish.reason == "interrupted"
             yield job, finish
     except Exception as exc:  # noqa: BLE001  (isolation: a fault is its rows' error)
         if len(batch) > 1 and pending:
             for job in list(pending.values()):
-                if (yield from _isolated(lm, [job])):
+                if (yield from _isolated(lm, [job], backend)):
                     return True
             return False
         for job in pending.values():

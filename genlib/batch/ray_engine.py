@@ -100,7 +100,7 @@ def generate_lines(lm: LoadedModel, numbered: Sequence[Row], plan: WorkerPlan
                                  else unexpected(exc)}))
             continue
         ready.append(item)
-    for job, outcome in generate_jobs(lm, ready, plan.batch_size):
+    for job, outcome in generate_jobs(lm, ready, plan.batch_size, plan.spec.backend):
         if isinstance(outcome, str):
             out.append((job.line, {"error": outcome}))
         else:

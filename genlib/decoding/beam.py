@@ -184,7 +184,7 @@ def beam_search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     constrained with `force_words` / `force_any`) for every prompt; one BeamResult per
     prompt holding its `num_return_sequences` best hypotheses. `seeds`: one per prompt
     for beam sampling (default: derived from settings.seed). `backend`: default the one
-    `choose_backend` picks under the model's --backend."""
+    `choose_backend`'s auto picks."""
     run = search(lm, prompts_ids, settings, record_tree=record_tree, seeds=seeds,
                  backend=backend)
     while True:
@@ -205,7 +205,7 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     check_prompts(lm, prompts_ids, settings)
     if backend is None:
         backend = for_generation(lm, prompts_ids, settings,
-                                 backend_request(prompts_ids, settings, lm.backend))
+                                 backend_request(prompts_ids, settings, "auto"))
     return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
 
 

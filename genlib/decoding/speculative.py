@@ -291,7 +291,7 @@ def _one_hot(x: int, size: int, device: torch.device) -> torch.Tensor:
 
 def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
                  draft_lm: LoadedModel | None, prompt_lookup: int | None,
-                 backend: str | None = None, draft_weights: str = "auto") -> Drafter:
+                 backend: str = "auto", draft_weights: str = "auto") -> Drafter:
     """The drafter asked for: a draft model (its vocabulary checked by `check_request`)
     on the backend `choose_backend` picks for it under the user's `backend`, its
     matrices stored as `draft_weights` says (`choose.draft_request`), prompt lookup, or
@@ -307,8 +307,7 @@ def make_drafter(target: LoadedModel, settings: GenerationSettings, *,
     if draft_lm is None:
         assert lookup is not None
         return lookup
-    draft_backend = choose_backend(draft_lm, draft_request(
-        draft_lm, backend or draft_lm.backend, draft_weights))
+    draft_backend = choose_backend(draft_lm, draft_request(draft_lm, backend, draft_weights))
     model = ModelDrafter(draft_lm, draft_backend, sample=settings.do_sample)
     return LookupFirstDrafter(lookup, model) if lookup is not None else model
 
@@ -340,7 +339,7 @@ def check_request(target: LoadedModel, prompt_ids: Sequence[int], settings: Gene
 def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
                        settings: GenerationSettings, *, draft_lm: LoadedModel | None = None,
                        prompt_lookup: int | None = None, num_draft_tokens: int | None = None,
-                       adaptive: bool | None = None, backend: str | None = None,
+                       adaptive: bool | None = None, backend: str = "auto",
                        detail: Detail | None = None, draft_weights: str = "auto"
                        ) -> Iterator[Event]:
     """Decode one prompt speculatively; yield Prefill, then per step a Verify and its
@@ -352,7 +351,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     `num_draft_tokens` (gamma) defaults to 5 with a draft model and 10 for prompt lookup
     alone; `adaptive` grows/shrinks it per step (default: `adapts`,
     for a draft model only). `backend` is the
-    user's choice for both models (default: each model's own, `LoadedModel.backend`).
+    user's choice for both models (--backend; auto: each model's fastest exact one).
     `draft_weights`: how the native kernel stores the draft model's matrices (auto:
     bfloat16 where the draft runs on it; `choose.draft_request`).
     """
@@ -360,8 +359,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
     check_request(target_lm, prompt_ids, settings, draft_lm, gamma)
     drafter = make_drafter(target_lm, settings, draft_lm=draft_lm, prompt_lookup=prompt_lookup,
                            backend=backend, draft_weights=draft_weights)
-    target = choose_backend(target_lm, Request(rows=1, crop=True,
-                                               backend=backend or target_lm.backend))
+    target = choose_backend(target_lm, Request(rows=1, crop=True, backend=backend))
     plan = make_plan(target_lm, settings, 1, prompt_width=len(prompt_ids), detail=detail)
     row = new_row(target_lm, 0, prompt_ids, settings)
     schedule = GammaSchedule(gamma, adapts(adaptive, draft_lm is not None))
@@ -369,7 +367,7 @@ def speculative_stream(target_lm: LoadedModel, prompt_ids: Sequence[int],
 
 
 def speculate(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-           drafting: Drafting, backend: str | None = None, detail: Detail | None = None
+           drafting: Drafting, backend: str = "auto", detail: Detail | None = None
            ) -> Iterator[Event]:
     """`speculative_stream` for `genlib.generate.stream`: one prompt, `drafting`'s drafter."""
     if len(prompts) != 1:

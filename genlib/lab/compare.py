@@ -240,9 +240,10 @@ def crn_detail(strategy: Strategy, crn: bool, logprobs: int = 0) -> Detail | Non
 
 
 def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
-                 crn: bool = True, logprobs: int = 0) -> Iterator[Event | StrategyDone]:
+                 crn: bool = True, logprobs: int = 0, backend: str = "auto"
+                 ) -> Iterator[Event | StrategyDone]:
     """The strategy's decode events, then a StrategyDone with its result. `crn` and
-    `logprobs`: see `crn_detail`.
+    `logprobs`: see `crn_detail`; `backend`: the user's choice (--backend).
 
     Every row of the batch is one sample. A GenlabError (e.g. a setting the decoder
     does not support) ends the strategy with `error` set instead of propagating.
@@ -258,7 +259,7 @@ def run_strategy(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
     start = time.perf_counter()
     try:
         for event in stream(lm, [list(prompt_ids)], settings, seeds=seeds,
-                            detail=crn_detail(strategy, crn, logprobs)):
+                            detail=crn_detail(strategy, crn, logprobs), backend=backend):
             if isinstance(event, Finish):
                 finished.append(event)
             elif isinstance(event, Token) and event.detail is not None:
@@ -298,20 +299,20 @@ def summarize(strategy: Strategy, finished: Sequence[Finish], seconds: float,
 
 
 def comparison_events(lm: LoadedModel, prompt_ids: Sequence[int],
-                      strategies: Sequence[Strategy], crn: bool = True, logprobs: int = 0
-                      ) -> Iterator[tuple[int, Event | StrategyDone]]:
+                      strategies: Sequence[Strategy], crn: bool = True, logprobs: int = 0,
+                      backend: str = "auto") -> Iterator[tuple[int, Event | StrategyDone]]:
     """(strategy index, event) for every strategy in turn, on the one loaded model.
     Ctrl-C ends the running strategy's decoding early (its rows finish "interrupted",
     its StrategyDone says so), and the comparison stops there."""
-    warm_up(lm, prompt_ids)
+    warm_up(lm, prompt_ids, backend)
     for index, strategy in enumerate(strategies):
-        for event in run_strategy(lm, prompt_ids, strategy, crn, logprobs):
+        for event in run_strategy(lm, prompt_ids, strategy, crn, logprobs, backend):
             yield index, event
             if isinstance(event, StrategyDone) and event.result.interrupted:
                 return
 
 
-def warm_up(lm: LoadedModel, prompt_ids: Sequence[int]) -> None:
+def warm_up(lm: LoadedModel, prompt_ids: Sequence[int], backend: str = "auto") -> None:
     """One greedy token, untimed, before the first strategy's clock starts (and before
     each model run's, comparing models): the process's first forward, and a freshly
     loaded model's, pays for the weights' first reads and the backend's first call, which
@@ -321,21 +322,22 @@ def warm_up(lm: LoadedModel, prompt_ids: Sequence[int]) -> None:
     from genlib.generate import stream
 
     try:
-        for _ in stream(lm, [list(prompt_ids)], GenerationSettings(max_new_tokens=1)):
+        for _ in stream(lm, [list(prompt_ids)], GenerationSettings(max_new_tokens=1),
+                        backend=backend):
             pass
     except GenlabError:
         pass
 
 
 def compare(lm: LoadedModel, prompt_ids: Sequence[int], strategies: Sequence[Strategy],
-            *, prompt: str = "", seed: int = 0, crn: bool = True, logprobs: int = 0
-            ) -> Comparison:
+            *, prompt: str = "", seed: int = 0, crn: bool = True, logprobs: int = 0,
+            backend: str = "auto") -> Comparison:
     """Run every strategy to the end (no live display) and collect the Comparison.
 
     The strategies should already carry `seed` (see `sharing_seed`); it is recorded here.
     """
     results = [e.result for _, e in comparison_events(lm, prompt_ids, strategies, crn,
-                                                      logprobs)
+                                                      logprobs, backend)
                if isinstance(e, StrategyDone)]
     return Comparison(model=lm.ref, prompt=prompt, prompt_tokens=len(prompt_ids), seed=seed,
                       results=results, crn=crn)
@@ -412,9 +414,10 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
         if freeze:
             freeze_heap()
         prompt_ids = lm.encode(prompt)
-        warm_up(lm, prompt_ids)  # else the first run's tokens/s carries the first forward
+        warm_up(lm, prompt_ids, spec.backend)  # else the first run's tokens/s carries it
         _reset_peak_memory(lm)
-        finish, run.logprobs_object = generate_one(lm, prompt_ids, strategy, logprobs)
+        finish, run.logprobs_object = generate_one(lm, prompt_ids, strategy, logprobs,
+                                                   spec.backend)
     except GenlabError as exc:
         run.error = str(exc)
         return run, None
@@ -430,7 +433,8 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
 
 
 def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
-                 logprobs: int = 0) -> tuple[Finish, dict[str, Any] | None]:
+                 logprobs: int = 0, backend: str = "auto"
+                 ) -> tuple[Finish, dict[str, Any] | None]:
     """One output of `strategy` (the first row) and, with `logprobs` N > 0 and a
     strategy that records them (not beam search), its logprobs object."""
     from genlib.decoding.detail import Detail
@@ -440,7 +444,8 @@ def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
     detail = Detail(logprobs=logprobs) if record else None
     finished: list[Finish] = []
     recorded: dict[int, list[Token]] = {}
-    for event in stream(lm, [list(prompt_ids)], strategy.settings, detail=detail):
+    for event in stream(lm, [list(prompt_ids)], strategy.settings, detail=detail,
+                        backend=backend):
         if isinstance(event, Finish):
             finished.append(event)
         elif isinstance(event, Token) and event.detail is not None:

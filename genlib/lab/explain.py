@@ -38,10 +38,12 @@ class Run:
 
 
 def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSettings,
-            *, top: int = 5, force: Mapping[int, int] | None = None) -> Run:
+            *, top: int = 5, force: Mapping[int, int] | None = None,
+            backend: str = "auto") -> Run:
     """Generate for one prompt recording every step (top `top` alternatives, each
-    stage's distribution); `force` = {step: token id} makes a branch. Only the first
-    output row is explained (a preset's num_return_sequences is set to 1)."""
+    stage's distribution); `force` = {step: token id} makes a branch; `backend`, the
+    user's choice (--backend). Only the first output row is explained (a preset's
+    num_return_sequences is set to 1)."""
     from genlib.generate import stream
 
     detail = Detail(logprobs=top, stages=True, inverse_cdf=settings.do_sample,
@@ -49,7 +51,7 @@ def explain(lm: LoadedModel, prompt_ids: Sequence[int], settings: GenerationSett
     tokens: list[Token] = []
     finish: Finish | None = None
     settings = settings.replace(num_return_sequences=1)
-    for event in stream(lm, [list(prompt_ids)], settings, detail=detail):
+    for event in stream(lm, [list(prompt_ids)], settings, detail=detail, backend=backend):
         if isinstance(event, Token):
             check_forced(lm, event)  # before the stream computes the step after it
             tokens.append(event)
@@ -197,10 +199,11 @@ def run_dict(lm: LoadedModel, run: Run, per_model: ModelLogprobs | None = None
 
 
 def model_logprobs(lm: LoadedModel, settings: GenerationSettings,
-                   prompt_ids: Sequence[int], run: Run) -> ModelLogprobs | None:
+                   prompt_ids: Sequence[int], run: Run, backend: str = "auto"
+                   ) -> ModelLogprobs | None:
     """Each combined model's own log-probabilities at every step of `run` ((steps,
-    vocab) each, the main model first), fed the run's tokens on its own backend; None
-    where `settings` combine no models."""
+    vocab) each, the main model first), fed the run's tokens on the backend the user's
+    `backend` gives it; None where `settings` combine no models."""
     import torch
 
     from genlib.backends.choose import Request, choose_backend
@@ -211,9 +214,9 @@ def model_logprobs(lm: LoadedModel, settings: GenerationSettings,
         return None
     out: ModelLogprobs = []
     for model in combination.models:
-        backend = choose_backend(model, Request(backend=model.backend))
-        rows = [backend.prefill([list(prompt_ids)], len(prompt_ids) + len(run.ids))]
-        rows += [backend.step(torch.tensor([token])) for token in run.ids[:-1]]
+        stepped = choose_backend(model, Request(backend=backend))
+        rows = [stepped.prefill([list(prompt_ids)], len(prompt_ids) + len(run.ids))]
+        rows += [stepped.step(torch.tensor([token])) for token in run.ids[:-1]]
         assert rows[0] is not None  # a prompt has at least one token
         out.append((model.ref, torch.cat(rows).float().log_softmax(-1)))
     return out

@@ -57,7 +57,6 @@ class LoadedModel:
     pad_id: int
     max_positions: int | None
     quantize: str = "none"
-    backend: str = "auto"  # the user's --backend, which genlib.backends.choose honours
     # The native kernel's quantized format (genlib.backends.quant) where --quantize on a
     # CPU runs there (the model itself stays float32); None: the model's own weights.
     weights: str | None = None

@@ -379,7 +379,7 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
         model=model, tokenizer=tokenizer, ref=spec.ref, device=device, dtype=dtype,
         eos_ids=eos_ids_of(model, tokenizer),
         pad_id=pad_id_of(model, tokenizer),
-        max_positions=max_positions_of(config), quantize=spec.quantize, backend=spec.backend,
+        max_positions=max_positions_of(config), quantize=spec.quantize,
         weights=native)
     return _with_files(lm, ref, stored) if local_folder else lm
 

@@ -113,7 +113,7 @@ def _quick_load(spec: ModelSpec, path: Path, device: torch.device, full: Callabl
                        dtype=dtype, eos_ids=eos_ids_of(facts, tokenizer),
                        pad_id=pad_id_of(facts, tokenizer),
                        max_positions=model_config.max_position_embeddings,
-                       quantize=spec.quantize, backend=spec.backend, lean=lean,
+                       quantize=spec.quantize, lean=lean,
                        deferred=full)
 
 
