@@ -99,7 +99,7 @@ def run_beam(lm: LoadedModel, ids: list[int], prompt: str, settings: GenerationS
         show_results(result, greedy, prompt, settings, interrupted,
                      tree=tree, live=live, tree_steps=tree_steps, tree_width=tree_width)
         render.info(f"{result.steps} steps · {settings.num_beams} beams · {seconds:.2f} s · "
-                    f"backend {backend.name}")
+                    f"backend {searcher.name}")
     return exit_code([h.finish_reason for h in result.hypotheses], settings.max_new_tokens,
                      interrupted)
 

@@ -168,7 +168,6 @@ SAMPLERS = ("logit_bias", "presence_penalty", "frequency_penalty", "dry_multipli
             "mirostat", "mirostat_tau", "mirostat_eta", "samplers", "penalty_alpha",
             "dola_layers")
 CONSTRAINTS = ("json_schema", "regex", "grammar", "grammar_timeout")
-COMBINED = ("ensemble_mode", "cd_beta", "cd_alpha")  # beside --ensemble and --amateur
 
 
 def without(keys: tuple[str, ...], *left_out: str) -> tuple[str, ...]:

@@ -151,14 +151,14 @@ def test_a_failing_row_fails_alone_and_its_batch_mates_keep_their_texts(stories,
     alone = {j.id: f.text for j, f in gb.generate_jobs(stories, jobs, 1)}
     real = gb.run_batch
 
-    def poisoned(lm, batch):
+    def poisoned(lm, batch, backend):
         if any(job.id == "p2" for job in batch):
-            for job, finish in real(lm, batch):
+            for job, finish in real(lm, batch, backend):
                 if job.id != "p2":
                     yield job, finish  # some rows end before the fault
                     break
             raise RuntimeError("row p2 broke the forward pass")
-        yield from real(lm, batch)
+        yield from real(lm, batch, backend)
 
     monkeypatch.setattr(gb, "run_batch", poisoned)
     outcomes = {j.id: o for j, o in gb.generate_jobs(stories, jobs, 4)}
@@ -495,10 +495,10 @@ def test_error_lines_are_kept_until_retry_errors(tmp_path: Path, monkeypatch):
     write_lines(src, {"id": "a", "prompt": "Once upon a time"}, {"id": "b", "prompt": "Tom"})
     real = gb.run_batch
 
-    def flaky(lm, batch):
+    def flaky(lm, batch, backend):
         if any(j.id == "b" for j in batch):
             raise MemoryError
-        yield from real(lm, batch)
+        yield from real(lm, batch, backend)
 
     monkeypatch.setattr(gb, "run_batch", flaky)
     first = invoke("--input", str(src), "--output", str(out), "-n", "5")

@@ -85,9 +85,8 @@ def one_each(tokens: torch.Tensor, logprobs: torch.Tensor,
     """A step that commits one token a row (`tokens`, their `logprobs`, records), and
     feeds those tokens to the next forward."""
     values = _host_values(tokens, logprobs)
-    if details is None:
-        return Chosen([[(tok, lp, None, None)] for tok, lp in values], tokens)
-    return Chosen([[(tok, lp, details[pos], None)] for pos, (tok, lp) in enumerate(values)],
+    records = details or [None] * len(values)
+    return Chosen([[(tok, lp, record, None)] for (tok, lp), record in zip(values, records)],
                   tokens)
 
 
