@@ -222,16 +222,39 @@ def bench(
         "bound it puts on decode tokens/s.")] = True,
     device: opt.Device = "auto",
     trust_remote_code: opt.TrustRemoteCode = False,
+    fidelity_file: Annotated[Path | None, typer.Option(
+        "--fidelity", metavar="FILE", help="Measure what each quantized format keeps, not "
+        "speed: FILE's text (held out: not trained on) through the float32 model and "
+        "each --quantize format (default q8_0, nf4 and q4_0) on the native kernel, in "
+        "windows of 256 tokens; perplexity, top-1 agreement with float32, and the mean "
+        "KL divergence from float32's next-token distributions.")] = None,
 ) -> None:
     """Measure generation speed honestly: warm-up, counted runs, medians and spread.
 
     Examples:\n
       genlab bench -m ../shared/models/stories260K --baseline transformers --backend auto,lean\n
       genlab bench -m ../shared/models/stories260K --no-cache --new-tokens 64,128,256,384\n
-      genlab bench -m ../shared/models/code-target --batch-size 1,4 --json
+      genlab bench -m ../shared/models/code-target --batch-size 1,4 --json\n
+      genlab bench -m ../shared/models/code-target --fidelity held_out.py
     """
     opt.refuse_compile(compile)
     target = sink(as_json, as_jsonl, output)
+    if fidelity_file is not None:
+        speed_only = {"--strategy": strategy is not None, "-p/--preset": bool(preset),
+                      "--prompt-len": prompt_len != "128", "--new-tokens": new_tokens != "256",
+                      "--batch-size": batch_size != "1", "--dtype": dtype != "auto",
+                      "--baseline": baseline != "none", "--backend": backend != "auto",
+                      "--no-cache": no_cache, "--csv": csv_path is not None,
+                      "--plot": plot is not None, "--wide": wide}
+        refuse_with_fidelity([flag for flag, given in speed_only.items() if given])
+        if as_jsonl:
+            raise fail("--fidelity writes one document, a row per format: give --json, "
+                       "not --jsonl")
+        check_threads(threads)
+        with opened(target):
+            return run_fidelity(model, device, trust_remote_code, fidelity_file,
+                                str_list("--quantize", quantize, QUANTIZATIONS), threads,
+                                target)
     presets = opt.preset_refs(preset)
     names = measured(str_list("--strategy", strategy) if strategy is not None
                      else [] if presets else ["greedy"], presets)
@@ -260,6 +283,96 @@ def bench(
                                  runs, warmup, baseline == "transformers", threads, bandwidth)
     with opened(target):
         emit(records, machine, target, csv_path, plot, wide)
+
+
+# --- --fidelity: what each quantized format keeps ------------------------------------
+
+FIDELITY_FORMATS = ("q8_0", "nf4", "q4_0")  # the native kernel's formats
+FIDELITY_WINDOW = 256
+
+
+def refuse_with_fidelity(flags: list[str]) -> None:
+    """A usage error for the speed flags given with --fidelity, which measures quality."""
+    if flags:
+        raise fail(f"--fidelity measures what quantization keeps, not speed: drop "
+                   f"{', '.join(flags)}")
+
+
+def fidelity_formats(quants: list[str]) -> list[str]:
+    """The kernel formats --quantize names (8bit: q8_0; 4bit: nf4), float32 first; all
+    three where it names none."""
+    named = [{"8bit": "q8_0", "4bit": "nf4"}.get(q, q) for q in quants if q != "none"]
+    return ["float32", *dict.fromkeys(named or FIDELITY_FORMATS)]
+
+
+def run_fidelity(model: str | None, device: str, trust_remote_code: bool, path: Path,
+                 quants: list[str], threads: int | None, target: Sink) -> None:
+    """`bench --fidelity`: the text through float32 and each format; a table, or the
+    document (docs/output.md)."""
+    import torch
+
+    from cli import output
+    from genlib.backends.choose import stored_format
+    from genlib.backends.fit import lean_of
+    from genlib.backends.kernel import applies
+    from genlib.lab.fidelity import fidelity
+
+    text = read_fidelity_text(path)
+    if threads is not None:
+        torch.set_num_threads(threads)
+    lm = load(ModelFlags(model, device, "float32", "none", trust_remote_code), quick=True)
+    lean = lean_of(lm)
+    formats = fidelity_formats(quants)
+    reasons = [applies(lean, name) for name in formats] if lean is not None else \
+        ["it is not a model the lean forward runs"]
+    if any(reasons):
+        raise fail(f"--fidelity runs the native kernel, which cannot run {lm.ref} here: "
+                   f"{next(r for r in reasons if r)}")
+    tokens = lm.encode(text)
+    if len(tokens) < 2:
+        raise fail(f"--fidelity: {path} holds {len(tokens)} token(s); give a text of at "
+                   f"least two tokens, the more the better (a few thousand)")
+    stored = stored_format(lm)
+    if stored:
+        from cli.render import info
+
+        info(f"{lm.ref} is stored in {stored}: float32 here is its dequantized weights")
+    report = fidelity(lean, tokens, formats[1:], FIDELITY_WINDOW)
+    rows = [r.to_dict() for r in report.values()]
+    doc = output.document("bench", lm.ref, kind="fidelity", text=str(path),
+                          tokens=len(tokens), window=FIDELITY_WINDOW,
+                          machine={"threads": torch.get_num_threads()}, results=rows)
+    target.json_document(doc)
+    if not target.machine or not target.to_stdout:
+        print_fidelity(rows)
+
+
+def read_fidelity_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise fail(f"--fidelity: cannot read {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise fail(f"--fidelity: {path} is not UTF-8 text (byte {exc.start}); give a text "
+                   f"file") from None
+
+
+def print_fidelity(rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    from cli.render import out
+
+    table = Table(show_edge=False)
+    for column in ("weights", "perplexity", "vs float32", "top-1 agreement", "mean KL"):
+        table.add_column(column, justify="left" if column == "weights" else "right")
+    base = rows[0]["perplexity"]
+    for r in rows:
+        table.add_row(r["weights"], f"{r['perplexity']:.3f}",
+                      f"{r['perplexity'] / base - 1:+.2%}", f"{r['top1_agreement']:.2%}",
+                      f"{r['mean_kl']:.5f}")
+    out.print(table)
+    out.print(f"{rows[0]['positions']:,} positions; KL divergence in nats, from float32's "
+              f"next-token distributions")
 
 
 def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],

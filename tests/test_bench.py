@@ -373,3 +373,83 @@ def test_the_table_names_the_backend_and_its_compile_time():
     assert engine_label(plain) == "genlab/native"
     compiled = {"engine": "genlab", "backend": "compiled", "compile_s": 0.25}
     assert engine_label(compiled) == "genlab/compiled (compile 0.2s)"
+
+
+# --- --fidelity ------------------------------------------------------------------------
+
+STORY = ("Once upon a time, there was a little girl named Lily. She loved to play in the "
+         "park with her friends. One day, she found a big red ball under a tree. She was "
+         "very happy and ran to show her mom. \"That is a nice ball,\" her mom said. ") * 6
+
+
+def fidelity_run(tmp_path, *args: str):
+    text = tmp_path / "held_out.txt"
+    text.write_text(STORY, encoding="utf-8")
+    return CliRunner().invoke(app, ["bench", "-m", str(STORIES), "--fidelity", str(text),
+                                    *args])
+
+
+def test_fidelity_compares_each_format_with_float32(tmp_path):
+    """float32 against itself agrees everywhere at no divergence; q8_0 stays within a
+    percent of its perplexity and agrees on nearly every argmax; the 4-bit formats move
+    the distributions more than q8_0 does. The document validates against the schema."""
+    from jsonschema import Draft202012Validator
+
+    from tests.test_output import SCHEMA
+
+    result = fidelity_run(tmp_path, "--json")
+    assert result.exit_code == 0, result.output
+    doc = json.loads(result.stdout)
+    assert list(Draft202012Validator(SCHEMA).iter_errors(doc)) == []
+    rows = {r["weights"]: r for r in doc["results"]}
+    assert list(rows) == ["float32", "q8_0", "nf4", "q4_0"] and doc["kind"] == "fidelity"
+    windows = math.ceil(doc["tokens"] / 256)  # each predicts all but its last token
+    assert {r["positions"] for r in rows.values()} == {doc["tokens"] - windows}
+    base = rows["float32"]
+    assert base["top1_agreement"] == 1.0 and base["mean_kl"] == 0.0
+    assert abs(rows["q8_0"]["perplexity"] / base["perplexity"] - 1) < 0.01
+    assert rows["q8_0"]["top1_agreement"] > 0.95
+    for four_bit in ("nf4", "q4_0"):
+        assert rows[four_bit]["mean_kl"] > rows["q8_0"]["mean_kl"] > 0
+
+
+def test_fidelity_takes_the_formats_quantize_names(tmp_path):
+    result = fidelity_run(tmp_path, "--quantize", "8bit,q4_0", "--json")
+    assert result.exit_code == 0, result.output
+    assert [r["weights"] for r in json.loads(result.stdout)["results"]] == \
+        ["float32", "q8_0", "q4_0"]
+
+
+@pytest.mark.parametrize("args, said", [
+    (["--baseline", "transformers", "--batch-size", "2"],
+     "error: --fidelity measures what quantization keeps, not speed: drop --batch-size, "
+     "--baseline"),
+    (["--jsonl"], "error: --fidelity writes one document, a row per format: give --json, "
+     "not --jsonl"),
+])
+def test_fidelity_refuses_the_speed_flags(tmp_path, args, said):
+    result = fidelity_run(tmp_path, *args)
+    assert result.exit_code == 2 and result.stderr.strip() == said
+
+
+def test_fidelity_names_a_text_it_cannot_read(tmp_path):
+    missing = tmp_path / "nowhere.txt"
+    result = CliRunner().invoke(app, ["bench", "-m", str(STORIES), "--fidelity",
+                                      str(missing)])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"error: --fidelity: cannot read {missing}: No such "
+                                     f"file or directory")
+
+
+def test_fidelity_of_a_quantized_checkpoint_says_what_float32_means(tmp_path):
+    """The built-in model is stored in nf4: its float32 row is the dequantized weights,
+    so nf4 agrees with it everywhere (to float32 rounding), and the run says so."""
+    text = tmp_path / "held_out.py"
+    text.write_text("def add(a, b):\n    return a + b\n" * 20, encoding="utf-8")
+    result = CliRunner().invoke(app, ["bench", "--fidelity", str(text), "--quantize",
+                                      "4bit", "--json"])
+    assert result.exit_code == 0, result.output
+    assert "builtin:code-small is stored in nf4: float32 here is its dequantized weights" \
+        in result.stderr
+    nf4 = json.loads(result.stdout)["results"][1]  # the same products, summed in another order
+    assert (nf4["weights"], nf4["top1_agreement"]) == ("nf4", 1.0) and nf4["mean_kl"] < 1e-9
