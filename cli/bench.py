@@ -287,7 +287,6 @@ def bench(
 
 # --- --fidelity: what each quantized format keeps ------------------------------------
 
-FIDELITY_FORMATS = ("q8_0", "nf4", "q4_0")  # the native kernel's formats
 FIDELITY_WINDOW = 256
 
 
@@ -299,10 +298,12 @@ def refuse_with_fidelity(flags: list[str]) -> None:
 
 
 def fidelity_formats(quants: list[str]) -> list[str]:
-    """The kernel formats --quantize names (8bit: q8_0; 4bit: nf4), float32 first; all
-    three where it names none."""
-    named = [{"8bit": "q8_0", "4bit": "nf4"}.get(q, q) for q in quants if q != "none"]
-    return ["float32", *dict.fromkeys(named or FIDELITY_FORMATS)]
+    """The kernel formats --quantize names (`choose.NATIVE_FORMATS`: 8bit is q8_0, 4bit
+    nf4), float32 first; every format where it names none."""
+    from genlib.backends.choose import NATIVE_FORMATS
+
+    named = [NATIVE_FORMATS[q] for q in quants if q != "none"]
+    return ["float32", *dict.fromkeys(named or NATIVE_FORMATS.values())]
 
 
 def run_fidelity(model: str | None, device: str, trust_remote_code: bool, path: Path,

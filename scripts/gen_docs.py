@@ -125,9 +125,13 @@ def keys_table() -> str:
         return text.replace("|", "\\|")
 
     def default(value: object) -> str:
-        shown = {None: "none", (): "[]", False: "false", True: "true"}
-        return shown[value] if isinstance(value, (type(None), tuple, bool)) and \
-            value in shown else f"`{value!r}`" if isinstance(value, tuple) else str(value)
+        if value is None:
+            return "none"
+        if isinstance(value, bool):
+            return str(value).lower()
+        if isinstance(value, tuple):
+            return f"`{value!r}`" if value else "[]"
+        return str(value)
 
     rows = [f"| `{key}` | `{spec.flag.names[0].split('/')[0]}` | {cell(default(spec.default))} "
             f"| {cell(spec.allowed or ', '.join(spec.choices) or spec.kind)} "
