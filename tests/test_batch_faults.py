@@ -18,6 +18,7 @@ from typer.testing import CliRunner
 from cli.main import app
 from genlib import jsonl
 from genlib.batch import jobs as gb
+from genlib.batch import results as br
 from genlib.errors import PresetError
 from tests.conftest import ROOT, STORIES, wait_for_lines
 
@@ -661,3 +662,29 @@ def test_a_results_file_removed_after_the_last_line_is_caught_before_exit(
     assert result.exit_code == 1, result.output
     assert f"{out} was removed during the run: results written to it were lost" \
         in result.stderr
+
+
+def test_ctrl_c_between_a_lines_write_and_its_count_keeps_the_run_whole(
+        tmp_path: Path, monkeypatch):
+    """SIGTERM (as Ctrl-C) landed after a line's bytes were written and before the file's
+    count of them grew: the run reported its results file as lost and exited 1, not
+    INTERRUPTED with every line it wrote kept."""
+    src, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_lines(src, *({"id": f"p{i}", "prompt": "Once upon a time"} for i in range(3)))
+    real, writes = br._write_all, []
+
+    def write_then_interrupt(fd: int, data: bytes) -> None:
+        real(fd, data)
+        writes.append(data)
+        if len(writes) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(br, "_write_all", write_then_interrupt)
+    result = invoke("--input", str(src), "--output", str(out), "-n", "4", "--batch-size", "1")
+    assert result.exit_code == 130, result.output
+    assert "lost" not in result.stderr
+    assert [r["id"] for r in records_of(out)] == ["p0", "p1"]
+    monkeypatch.undo()
+    again = invoke("--input", str(src), "--output", str(out), "-n", "4")
+    assert again.exit_code == 0, again.output
+    assert sorted(r["id"] for r in records_of(out)) == ["p0", "p1", "p2"]

@@ -149,6 +149,7 @@ class ResultsFile:
         self.path = path
         self._fd = fd  # regular files: read/write, O_APPEND
         self._size = os.fstat(fd).st_size if fd is not None else 0  # bytes there by us
+        self._writing = 0  # bytes of the line being appended, until it is counted
         self._stream = stream  # everything else
         self.locked = False
         self.repaired_bytes = 0  # a half-written last line cut off by read()
@@ -353,8 +354,12 @@ class ResultsFile:
         data = jsonl.dumps(dict(line))
         if self._fd is not None:
             self.check()
+            # Ctrl-C or SIGTERM can land between the write and the count: `check`
+            # allows the line in flight, so a stopped run keeps what it wrote.
+            self._writing = len(data)
             _write_all(self._fd, data)
             self._size += len(data)
+            self._writing = 0
         elif self._stream is not None:
             self._stream.write(data)
             self._stream.flush()
@@ -375,7 +380,7 @@ class ResultsFile:
             why = "was removed during the run"
         elif (named.st_dev, named.st_ino) != (own.st_dev, own.st_ino):
             why = "was replaced by another file during the run"
-        elif own.st_size != self._size:
+        elif not self._size <= own.st_size <= self._size + self._writing:
             why = (f"changed size during the run ({own.st_size:,} bytes where this run had "
                    f"{self._size:,})")
         else:
