@@ -520,3 +520,15 @@ def test_beam_tokens_per_second_is_over_the_decode_time(stories):
     assert finish.first_token == first_step.time
     decode = finish.end - first_step.time
     assert finish.tokens_per_second == pytest.approx((finish.new_tokens - 1) / decode)
+
+
+def test_beam_search_ends_at_max_time_as_the_plain_loop_does(stories):
+    """The time limit is the one Finisher's, counted from the loop's start for beam
+    search as for the plain loop: a search whose clock has run out by its first step
+    ends every hypothesis there, "time", far short of the token budget."""
+    settings = beam(num_beams=2, num_return_sequences=2, max_new_tokens=500,
+                    max_time=1e-9, ignore_eos=True)
+    [result] = beam_search(stories, [stories.encode("Once upon a time")], settings)
+    assert [h.finish_reason for h in result.hypotheses] == ["time", "time"]
+    assert [len(h.token_ids) for h in result.hypotheses] == [1, 1]
+    assert result.steps == 1

@@ -3,7 +3,9 @@
 Keep the k most probable sequences at each step (seed notes: ("The", "dog", "has") wins
 over ("The", "nice", "woman") because 0.4 * 0.9 > 0.5 * 0.4). Every prompt is prefilled
 once, its cache rows repeated to k beams, and all beams of all prompts go through one
-batched forward per step; the cache rows are then reordered by parent beam.
+batched forward per step; the cache rows are then reordered by parent beam. The search is
+a stepper of the decode loop (`BeamSearch` on `genlib.decoding.loop.run`), which applies
+that reorder and feeds the new tokens.
 
 Scoring follows transformers' `generate(num_beams=k)` (v5 `_beam_search`), so results are
 token-identical to it: each step keeps the top `max(2, 1 + n_eos) * k` continuations; a
@@ -25,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from collections import deque
 from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,13 +37,14 @@ import torch
 from genlib.backends.base import Backend
 from genlib.backends.choose import Request
 from genlib.backends.combined import for_generation
+from genlib.decoding import loop
 from genlib.decoding.detok import IncrementalDecoder, token_text
 from genlib.decoding.step import (
-    Row,
-    advance,
+    Finisher,
+    Plan,
     check_prompts,
     context_of,
-    finish_row,
+    interrupt,
     new_row,
     process_logits,
     row_seeds,
@@ -164,10 +168,18 @@ class _Plan:
     suppress_eos: processors.Processor | None
     constraints: tuple[cons.Constraint, ...]
     tokenizer: Any
-    deadline: float | None
+    finisher: Finisher
     record_tree: bool
     one_row: bool = False
     tree: dict[int, list[TreeStep]] = field(default_factory=dict)
+
+    def loop_plan(self) -> Plan:
+        """The plan the decode loop runs the search under: its settings and stop rules
+        (the search keeps its own context, generators and chain state)."""
+        return Plan(settings=self.settings, chain=self.chain,
+                    sampler=sampling.pick_sampler(False, False), generators=None,
+                    suppress_eos=None, needs_context=False, seeds=[],
+                    finisher=self.finisher)
 
 
 def backend_request(prompts_ids: Sequence[Sequence[int]], settings: GenerationSettings,
@@ -206,7 +218,22 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     if backend is None:
         backend = for_generation(lm, prompts_ids, settings,
                                  backend_request(prompts_ids, settings, "auto"))
-    return _run(lm, backend, prompts_ids, settings, record_tree, seeds)
+    return _searching(BeamSearch(lm, prompts_ids, settings, record_tree, seeds), backend)
+
+
+def _searching(searcher: BeamSearch, backend: Backend
+               ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
+    """The search's Prefill and BeamStep events, then its results."""
+    events = searcher.events(backend)
+    for event in events:
+        if isinstance(event, (Prefill, BeamStep)):
+            try:
+                yield event
+            except KeyboardInterrupt:  # thrown in: the loop keeps the best beams so far
+                deque(interrupt(events), maxlen=0)
+                break
+    assert searcher.results is not None
+    return searcher.results
 
 
 def search_events(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
@@ -214,95 +241,120 @@ def search_events(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
                   seeds: Sequence[int] | None = None,
                   record_tree: bool = False) -> Iterator[Event]:
     """Beam search as genlib's event stream: Prefill; per step and prompt a BeamStep
-    (the running best, the tree's candidates with `record_tree`) and Token events for
-    the best row's newly settled tokens; then per returned sequence its remaining
-    Token events and a Finish (row = prompt_index * num_return_sequences + rank,
-    `score` set). `seeds`: one per row, as the plain loop takes them."""
-    start = time.perf_counter()
+    (the running best, the tree's candidates with `record_tree`), then Token events for
+    each prompt's best row's newly settled tokens; at the end, per returned sequence its
+    remaining Token events and a Finish (row = prompt_index * num_return_sequences +
+    rank, `score` set). `seeds`: one per row, as the plain loop takes them."""
     n = settings.num_return_sequences
-    rows = [new_row(lm, p, prompt, settings)
-            for p, prompt in enumerate(prompts_ids) for _ in range(n)]
     prompt_seeds = None if seeds is None else list(seeds)[::n]
-    run = _run(lm, backend, prompts_ids, settings, record_tree, prompt_seeds)
-    while True:
-        try:
-            event = next(run)
-        except StopIteration as stop:
-            results: list[BeamResult] = stop.value
-            break
-        yield event
-        if isinstance(event, _Settled):
-            row = event.prompt_index * n
-            _first_step(rows[row:row + n], event.time)
-            yield from _tokens(lm, rows[row], row, event.ids, event.logprobs)
-    for result in results:
-        for rank, hyp in enumerate(result.hypotheses):
-            number = result.prompt_index * n + rank
-            yield from _tokens(lm, rows[number], number, hyp.token_ids, hyp.logprobs)
-            for finish in finish_row(rows[number], number, hyp.finish_reason, start):
-                yield dataclasses.replace(finish, score=hyp.score)
-
-
-def _first_step(rows: Sequence[Row], now: float) -> None:
-    """The search's first step chose every row's first token, though none is settled
-    yet: its time is the rows' first token, so the decode time (and tokens/s) runs from
-    there, not from the end, where most of a beam's tokens are settled at once."""
-    for row in rows:
-        if row.first_token is None:
-            row.first_token = now
-
-
-def _tokens(lm: LoadedModel, row: Row, number: int, ids: Sequence[int],
-            logprobs: Sequence[float]) -> Iterator[Event]:
-    """Token events for `ids[len(row.ids):]`: the part of a hypothesis not streamed yet."""
-    now = time.perf_counter()
-    for i in range(len(row.ids), len(ids)):
-        event, _ = advance(lm, row, number, ids[i], logprobs[i], i, now)
-        if event is not None:
-            yield event
+    yield from BeamSearch(lm, prompts_ids, settings, record_tree, prompt_seeds).events(backend)
 
 
 @dataclass(frozen=True)
 class _Settled(BeamStep):
     """A BeamStep that also carries the settled tokens of its prompt's best row (for
-    `search_events`; consumers see a BeamStep)."""
+    `BeamSearch`'s commits; consumers see a BeamStep)."""
 
     ids: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
 
 
-def _run(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
-         settings: GenerationSettings, record_tree: bool, seeds: Sequence[int] | None
-         ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
-    """The search, as a generator that yields the Prefill event and a BeamStep per
-    prompt and step, and returns the results."""
-    plan = _make_plan(lm, settings, record_tree, max(len(p) for p in prompts_ids))
-    searches = _make_searches(lm, prompts_ids, plan, seeds)
-    start = time.perf_counter()
-    logits, context = _prefill_beams(lm, backend, prompts_ids, plan)
-    yield Prefill(tuple(len(p) for p in prompts_ids), time.perf_counter() - start,
-                  time.perf_counter(), backend.name, backend.reason)
-    steps = 0
-    interrupted = False
-    try:
-        for number in range(settings.max_new_tokens):
-            steps = number + 1
-            parents, tokens = _search_step(plan, searches, logits, context, number)
-            for p in range(len(prompts_ids)):
-                yield _beam_step(plan, searches, p, number)
-            if all(s.done for s in searches):
-                break
-            rows = torch.tensor(parents, dtype=torch.long, device=lm.device)
-            new = torch.tensor(tokens, dtype=torch.long, device=lm.device)
-            if parents != list(range(len(parents))):  # no cache copy when no beam moved
-                backend.reorder(rows)
-                context = context.index_select(0, rows) if context is not None else None
-            if context is not None:
-                context = torch.cat([context, new[:, None]], dim=1)
-            logits = backend.step(new)
-    except KeyboardInterrupt:  # Ctrl-C: the best beams so far, marked "interrupted"
-        interrupted = True
-    return [_result(plan, searches, p, steps, interrupted) for p in range(len(prompts_ids))]
+class BeamSearch:
+    """Beam search as the decode loop's stepper (`loop.run`): each step advances every
+    search by one token (`_search_step`); the loop reorders the cache rows by parent
+    beam (`Chosen.parents`, the select-and-reorder hook) and feeds the new tokens. The
+    loop's rows are the outputs, `num_return_sequences` per prompt: each prompt's first
+    row takes the tokens every beam that can still win shares, as they settle; when the
+    search is done (or Ctrl-C stops it), each row takes its hypothesis' remaining tokens
+    and ends with the hypothesis' reason and score. The search keeps its own context
+    (one row per beam)."""
+
+    draft_weights = None
+
+    def __init__(self, lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
+                 settings: GenerationSettings, record_tree: bool,
+                 seeds: Sequence[int] | None) -> None:
+        self.lm = lm
+        self.prompts_ids = [tuple(p) for p in prompts_ids]
+        self.plan = _make_plan(lm, settings, record_tree, max(map(len, self.prompts_ids)))
+        self.searches = _make_searches(lm, self.prompts_ids, self.plan, seeds)
+        self.per_prompt = settings.num_return_sequences
+        self.rows = [new_row(lm, p, prompt, settings)
+                     for p, prompt in enumerate(self.prompts_ids) for _ in range(self.per_prompt)]
+        self.given = [0] * len(self.rows)  # tokens committed to each row so far
+        self.context: torch.Tensor | None = None
+        self.steps = 0
+        self.results: list[BeamResult] | None = None
+
+    def events(self, backend: Backend) -> Iterator[Event]:
+        """The search on the decode loop, as genlib's event stream."""
+        return loop.run(self.lm, backend, self.plan.loop_plan(), self.rows, self)
+
+    def prefill(self, backend: Backend, plan: Plan, prompts: Sequence[Sequence[int]],
+                capacity: int) -> torch.Tensor:
+        logits, self.context = _prefill_beams(self.lm, backend, self.prompts_ids, self.plan,
+                                              capacity)
+        return logits
+
+    def choose(self, backend: Backend, plan: Plan, context: torch.Tensor | None,
+               logits: torch.Tensor | None, step: int) -> loop.Chosen:
+        assert logits is not None
+        self.steps = step + 1
+        parents, tokens = _search_step(self.plan, self.searches, logits, self.context, step)
+        events = tuple(_beam_step(self.plan, self.searches, p, step)
+                       for p in range(len(self.prompts_ids)))
+        for event in events:
+            self._first_step(event.prompt_index * self.per_prompt, event.time)
+        if all(s.done for s in self.searches):
+            return self._final(events, interrupted=False)
+        rows: list[list[loop.Commit]] = [[] for _ in self.rows]
+        for event in events:
+            number = event.prompt_index * self.per_prompt
+            rows[number] = self._commits(number, event.ids, event.logprobs)
+        new = torch.tensor(tokens, dtype=torch.long, device=self.lm.device)
+        order = None
+        if parents != list(range(len(parents))):  # no cache copy when no beam moved
+            order = torch.tensor(parents, dtype=torch.long, device=self.lm.device)
+            self.context = self.context.index_select(0, order) \
+                if self.context is not None else None
+        if self.context is not None:
+            self.context = torch.cat([self.context, new[:, None]], dim=1)
+        return loop.Chosen(rows, new, events, parents=order, ends=[None] * len(self.rows))
+
+    def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
+        return backend.step(tokens)
+
+    def interrupted(self) -> loop.Chosen:
+        return self._final((), interrupted=True)
+
+    def _first_step(self, number: int, now: float) -> None:
+        """The first step chose every row's first token, though none is settled yet: its
+        time is the rows' first token, so the decode time (and tokens/s) runs from there,
+        not from the end, where most of a beam's tokens are settled at once."""
+        for row in self.rows[number:number + self.per_prompt]:
+            if row.first_token is None:
+                row.first_token = now
+
+    def _commits(self, number: int, ids: Sequence[int], logprobs: Sequence[float]
+                 ) -> list[loop.Commit]:
+        """Row `number`'s commits: the tokens of `ids` it has not had yet."""
+        first = self.given[number]
+        self.given[number] = max(first, len(ids))
+        return [(ids[i], logprobs[i], None, None) for i in range(first, len(ids))]
+
+    def _final(self, events: tuple[Event, ...], interrupted: bool) -> loop.Chosen:
+        """The results; each row's hypothesis' remaining tokens and its end. A prompt
+        with fewer hypotheses than rows leaves its last rows without one."""
+        self.results = [_result(self.plan, self.searches, p, self.steps, interrupted)
+                        for p in range(len(self.prompts_ids))]
+        rows: list[list[loop.Commit]] = [[] for _ in self.rows]
+        ends: list[loop.End | None] = [None] * len(self.rows)
+        for result in self.results:
+            for rank, hyp in enumerate(result.hypotheses):
+                number = result.prompt_index * self.per_prompt + rank
+                rows[number] = self._commits(number, hyp.token_ids, hyp.logprobs)
+                ends[number] = loop.End(hyp.finish_reason, hyp.score)
+        return loop.Chosen(rows, events=events, ends=ends, final=True)
 
 
 def _beam_step(plan: _Plan, searches: list[_Search], prompt_index: int, number: int
@@ -349,13 +401,12 @@ def _make_plan(lm: LoadedModel, settings: GenerationSettings, record_tree: bool,
     # One row keeps its one continuation, as greedy decoding and sampling do.
     per_beam = 1 if one_row else max(2, 1 + len(eos))
     n_keep = min(per_beam * group_size, group_size * lm.vocab_size)
-    deadline = time.perf_counter() + settings.max_time if settings.max_time else None
     constraint = grammar.compile_for(lm.tokenizer, lm.vocab_size, lm.eos_ids, settings)
     chain = processors.build_processors(settings, prompt_width=prompt_width,
                                         tokenizer=lm.tokenizer, constraint=constraint,
                                         vocab_size=lm.vocab_size, min_keep=per_beam)
     return _Plan(settings, group_size, settings.num_beam_groups, n_keep, eos, chain, suppress,
-                 constraints, lm.tokenizer, deadline, record_tree, one_row)
+                 constraints, lm.tokenizer, Finisher(settings, chain), record_tree, one_row)
 
 
 def _one_row(settings: GenerationSettings, constraints: Sequence[cons.Constraint]) -> bool:
@@ -386,10 +437,9 @@ def _make_searches(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]], plan: 
 
 
 def _prefill_beams(lm: LoadedModel, backend: Backend, prompts_ids: Sequence[Sequence[int]],
-                   plan: _Plan) -> tuple[torch.Tensor, torch.Tensor | None]:
+                   plan: _Plan, capacity: int) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Prefill each prompt once, then repeat its cache rows to num_beams rows."""
-    logits = backend.prefill(prompts_ids, max(map(len, prompts_ids)) +
-                             plan.settings.max_new_tokens)
+    logits = backend.prefill(prompts_ids, capacity)
     assert logits is not None  # prompts are never empty here
     rows = torch.arange(len(prompts_ids), device=lm.device).repeat_interleave(
         plan.settings.num_beams)
@@ -415,8 +465,7 @@ def _search_step(plan: _Plan, searches: list[_Search], logits: torch.Tensor,
     """Advance every search by one token; return each new row's parent row and token."""
     raw = logits.log_softmax(dim=-1)
     processed = _processed_logprobs(plan, context, logits, raw, step)
-    last = step + 1 == plan.settings.max_new_tokens or (
-        plan.deadline is not None and time.perf_counter() >= plan.deadline)
+    last = plan.finisher.last(step, time.perf_counter())
     parents: list[int] = []
     tokens: list[int] = []
     picked: list[int] = []  # tokens earlier groups of this prompt chose at this step
@@ -535,7 +584,8 @@ def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tens
         beam = _Beam(parent.tokens + [token], parent.logprobs + [lp],
                      cons.advance(plan.constraints, parent.state, token)
                      if plan.constraints else ())
-        reason = _end_reason(plan, search, beam, token, last)
+        reason = plan.finisher.candidate_end(plan.tokenizer, plan.eos, search.prompt_ids,
+                                             beam.tokens, last)
         status = "pruned"
         if reason is not None:
             status = "rejected"
@@ -555,35 +605,6 @@ def _sort_out(plan: _Plan, search: _Search, index: torch.Tensor, acc: torch.Tens
                                          math.exp(lp), float(acc[rank]), status,
                                          len(kept) - 1 if status == "kept" else None))
     return kept, leftovers, records
-
-
-def _end_reason(plan: _Plan, search: _Search, beam: _Beam, token: int, last: bool
-                ) -> str | None:
-    if token in plan.eos:
-        return "eos"
-    if plan.settings.stop_strings and _hits_stop(plan, search, beam):
-        return "stop"
-    if last:
-        over = plan.deadline is not None and time.perf_counter() >= plan.deadline
-        return "time" if over and len(beam.tokens) < plan.settings.max_new_tokens else "length"
-    return None
-
-
-def _hits_stop(plan: _Plan, search: _Search, beam: _Beam) -> bool:
-    """Whether the beam's newest text completes a stop string. Only a window of recent
-    tokens is decoded (a stop string of n characters spans at most n tokens), with one
-    token of left context so a leading space survives; a match must end after it."""
-    stops = plan.settings.stop_strings
-    window = max(len(stop) for stop in stops) + 1
-    ids = (search.prompt_ids[-1:] + tuple(beam.tokens))[-window:]
-    context = len(_plain_decode(plan.tokenizer, ids[:1]))
-    text = _plain_decode(plan.tokenizer, ids)
-    return any(text.find(stop, max(0, context - len(stop) + 1)) >= 0 for stop in stops)
-
-
-def _plain_decode(tokenizer: Any, ids: Sequence[int]) -> str:
-    return str(tokenizer.decode(list(ids), skip_special_tokens=True,
-                                clean_up_tokenization_spaces=False))
 
 
 def _trim_finished(search: _Search, k: int) -> None:
@@ -646,8 +667,7 @@ def _hypothesis(plan: _Plan, prompt: tuple[int, ...], done: _Done) -> Hypothesis
         stops = StopStrings(plan.settings.stop_strings)
         stops.feed(text)
         text = stops.final_text
-    reason = grammar.finish_reason(processors.grammar_of(plan.chain), done.beam.tokens,
-                                   done.reason)
+    reason = plan.finisher.as_reported(done.beam.tokens, done.reason)
     return Hypothesis(tuple(done.beam.tokens), tuple(done.beam.logprobs),
                       float(sum(done.beam.logprobs)), done.score, text, reason,
                       cons.satisfied(done.beam.state) if plan.constraints else None)

@@ -103,6 +103,9 @@ class Candidates:
         self.hidden = torch.cat([self.hidden, state])
         return logits
 
+    def interrupted(self) -> None:
+        return None
+
 
 def _final_layer(backend: Backend) -> int:
     """The number of the last hidden state (after the final norm) on `backend`."""

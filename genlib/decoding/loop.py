@@ -1,24 +1,26 @@
-"""genlib's plain decode loop: prefill once, then one token per row per step against the
-KV cache, yielding typed events (`genlib.events`). Greedy and sampling share this one
-loop; greedy is just the argmax sampler. `genlib.generate.stream` routes here.
+"""genlib's one decode loop: prefill once, then each step a stepper's tokens against the
+KV cache, yielding typed events (`genlib.events`). Greedy and sampling share the plain
+step; greedy is just the argmax sampler. `genlib.generate.stream` routes here.
 
     events = decode(lm, [lm.encode("Once upon a time")], settings, backend)
 
 Batches of prompts of different lengths are left-padded; each row stops on its own
-(end id, token budget, stop string, time) and leaves the batch when it does.
+(`step.Finisher`: end id, token budget, stop string, time) and leaves the batch when it
+does.
 
 How a step picks its tokens and gets the next logits is a `Stepper`: `Sampled` (the
-processed distribution's draw, then one forward) here, contrastive search's candidates
-(genlib.decoding.contrastive) and speculative decoding's draft-and-verify
-(genlib.decoding.speculative, which commits several tokens a step) the others. The loop
-around them, its events, its stop rules and its Ctrl-C handling are written once.
-"""
+processed distribution's draw, then one forward) here; contrastive search's candidates
+(genlib.decoding.contrastive), speculative decoding's draft-and-verify
+(genlib.decoding.speculative, which commits several tokens a step) and beam search
+(genlib.decoding.beam, which has the loop reorder the cache by parent beam and ends its
+rows itself) the others. The loop around them, its events, the reorder and its Ctrl-C
+handling are written once."""
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +40,6 @@ from genlib.decoding.step import (
     finish_row,
     make_plan,
     new_row,
-    stop_reason,
 )
 from genlib.events import Event, Prefill
 from genlib.models.loading import LoadedModel
@@ -50,16 +51,35 @@ from genlib.settings.config import GenerationSettings
 Commit = tuple[int, float, Any, "bool | None"]
 
 
+@dataclass(frozen=True, slots=True)
+class End:
+    """How a stepper that ends its rows itself (beam search) ends one: the reason, and
+    the score of the sequence the row holds."""
+
+    reason: str
+    score: float | None = None
+
+
 @dataclass(slots=True)
 class Chosen:
     """What one step commits: for each row of the batch, in order, its tokens (one; a
-    speculative step's accepted drafts and the target's own); `feed`, the tokens (rows,)
-    the next forward takes and the context grows by (None where the stepper feeds its
-    own and keeps its own context); `events`, yielded before the tokens (Verify)."""
+    speculative step's accepted drafts and the target's own; beam search's newly
+    settled ones); `feed`, the tokens the next forward takes and the context grows by
+    (None where the stepper feeds its own and keeps its own context); `events`, yielded
+    before the tokens (Verify, BeamStep).
+
+    The select-and-reorder hook (beam search): `parents` names, for each row of the
+    next forward, the cache row it continues (None: row i continues row i). `ends`:
+    None where the stop rules (`Finisher`) end rows after each token; else one entry
+    per row, the stepper's own `End` after its tokens, or None (the row goes on).
+    `final`: the stepper is done, whether or not every row has ended."""
 
     rows: list[list[Commit]]
     feed: torch.Tensor | None = None
     events: tuple[Event, ...] = ()
+    parents: torch.Tensor | None = None
+    ends: list[End | None] | None = None
+    final: bool = False
 
 
 class Stepper(Protocol):
@@ -78,6 +98,10 @@ class Stepper(Protocol):
 
     def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor | None:
         """The next step's logits, once the chosen `tokens` (rows,) are in the cache."""
+
+    def interrupted(self) -> Chosen | None:
+        """What the stepper commits when Ctrl-C stops the loop (beam search: its best
+        sequences so far); None: the rows still running end as they are."""
 
 
 def one_each(tokens: torch.Tensor, logprobs: torch.Tensor,
@@ -113,6 +137,9 @@ class Sampled:
     def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
         return backend.step(tokens)
 
+    def interrupted(self) -> None:
+        return None
+
 
 def decode(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
            backend: Backend, *, seeds: Sequence[int] | None = None,
@@ -134,17 +161,17 @@ def decode(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generati
 def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         stepper: Stepper | None = None) -> Iterator[Event]:
     """The loop: prefill, then each step the `stepper`'s commits (default `Sampled`),
-    each token's event and the stop rules (`step.stop_reason`), finished rows dropped,
-    until every row has finished. On KeyboardInterrupt the rows still running finish
-    "interrupted"."""
+    each token's event and the stop rules (`plan.finisher`, or the stepper's own ends),
+    finished rows dropped, the stepper's reorder applied, until every row has finished
+    or the stepper is done. On KeyboardInterrupt the stepper commits what it keeps
+    (`Stepper.interrupted`) and the rows still running finish "interrupted"."""
     stepper = stepper or Sampled()
-    settings = plan.settings
     start = time.perf_counter()
-    deadline = start + settings.max_time if settings.max_time else None
+    plan.finisher.begin(start)
     prompts = [r.prompt_ids for r in rows]
     active = list(range(len(rows)))  # batch position -> row number
     try:
-        capacity = max(len(p) for p in prompts) + settings.max_new_tokens
+        capacity = max(len(p) for p in prompts) + plan.settings.max_new_tokens
         logits = stepper.prefill(backend, plan, prompts, capacity)
         context = context_of(prompts, lm.device) if plan.needs_context else None
         yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
@@ -153,37 +180,57 @@ def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         for step in itertools.count():
             chosen = stepper.choose(backend, plan, context, logits, step)
             yield from chosen.events
-            now = time.perf_counter()
-            done: list[int] = []
-            for pos, commits in enumerate(chosen.rows):
-                row_number = active[pos]
-                row = rows[row_number]
-                for token, logprob, detail, drafted in commits:  # to the first stop
-                    event, reason = advance(lm, row, row_number, token, logprob, len(row.ids),
-                                            now, detail, drafted)
-                    if event is not None:
-                        yield event
-                    reason = stop_reason(plan, row, reason, len(row.ids) - 1, now, deadline)
-                    if reason is not None:
-                        yield from finish_row(row, row_number, reason, start)
-                        done.append(pos)
-                        break
-            if len(done) == len(active):
+            done = yield from _commit(lm, plan, rows, active, chosen, start)
+            if chosen.final or len(done) == len(active):
                 return
             tokens = chosen.feed
             if done:
                 keep = _drop_rows(backend, plan, active, done, lm.device)
                 tokens = tokens.index_select(0, keep) if tokens is not None else None
                 context = context.index_select(0, keep) if context is not None else None
+            if chosen.parents is not None:
+                backend.reorder(chosen.parents)
+                context = context.index_select(0, chosen.parents) \
+                    if context is not None else None
             if tokens is None:  # the stepper feeds its own tokens
                 continue
             if context is not None:
                 context = torch.cat([context, tokens[:, None]], dim=1)
             logits = stepper.forward(backend, tokens)
     except KeyboardInterrupt:
+        kept = stepper.interrupted()
+        if kept is not None:
+            yield from _commit(lm, plan, rows, active, kept, start)
         for row_number in active:
             if not rows[row_number].finished:
                 yield from finish_row(rows[row_number], row_number, "interrupted", start)
+
+
+def _commit(lm: LoadedModel, plan: Plan, rows: list[Row], active: list[int], chosen: Chosen,
+            start: float) -> Generator[Event, None, list[int]]:
+    """Each row's commits as Token events, each row ended by the stop rules or by the
+    stepper's `End` as a Finish event; return the batch positions that ended."""
+    now = time.perf_counter()
+    done: list[int] = []
+    for pos, commits in enumerate(chosen.rows):
+        row_number = active[pos]
+        row = rows[row_number]
+        for token, logprob, detail, drafted in commits:
+            event, reason = advance(lm, row, row_number, token, logprob, len(row.ids), now,
+                                    detail, drafted)
+            if event is not None:
+                yield event
+            if chosen.ends is None:
+                reason = plan.finisher.reason(row.ids, reason, len(row.ids) - 1, now)
+                if reason is not None:
+                    yield from finish_row(row, row_number, reason, start)
+                    done.append(pos)
+                    break
+        end = chosen.ends[pos] if chosen.ends is not None else None
+        if end is not None:
+            yield from finish_row(row, row_number, end.reason, start, end.score)
+            done.append(pos)
+    return done
 
 
 def _host_values(tokens: torch.Tensor, logprobs: torch.Tensor) -> list[tuple[int, float]]:

@@ -416,6 +416,9 @@ class Speculative:
     def forward(self, backend: Backend, tokens: torch.Tensor) -> None:
         raise AssertionError("a speculative step feeds its own tokens")
 
+    def interrupted(self) -> None:
+        return None
+
 
 @dataclass
 class Summary:

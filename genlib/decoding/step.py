@@ -1,14 +1,15 @@
-"""What every decode loop shares (the plain loop in `genlib.decoding.loop`, beam search
-in `genlib.decoding.beam`, speculative decoding in `genlib.decoding.speculative`): a
-row's bookkeeping, its seeds, the one processing of a step's logits, advancing a row by
-a token and finishing it, and keeping Ctrl-C's events. No loop imports another; each imports this.
-"""
+"""What every step of the decode loop shares (the plain step in `genlib.decoding.loop`,
+beam search in `genlib.decoding.beam`, speculative decoding in
+`genlib.decoding.speculative`): a row's bookkeeping, its seeds, the one processing of a
+step's logits, the stop rules (`Finisher`), advancing a row by a token and finishing it,
+and keeping Ctrl-C's events."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -52,6 +53,7 @@ class Plan:
     suppress_eos: processors.suppress_tokens | None
     needs_context: bool
     seeds: list[int]
+    finisher: Finisher
     detail: stepdetail.Detail | None = None
 
     @property
@@ -103,7 +105,7 @@ def make_plan(lm: LoadedModel, settings: GenerationSettings, rows: int,
     return Plan(settings=settings, chain=chain,
                 sampler=sampling.pick_sampler(settings.do_sample, crn),
                 generators=generators, suppress_eos=suppress, needs_context=bool(chain),
-                seeds=all_seeds, detail=detail)
+                seeds=all_seeds, finisher=Finisher(settings, chain), detail=detail)
 
 
 def suppressed_ids(lm: LoadedModel, settings: GenerationSettings) -> tuple[int, ...]:
@@ -204,22 +206,84 @@ def advance(lm: LoadedModel, row: Row, row_number: int, token: int, logprob: flo
     return event, None
 
 
-def stop_reason(plan: Plan, row: Row, reason: str | None, step: int, now: float,
-                deadline: float | None) -> str | None:
-    """Why a row ends after its token at `step`: the reason `advance` gave (end id, stop
-    string), else "time" past the deadline, else "length" at the last step; as the
-    grammar reports it where one constrains the row. None: the row goes on."""
-    if reason is None and deadline is not None and now >= deadline:
-        reason = "time"
-    if reason is None and step + 1 == plan.settings.max_new_tokens:
-        reason = "length"
-    if reason is None:
-        return None
-    return grammar.finish_reason(processors.grammar_of(plan.chain), row.ids, reason)
+@dataclass
+class Finisher:
+    """The stop rules every path ends its sequences by (the plain loop, speculation, and
+    beam search's candidates): an end id or a stop string (`advance` reports them for a
+    row; `candidate_end` finds them for a beam), the token budget, the time limit counted
+    from the loop's start (`begin`), and the grammar's say on the reason."""
+
+    settings: GenerationSettings
+    chain: Sequence[processors.Stage]
+    deadline: float | None = None
+
+    def begin(self, start: float) -> None:
+        """Start the clock: `max_time` counts from here."""
+        limit = self.settings.max_time
+        self.deadline = start + limit if limit else None
+
+    def over(self, now: float) -> bool:
+        """Whether the time limit has passed."""
+        return self.deadline is not None and now >= self.deadline
+
+    def last(self, step: int, now: float) -> bool:
+        """Whether the token at `step` (new tokens before it) is a sequence's last: the
+        budget's or the clock's."""
+        return step + 1 == self.settings.max_new_tokens or self.over(now)
+
+    def reason(self, ids: Sequence[int], reason: str | None, step: int, now: float
+               ) -> str | None:
+        """Why a row ends after its token at `step`: the reason `advance` gave (end id,
+        stop string), else "time" past the deadline, else "length" at the last step.
+        None: the row goes on."""
+        if reason is None and self.over(now):
+            reason = "time"
+        if reason is None and step + 1 == self.settings.max_new_tokens:
+            reason = "length"
+        return None if reason is None else self.as_reported(ids, reason)
+
+    def candidate_end(self, tokenizer: Any, eos: frozenset[int], prompt_ids: Sequence[int],
+                      tokens: Sequence[int], last: bool) -> str | None:
+        """Why a candidate sequence (`tokens` after `prompt_ids`) ends with its newest
+        token, or None: an id in `eos`, a stop string its newest text completes, or the
+        last step (the clock's or the budget's)."""
+        if tokens[-1] in eos:
+            return "eos"
+        if self.settings.stop_strings and _completes_stop(
+                tokenizer, self.settings.stop_strings, prompt_ids, tokens):
+            return "stop"
+        if not last:
+            return None
+        cut = self.over(time.perf_counter()) and len(tokens) < self.settings.max_new_tokens
+        return "time" if cut else "length"
+
+    def as_reported(self, ids: Sequence[int], reason: str) -> str:
+        """The finish reason as the grammar constraining the sequence reports it."""
+        return grammar.finish_reason(processors.grammar_of(self.chain), ids, reason)
 
 
-def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator[Event]:
-    """The Finish event, carrying any text still pending (`tail`)."""
+def _completes_stop(tokenizer: Any, stops: Sequence[str], prompt_ids: Sequence[int],
+                    tokens: Sequence[int]) -> bool:
+    """Whether the newest text of `tokens` completes a stop string. Only a window of
+    recent tokens is decoded (a stop string of n characters spans at most n tokens),
+    with one token of left context so a leading space survives; a match must end after
+    it."""
+    window = max(len(stop) for stop in stops) + 1
+    ids = (tuple(prompt_ids[-1:]) + tuple(tokens))[-window:]
+    context = len(_plain_decode(tokenizer, ids[:1]))
+    text = _plain_decode(tokenizer, ids)
+    return any(text.find(stop, max(0, context - len(stop) + 1)) >= 0 for stop in stops)
+
+
+def _plain_decode(tokenizer: Any, ids: Sequence[int]) -> str:
+    return str(tokenizer.decode(list(ids), skip_special_tokens=True,
+                                clean_up_tokenization_spaces=False))
+
+
+def finish_row(row: Row, row_number: int, reason: str, start: float,
+               score: float | None = None) -> Iterator[Event]:
+    """The Finish event, carrying any text still pending (`tail`); `score`: beam
+    search's, for the hypothesis the row holds."""
     row.finished = True
     tail = ""
     if reason != "stop":
@@ -228,7 +292,7 @@ def finish_row(row: Row, row_number: int, reason: str, start: float) -> Iterator
                  token_ids=tuple(row.ids), text=row.stops.final_text,
                  prompt_tokens=len(row.prompt_ids), start=start,
                  first_token=row.first_token, end=time.perf_counter(),
-                 logprobs=tuple(row.logprobs), tail=tail)
+                 logprobs=tuple(row.logprobs), tail=tail, score=score)
 
 
 def interrupt(events: Iterator[Event]) -> Iterator[Event]:
