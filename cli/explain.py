@@ -8,16 +8,8 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
+from cli import context, output
 from cli import options as opt
-from cli import output
-from cli.context import (
-    combination_defaults,
-    encode_prompt,
-    load,
-    prepare_grammar,
-    read_prompt,
-    settings_for,
-)
 from cli.errors import fail, user_errors
 
 if TYPE_CHECKING:
@@ -162,15 +154,15 @@ def explain(
         check_output_path(html_file, "--html")
     first, last = parse_steps(steps)
     model_flags = opt.model_flags(given, model, ensemble, amateur)
-    settings, loaded_preset = settings_for(
-        preset, flags, EXPLAIN_DEFAULTS | combination_defaults(model_flags, flags))
+    settings, loaded_preset = context.settings_for(
+        preset, flags, EXPLAIN_DEFAULTS | context.combination_defaults(model_flags, flags))
     if settings.strategy == "beam":
         raise fail("explain steps through greedy or sampled decoding, not beam search "
                    "(see `genlab beam --tree`)")
-    text = read_prompt(prompt)
-    lm = load(model_flags, loaded_preset, quick=True)
-    ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
-    prepare_grammar(lm, settings)
+    text = context.read_prompt(prompt)
+    lm = context.load(model_flags, loaded_preset, quick=True)
+    ids = context.encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
+    context.prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced, model_flags.backend)
     runs = runs_of(record)
