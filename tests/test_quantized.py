@@ -105,17 +105,20 @@ def test_packing_lays_out_panels_of_blocks_scales_first(name):
 
 def dequantized(model, name: str):
     """A copy of `model` whose projections and lm_head hold their quantized values (in
-    float32, the lm_head untied): what the kernel's `name` matrices stand for."""
+    float32, the lm_head untied): what the kernel's `name` matrices stand for, the
+    lm_head in its own format (q8_0 under a 4-bit one)."""
     from transformers.pytorch_utils import Conv1D
 
-    def stands_for(weight: torch.Tensor) -> torch.Tensor:  # (out, in), as quantized
-        return quant.dequantize(*quant.quantize(weight, name), name)
+    def stands_for(weight: torch.Tensor, fmt: str = name) -> torch.Tensor:  # (out, in)
+        return quant.dequantize(*quant.quantize(weight, fmt), fmt)
 
     copied = copy.deepcopy(model)
     with torch.no_grad():
         copied.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.clone())
         for module in copied.modules():
-            if type(module) is torch.nn.Linear:
+            if module is copied.lm_head:
+                module.weight.copy_(stands_for(module.weight, kernel.HEAD_WEIGHTS.get(name, name)))
+            elif type(module) is torch.nn.Linear:
                 module.weight.copy_(stands_for(module.weight))
             elif type(module) is Conv1D:  # gpt2's: stored [in, out]
                 module.weight.copy_(stands_for(module.weight.t().contiguous()).t())
@@ -149,6 +152,26 @@ def test_quantized_products_give_the_lean_step_over_the_dequantized_weights(name
     lean.prefill(torch.tensor([[1, 5]]), exact)
     off = (step(9, cache) - lean.step(torch.tensor([[9]]), exact)).abs().max()
     assert off > 1e-3, "the float32 model gives these logits: the matrices were not quantized"
+
+
+@pytest.mark.parametrize("name", ["nf4", "q4_0"])
+def test_4bit_keeps_the_output_matrix_in_q8_0_and_a_checkpoint_as_stored(name):
+    """Packed from float weights, a 4-bit kernel's output matrix is q8_0 (llama.cpp's
+    Q4_0 files keep it so), in q8_0's bytes; a checkpoint's codes run as stored."""
+    from types import SimpleNamespace
+
+    lean = LeanLlama.from_model(tiny("llama"))
+    step = kernel.NativeStep(lean, 1, quantized_build(name), weights=name)
+    assert step.head_weights == "q8_0"
+    vocab, hidden = lean.embed.shape
+    panel = quantized_build(name).genlab_panel_rows()
+    head = kernel.packed_weights(lean, panel, name)["lm_head"]
+    assert head.numel() == quant.packed_bytes(vocab, hidden, panel, "q8_0")
+    assert kernel.head_format(SimpleNamespace(stored=None), name) == "q8_0"
+    assert kernel.head_format(SimpleNamespace(stored=SimpleNamespace(format=name)),
+                              name) == name
+    assert kernel.head_format(SimpleNamespace(stored=None), "q8_0") == "q8_0"
+    assert kernel.head_format(SimpleNamespace(stored=None), "float32") == "float32"
 
 
 def test_a_build_for_another_format_is_refused():

@@ -28,7 +28,9 @@ model file, unread, until the torch forward needs them (`LeanLlama.layers`, made
 use). A model loaded by transformers keeps its float weights beside the packed copy. With
 `weights="bfloat16"` the packed matrices are bfloat16 and a second build of the kernel
 widens them as it reads them, the arithmetic float32: half the reads, for a draft model,
-whose proposals the target checks. `ensure_built(notify)` tells its caller before the
+whose proposals the target checks. The quantized formats (`quant.FORMATS`) have a build
+each too; a 4-bit one runs the output matrix in q8_0 through the q8_0 build's product
+(`HEAD_WEIGHTS`, `head_library`). `ensure_built(notify)` tells its caller before the
 first build compiles (a second or two a build).
 
 `LeanLlama.native_step` makes it; the native backend (genlib.backends.native) runs it.
@@ -61,8 +63,12 @@ BUILDING = "building genlab's native kernel, once"
 WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
            "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
            "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
+# The output matrix's format where the layers' is 4-bit, as llama.cpp's Q4_0 files keep
+# the output (or tied embedding) matrix in Q8_0: in 4 bits it cost most of what the
+# 4-bit formats lose (docs/performance.md, "Quantized weights").
+HEAD_WEIGHTS = {"nf4": "q8_0", "q4_0": "q8_0"}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
-LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
+LAYOUT = 2  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # The MLP's input norm by `Arch.sandwich` (the lean forward reads it from here too).
 MLP_NORM = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}
@@ -90,7 +96,7 @@ class _Model(ctypes.Structure):
         ("norm_bias", _float_p)] + [
         (name, _float_pp) for name in ("input_norm_bias", "post_norm_bias", "o_bias",
                                        "up_bias", "down_bias")] + [
-        ("position_embed", _float_p)]
+        ("position_embed", _float_p), ("head_matmul", ctypes.c_void_p)]
 
 # Model.gelu: the MLP's activation, by `Arch.activation`.
 _ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "gelu_new": 1, "gelu": 2}
@@ -213,14 +219,24 @@ def build(flags: tuple[str, ...] = FLAGS, source: Path = SOURCE) -> Build:
         library = _library_path(compiler, flags, source)
         if not _intact(library):
             _compile(compiler, flags, source, library)
-            return Build(ctypes.CDLL(str(library)))
+            return Build(_load(library, flags))
     except (OSError, subprocess.SubprocessError) as error:
         return Build(None, f"could not build {source.name} with {shlex.join(compiler)}: "
                            f"{error}")
     try:
-        return Build(ctypes.CDLL(str(library)))
+        return Build(_load(library, flags))
     except OSError as error:
         return _reload(compiler, flags, source, library, error)
+
+
+_FLAGS: dict[int, tuple[str, ...]] = {}  # a loaded build's handle -> its flags
+
+
+def _load(library: Path, flags: tuple[str, ...]) -> ctypes.CDLL:
+    """Load a build, noting its flags (`head_library` builds its sibling from them)."""
+    loaded = ctypes.CDLL(str(library))
+    _FLAGS[loaded._handle] = flags
+    return loaded
 
 
 def _reload(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path, library: Path,
@@ -229,7 +245,7 @@ def _reload(compiler: tuple[str, ...], flags: tuple[str, ...], source: Path, lib
     since, or written by a foreign build): build it again in its place, once."""
     try:
         _compile(compiler, flags, source, library)
-        return Build(ctypes.CDLL(str(library)),
+        return Build(_load(library, flags),
                      notice=f"the cached native kernel would not load ({error}); rebuilt it")
     except (OSError, subprocess.SubprocessError) as again:
         reason = f"could not load or rebuild the cached native kernel {library}: {again}"
@@ -312,21 +328,23 @@ def qkv_bias(tensors: Mapping[str, torch.Tensor], prefix: str) -> torch.Tensor |
 
 
 def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: int,
-                 weights: str, gated: bool = True) -> dict[str, torch.Tensor]:
+                 weights: str, gated: bool = True, head_weights: str | None = None
+                 ) -> dict[str, torch.Tensor]:
     """Every matrix the kernel reads, packed (`pack`) and stored as `weights`, by the
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
     `.gate` (unless not `gated`: gpt2's MLP has none), `.up`, `.down`. `tensor(name)`
     gives a float matrix (out, in) by its state-dict name, or a quantized checkpoint's
     (codes, scales) in format `weights` (genlib.models.qformat), packed as stored; `head`
-    is the output projection's (the embeddings' when tied)."""
-    def matrix(*names: str) -> torch.Tensor:
+    is the output projection's (the embeddings' when tied), stored as `head_weights`
+    (default `weights`; a float matrix only)."""
+    def matrix(*names: str, stored_as: str = weights) -> torch.Tensor:
         rows = [tensor(name) for name in names]
         if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are
             codes, scales = (torch.cat(parts) for parts in zip(*rows))
             return quant.pack_codes(codes, scales, panel, weights)
-        return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, weights)
+        return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, stored_as)
 
-    packed = {"lm_head": matrix(head)}
+    packed = {"lm_head": matrix(head, stored_as=head_weights or weights)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         packed.update({
@@ -351,10 +369,10 @@ def packed_weights(lean: Any, panel: int, weights: str,
 
     def over(tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights,
-                            lean.arch.gated)
+                            lean.arch.gated, head_format(lean, weights))
 
     stored = getattr(lean, "stored", None)
-    if stored is not None and stored.format == weights:  # a quantized checkpoint's codes
+    if _from_codes(lean, weights):  # a quantized checkpoint's codes
         entry, key = cache_key(stored.file, weights, panel, lean.dtype)
         return weightcache.cached(entry, {**key, "source": "codes"},
                                   lambda: over(stored.quantized), notify)
@@ -370,6 +388,34 @@ def packed_weights(lean: Any, panel: int, weights: str,
 
     entry, key = cache_key(Path(file), weights, panel, lean.dtype)
     return weightcache.cached(entry, key, from_file, notify)
+
+
+def _from_codes(lean: Any, weights: str) -> bool:
+    """Whether `lean`'s matrices are a quantized checkpoint's codes in format `weights`."""
+    stored = getattr(lean, "stored", None)
+    return stored is not None and stored.format == weights
+
+
+def head_format(lean: Any, weights: str) -> str:
+    """The format the kernel reads `lean`'s output matrix in, beside its other matrices in
+    `weights`: q8_0 under a 4-bit format (`HEAD_WEIGHTS`) where the matrices are packed
+    from float weights; a quantized checkpoint's codes as they are stored."""
+    return weights if _from_codes(lean, weights) else HEAD_WEIGHTS.get(weights, weights)
+
+
+def head_library(library: ctypes.CDLL, head: str) -> ctypes.CDLL:
+    """The build of the kernel that runs the output matrix's product in format `head`
+    beside `library`: `library`'s own flags, its weight format swapped (so the two
+    agree on the panel's rows)."""
+    flags = _FLAGS.get(library._handle, FLAGS)  # type: ignore[attr-defined]
+    formats = {flag for extra in WEIGHTS.values() for flag in extra}
+    built = build(tuple(f for f in flags if f not in formats) + WEIGHTS[head])
+    if built.library is None:
+        raise ValueError(f"no {head} build of the kernel for the output matrix: "
+                         f"{built.reason}")
+    if built.library.genlab_panel_rows() != library.genlab_panel_rows():
+        raise ValueError(f"the {head} build for the output matrix packs other panels")
+    return built.library
 
 
 def cache_key(file: Path, weights: str, panel: int, dtype: torch.dtype
@@ -423,6 +469,9 @@ class NativeStep:
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
         packed = packed_weights(lean, panel, weights, notify)
         self._kept.extend(packed.values())
+        head = head_format(lean, weights)
+        self.head_weights = head
+        self._head_library = head_library(library, head) if head != weights else None
         layer = [f"layers.{i}." for i in range(lean.num_layers)]
         mlp_norm = MLP_NORM[lean.arch.sandwich]
         self._step = library.genlab_step  # type: ignore[union-attr]
@@ -454,6 +503,8 @@ class NativeStep:
             else None,
             up=self._array([packed[p + "up"] for p in layer]),
             down=self._array([packed[p + "down"] for p in layer]),
+            head_matmul=ctypes.cast(self._head_library.genlab_matmul, ctypes.c_void_p).value
+            if self._head_library is not None else None,
             **self._arch_fields(lean, layer))
 
     def _arch_fields(self, lean: Any, layer: list[str]) -> dict[str, Any]:

@@ -126,6 +126,11 @@ typedef struct {
     const float *const *input_norm_bias, *const *post_norm_bias;
     const float *const *o_bias, *const *up_bias, *const *down_bias;
     const float *position_embed;
+    /* The output matrix's product where it is stored in another format than the
+     * layers' (NULL: the build's own `matmul`): a 4-bit build points it at the q8_0
+     * build's `genlab_matmul`, lm_head then in q8_0, as llama.cpp's Q4_0 files keep it. */
+    void (*head_matmul)(const weight_t *w, int n, const float *x, long ldx, float *out,
+                        long ldo, int r0, int r1, int m, int accumulate);
 } Model;
 
 /* Model.gelu: the MLP's activation. */
@@ -565,6 +570,12 @@ static void matmul(const weight_t *w, int n, const float *x, long ldx, float *ou
     }
 }
 
+/* `matmul` for another build's Model (its `head_matmul`). */
+void genlab_matmul(const weight_t *w, int n, const float *x, long ldx, float *out, long ldo,
+                   int r0, int r1, int m, int accumulate) {
+    matmul(w, n, x, ldx, out, ldo, r0, r1, m, accumulate);
+}
+
 /* This thread's share [*r0, *r1) of `rows` weight rows, in whole panels. */
 static void share(int rows, int thread, int threads, int *r0, int *r1) {
     int chunk = ((rows + threads - 1) / threads + PANEL - 1) / PANEL * PANEL;
@@ -905,7 +916,10 @@ void genlab_forward(const Model *m, int n, const long *tokens, const long *posit
             block_norm(x + (long)picks[j] * hidden, m->norm, m->norm_bias,
                        b.h + (long)j * hidden, hidden, m->eps);
         share(m->vocab, thread, threads, &r0, &r1);
-        matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
+        if (m->head_matmul)
+            m->head_matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
+        else
+            matmul(m->lm_head, hidden, b.h, hidden, logits, m->vocab, r0, r1, picked, 0);
         if (m->logits_scaling != 1.0f)
             for (int j = 0; j < picked; j++)
                 for (int r = r0; r < r1; r++) logits[(long)j * m->vocab + r] /= m->logits_scaling;
