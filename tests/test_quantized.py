@@ -157,7 +157,7 @@ def test_quantized_products_give_the_lean_step_over_the_dequantized_weights(name
 @pytest.mark.parametrize("name", ["nf4", "q4_0"])
 def test_4bit_keeps_the_output_matrix_in_q8_0_and_a_checkpoint_as_stored(name):
     """Packed from float weights, a 4-bit kernel's output matrix is q8_0 (llama.cpp's
-    Q4_0 files keep it so), in q8_0's bytes; a checkpoint's codes run as stored."""
+    Q4_0 files keep it at 6 or 8 bits), in q8_0's bytes; a checkpoint's codes run as stored."""
     from types import SimpleNamespace
 
     lean = LeanLlama.from_model(tiny("llama"))

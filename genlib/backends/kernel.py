@@ -64,8 +64,8 @@ WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
            "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
            "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
 # The output matrix's format where the layers' is 4-bit, as llama.cpp's Q4_0 files keep
-# the output (or tied embedding) matrix in Q8_0: in 4 bits it cost most of what the
-# 4-bit formats lose (docs/performance.md, "Quantized weights").
+# the output matrix at 6 or 8 bits (Q6_K, Q8_0 where it is tied to the embeddings): in 4
+# bits it cost most of what the 4-bit formats lose (docs/performance.md).
 HEAD_WEIGHTS = {"nf4": "q8_0", "q4_0": "q8_0"}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
 LAYOUT = 2  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it

@@ -128,7 +128,8 @@ typedef struct {
     const float *position_embed;
     /* The output matrix's product where it is stored in another format than the
      * layers' (NULL: the build's own `matmul`): a 4-bit build points it at the q8_0
-     * build's `genlab_matmul`, lm_head then in q8_0, as llama.cpp's Q4_0 files keep it. */
+     * build's `genlab_matmul`, lm_head then in q8_0 (llama.cpp's Q4_0 files keep it at
+     * 6 or 8 bits). */
     void (*head_matmul)(const weight_t *w, int n, const float *x, long ldx, float *out,
                         long ldo, int r0, int r1, int m, int accumulate);
 } Model;
