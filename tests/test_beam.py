@@ -532,3 +532,77 @@ def test_beam_search_ends_at_max_time_as_the_plain_loop_does(stories):
     assert [h.finish_reason for h in result.hypotheses] == ["time", "time"]
     assert [len(h.token_ids) for h in result.hypotheses] == [1, 1]
     assert result.steps == 1
+
+
+def _stream_interrupted_at(stories, settings, when):
+    """Beam search's event stream, Ctrl-C thrown in (as the CLI throws it) right after
+    the first event `when(event, seen)` picks; every event, the interruption's too."""
+    from genlib.decoding.step import interrupt
+    from genlib.generate import stream
+
+    events = stream(stories, [stories.encode("Once upon a time")], settings)
+    seen: list = []
+    for event in events:
+        seen.append(event)
+        if when(event, seen):
+            seen.extend(interrupt(events))
+            break
+    return seen
+
+
+def _rows(seen):
+    """Each row's Token ids, and its Finish events."""
+    from genlib.events import Finish, Token
+
+    tokens: dict[int, list[int]] = {}
+    finishes: dict[int, list[Finish]] = {}
+    for event in seen:
+        if isinstance(event, Token):
+            tokens.setdefault(event.row, []).append(event.token_id)
+        elif isinstance(event, Finish):
+            finishes.setdefault(event.row, []).append(event)
+    return tokens, finishes
+
+
+def test_ctrl_c_amid_a_steps_settled_tokens_keeps_every_token(stories):
+    """Ctrl-C between two tokens one step settles: the row's Finish holds the whole
+    hypothesis and its Token events are that hypothesis, none skipped."""
+    from genlib.events import BeamStep, Token
+
+    settings = beam(num_beams=2, max_new_tokens=30, ignore_eos=True)
+    seen = _stream_interrupted_at(
+        stories, settings,
+        lambda e, s: isinstance(e, Token) and isinstance(s[-2], Token))
+    tokens, finishes = _rows(seen)
+    [finish] = finishes[0]
+    steps = sum(isinstance(e, BeamStep) for e in seen)  # a token a step, every beam
+    assert finish.reason == "interrupted" and steps > 2
+    assert len(finish.token_ids) == steps and tuple(tokens[0]) == finish.token_ids
+
+
+def test_ctrl_c_amid_the_final_finishes_ends_each_row_once(stories):
+    from genlib.events import Finish
+
+    settings = beam(num_beams=3, num_return_sequences=2, max_new_tokens=12)
+    seen = _stream_interrupted_at(stories, settings, lambda e, s: isinstance(e, Finish))
+    tokens, finishes = _rows(seen)
+    assert sorted(finishes) == [0, 1]
+    assert all(len(f) == 1 for f in finishes.values())
+    assert all(tuple(tokens[r]) == f[0].token_ids for r, f in finishes.items())
+
+
+def test_ctrl_c_before_beam_searchs_first_step(stories, ctrl_c_at):
+    """No step has run: the stream ends each row "interrupted" with no tokens, as the
+    plain loop does, and `search` goes on as KeyboardInterrupt (no beams to show)."""
+    from genlib.decoding.beam import search
+    from genlib.events import Finish
+
+    settings = beam(num_beams=2, num_return_sequences=2, max_new_tokens=12)
+    seen = _stream_interrupted_at(stories, settings,
+                                  lambda e, s: type(e).__name__ == "Prefill")
+    assert [(e.row, e.reason, e.token_ids) for e in seen if isinstance(e, Finish)] == \
+        [(0, "interrupted", ()), (1, "interrupted", ())]
+    run = search(stories, [stories.encode("Once upon a time")], settings)
+    next(run)  # the Prefill event
+    with pytest.raises(KeyboardInterrupt):
+        run.throw(KeyboardInterrupt())

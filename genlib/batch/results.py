@@ -357,7 +357,11 @@ class ResultsFile:
             # Ctrl-C or SIGTERM can land between the write and the count: `check`
             # allows the line in flight, so a stopped run keeps what it wrote.
             self._writing = len(data)
-            _write_all(self._fd, data)
+            try:
+                _write_all(self._fd, data)
+            except OSError:  # what it wrote of the line is a torn line: not allowed for
+                self._writing = 0
+                raise
             self._size += len(data)
             self._writing = 0
         elif self._stream is not None:

@@ -223,7 +223,8 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
 
 def _searching(searcher: BeamSearch, backend: Backend
                ) -> Generator[Prefill | BeamStep, None, list[BeamResult]]:
-    """The search's Prefill and BeamStep events, then its results."""
+    """The search's Prefill and BeamStep events, then its results. A Ctrl-C before the
+    first step has no beams to keep, and goes on as KeyboardInterrupt."""
     events = searcher.events(backend)
     for event in events:
         if isinstance(event, (Prefill, BeamStep)):
@@ -232,7 +233,8 @@ def _searching(searcher: BeamSearch, backend: Backend
             except KeyboardInterrupt:  # thrown in: the loop keeps the best beams so far
                 deque(interrupt(events), maxlen=0)
                 break
-    assert searcher.results is not None
+    if searcher.results is None:
+        raise KeyboardInterrupt
     return searcher.results
 
 
@@ -281,7 +283,6 @@ class BeamSearch:
         self.per_prompt = settings.num_return_sequences
         self.rows = [new_row(lm, p, prompt, settings)
                      for p, prompt in enumerate(self.prompts_ids) for _ in range(self.per_prompt)]
-        self.given = [0] * len(self.rows)  # tokens committed to each row so far
         self.context: torch.Tensor | None = None
         self.steps = 0
         self.results: list[BeamResult] | None = None
@@ -324,7 +325,11 @@ class BeamSearch:
     def forward(self, backend: Backend, tokens: torch.Tensor) -> torch.Tensor:
         return backend.step(tokens)
 
-    def interrupted(self) -> loop.Chosen:
+    def interrupted(self) -> loop.Chosen | None:
+        """The best beams so far, marked interrupted; None before the first step (the
+        rows end "interrupted" with no tokens, as the plain loop's do)."""
+        if not self.steps:
+            return None
         return self._final((), interrupted=True)
 
     def _first_step(self, number: int, now: float) -> None:
@@ -337,9 +342,9 @@ class BeamSearch:
 
     def _commits(self, number: int, ids: Sequence[int], logprobs: Sequence[float]
                  ) -> list[loop.Commit]:
-        """Row `number`'s commits: the tokens of `ids` it has not had yet."""
-        first = self.given[number]
-        self.given[number] = max(first, len(ids))
+        """Row `number`'s commits: the tokens of `ids` past those the loop has given it
+        (a Ctrl-C may have stopped it short of a step's)."""
+        first = len(self.rows[number].ids)
         return [(ids[i], logprobs[i], None, None) for i in range(first, len(ids))]
 
     def _final(self, events: tuple[Event, ...], interrupted: bool) -> loop.Chosen:

@@ -201,6 +201,8 @@ def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         kept = stepper.interrupted()
         if kept is not None:
             yield from _commit(lm, plan, rows, active, kept, start)
+            if kept.final:
+                return
         for row_number in active:
             if not rows[row_number].finished:
                 yield from finish_row(rows[row_number], row_number, "interrupted", start)
@@ -227,7 +229,7 @@ def _commit(lm: LoadedModel, plan: Plan, rows: list[Row], active: list[int], cho
                     done.append(pos)
                     break
         end = chosen.ends[pos] if chosen.ends is not None else None
-        if end is not None:
+        if end is not None and not row.finished:  # Ctrl-C amid the ends: once a row
             yield from finish_row(row, row_number, end.reason, start, end.score)
             done.append(pos)
     return done
