@@ -174,7 +174,7 @@ def build_native_kernel(lm: LoadedModel, backend: str = "auto",
         # The packed weights now, mapped from the cache (or packed and cached), so a
         # cache that cannot be written is said once, before any output.
         native_step(lm.lean, packs, warn)
-    for kind in weights:  # each build ran once above; this only reads what it said
+    for kind in kernel.builds_for(weights):  # each build ran once above; read what it said
         notice = kernel.build_for(kind).notice
         if notice:
             _warn_once(notice)

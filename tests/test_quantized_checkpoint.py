@@ -89,7 +89,8 @@ def folder_bytes(folder: Path) -> int:
 
 @pytest.mark.parametrize("fmt", list(quant.FORMATS))
 def test_the_tool_writes_quantizes_codes_and_keeps_the_rest(written, fmt, tmp_path_factory):
-    """Each matrix's codes are quant.quantize's (4-bit two a byte), its scales those in
+    """Each matrix's codes are quant.quantize's (4-bit two a byte; the output matrix,
+    here the tied embeddings, in q8_0 beside a 4-bit format), its scales those in
     float16; the norms, the tokenizer files and the model card are the source's bytes."""
     out = written(FLOAT_DRAFT, fmt)
     folder = float_draft(tmp_path_factory)
@@ -97,13 +98,17 @@ def test_the_tool_writes_quantizes_codes_and_keeps_the_rest(written, fmt, tmp_pa
     stored = load_file(str(out / "model.safetensors"))
     config = json.loads((out / "config.json").read_text())["quantization_config"]
     matrices = sorted(n for n, t in source.items() if t.dim() == 2)
+    assert "lm_head.weight" not in source  # tied: the embeddings are the output matrix
+    others = {"model.embed_tokens": "q8_0"} if quant.FORMATS[fmt].bits == 4 else {}
     assert config == {"quant_method": "genlab", "format": fmt,
                       "block": quant.FORMATS[fmt].block,
-                      "modules": [n.removesuffix(".weight") for n in matrices]}
+                      "modules": [n.removesuffix(".weight") for n in matrices],
+                      **({"module_formats": others} if others else {})}
     for name in matrices:
-        codes, scales = quant.quantize(source[name].float(), fmt)
+        its = others.get(name.removesuffix(".weight"), fmt)
+        codes, scales = quant.quantize(source[name].float(), its)
         got = stored[name + ".qcodes"]
-        if quant.FORMATS[fmt].bits == 4:
+        if quant.FORMATS[its].bits == 4:
             assert got.shape == (codes.shape[0], codes.shape[1] // 2)
             got = torch.stack([got & 15, got >> 4], dim=2).reshape(codes.shape)
         assert got.dtype == codes.dtype and torch.equal(got, codes), name
@@ -172,6 +177,21 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
     assert reference.dtype == torch.float32
     want = greedy_lean(LeanLlama.from_model(reference), ids, 64)
     assert greedy_native(step, lm.lean, ids, 64) == want
+
+
+def test_a_4bit_checkpoint_runs_its_output_matrix_as_stored(written):
+    """The tool stores a 4-bit checkpoint's output matrix in q8_0 and the kernel runs it
+    so; a checkpoint written before, its output matrix in 4 bits (the built-in
+    code-small), still runs that matrix in 4 bits."""
+    from genlib.backends import kernel
+
+    for folder, head in ((written(FLOAT_DRAFT, "nf4"), "q8_0"),
+                         (Path("genlib/assets/code-small"), "nf4")):
+        lm = load_model(ModelSpec(str(ROOT / folder)), quick=True)
+        lean = lm.lean
+        assert kernel.head_format(lean, "nf4") == head
+        step = kernel.NativeStep(lean, 1, weights="nf4")
+        assert step.head_weights == head
 
 
 def test_a_batch_after_transformers_load_packs_the_codes_as_stored(written, monkeypatch):
@@ -259,7 +279,12 @@ def edit_config(**changes):
 DAMAGES = {"scales missing": (drop_scales, "has no model.layers.1.mlp.up_proj.weight.qscales"),
            "scales int16": (int_scales, "stored as int8 codes and int16 scales"),
            "unknown format": (edit_config(format="q3_k"), "names format 'q3_k'"),
-           "wrong block": (edit_config(block=64), "blocks of 64 weights")}
+           "wrong block": (edit_config(block=64), "blocks of 64 weights"),
+           "unknown module format": (edit_config(module_formats={"model.embed_tokens": "q3_k"}),
+                                     "has `module_formats`"),
+           "module format not stored": (
+               edit_config(module_formats={"model.embed_tokens": "nf4"}),
+               "model.embed_tokens.weight is stored as int8 codes")}
 
 
 def broken_copy(source: Path, folder: Path, damage: str) -> Path:

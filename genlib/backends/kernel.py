@@ -30,7 +30,7 @@ use). A model loaded by transformers keeps its float weights beside the packed c
 widens them as it reads them, the arithmetic float32: half the reads, for a draft model,
 whose proposals the target checks. The quantized formats (`quant.FORMATS`) have a build
 each too; a 4-bit one runs the output matrix in q8_0 through the q8_0 build's product
-(`HEAD_WEIGHTS`, `head_library`). `ensure_built(notify)` tells its caller before the
+(`quant.OUTPUT_FORMAT`, `head_library`). `ensure_built(notify)` tells its caller before the
 first build compiles (a second or two a build).
 
 `LeanLlama.native_step` makes it; the native backend (genlib.backends.native) runs it.
@@ -63,12 +63,8 @@ BUILDING = "building genlab's native kernel, once"
 WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
            "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
            "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
-# The output matrix's format where the layers' is 4-bit, as llama.cpp's Q4_0 files keep
-# the output matrix at 6 or 8 bits (Q6_K, Q8_0 where it is tied to the embeddings): in 4
-# bits it cost most of what the 4-bit formats lose (docs/performance.md).
-HEAD_WEIGHTS = {"nf4": "q8_0", "q4_0": "q8_0"}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
-LAYOUT = 2  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
+LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # The MLP's input norm by `Arch.sandwich` (the lean forward reads it from here too).
 MLP_NORM = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}
@@ -194,9 +190,16 @@ def ensure_built(notify: Callable[[str], None] | None = None,
     """`build()` of the kernels that read each of `weights` (`WEIGHTS` keys), first
     calling `notify` with `BUILDING` when one is going to compile (the CLI prints it on
     stderr: a build takes a second or two); the first one's build."""
-    if notify is not None and any(_will_compile(flags + WEIGHTS[kind]) for kind in weights):
+    kinds = builds_for(weights)
+    if notify is not None and any(_will_compile(flags + WEIGHTS[kind]) for kind in kinds):
         notify(BUILDING)
-    return [build_for(kind, flags) for kind in weights][0]
+    return [build_for(kind, flags) for kind in kinds][0]
+
+
+def builds_for(weights: tuple[str, ...]) -> tuple[str, ...]:
+    """The builds the kernels for `weights` need: each one's own, then its output
+    matrix's (`quant.output_format`) where that is another."""
+    return tuple(dict.fromkeys([*weights, *map(quant.output_format, weights)]))
 
 
 def build_for(weights: str, flags: tuple[str, ...] = FLAGS) -> Build:
@@ -336,12 +339,12 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
     gives a float matrix (out, in) by its state-dict name, or a quantized checkpoint's
     (codes, scales) in format `weights` (genlib.models.qformat), packed as stored; `head`
     is the output projection's (the embeddings' when tied), stored as `head_weights`
-    (default `weights`; a float matrix only)."""
+    (default `weights`)."""
     def matrix(*names: str, stored_as: str = weights) -> torch.Tensor:
         rows = [tensor(name) for name in names]
         if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are
             codes, scales = (torch.cat(parts) for parts in zip(*rows))
-            return quant.pack_codes(codes, scales, panel, weights)
+            return quant.pack_codes(codes, scales, panel, stored_as)
         return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, stored_as)
 
     packed = {"lm_head": matrix(head, stored_as=head_weights or weights)}
@@ -367,13 +370,19 @@ def packed_weights(lean: Any, panel: int, weights: str,
     packed from its codes as stored, through the weight cache too."""
     from genlib.backends import weightcache
 
+    head = head_format(lean, weights)
+
     def over(tensor: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
         return pack_weights(tensor, lean.num_layers, lean.head_name, panel, weights,
-                            lean.arch.gated, head_format(lean, weights))
+                            lean.arch.gated, head)
+
+    def keyed(file: Path) -> tuple[str, dict[str, Any]]:
+        entry, key = cache_key(file, weights, panel, lean.dtype)
+        return entry, key if head == weights else {**key, "head": head}
 
     stored = getattr(lean, "stored", None)
     if _from_codes(lean, weights):  # a quantized checkpoint's codes
-        entry, key = cache_key(stored.file, weights, panel, lean.dtype)
+        entry, key = keyed(stored.file)
         return weightcache.cached(entry, {**key, "source": "codes"},
                                   lambda: over(stored.quantized), notify)
     file = lean.weights_file
@@ -386,7 +395,7 @@ def packed_weights(lean: Any, panel: int, weights: str,
         with safe_open(str(file), framework="pt", backend="pread") as source:
             return over(lambda name: source.get_tensor(name).to(lean.dtype))
 
-    entry, key = cache_key(Path(file), weights, panel, lean.dtype)
+    entry, key = keyed(Path(file))
     return weightcache.cached(entry, key, from_file, notify)
 
 
@@ -398,9 +407,11 @@ def _from_codes(lean: Any, weights: str) -> bool:
 
 def head_format(lean: Any, weights: str) -> str:
     """The format the kernel reads `lean`'s output matrix in, beside its other matrices in
-    `weights`: q8_0 under a 4-bit format (`HEAD_WEIGHTS`) where the matrices are packed
-    from float weights; a quantized checkpoint's codes as they are stored."""
-    return weights if _from_codes(lean, weights) else HEAD_WEIGHTS.get(weights, weights)
+    `weights`: `quant.output_format` where the matrices are packed from float weights; a
+    quantized checkpoint's codes in the format they are stored in."""
+    if _from_codes(lean, weights):
+        return str(lean.stored.format_of(lean.head_name))
+    return quant.output_format(weights)
 
 
 def head_library(library: ctypes.CDLL, head: str) -> ctypes.CDLL:
@@ -440,7 +451,8 @@ def applies(lean: Any, weights: str = "float32") -> str | None:
         return "the native step runs float32 on the CPU"
     if lean.heads % lean.kv_heads or lean.head_dim % 2:
         return "unusual head layout"
-    return build_for(weights).reason or None
+    return next((build_for(kind).reason for kind in builds_for((weights,))
+                 if build_for(kind).reason), None)
 
 
 class NativeStep:

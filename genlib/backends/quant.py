@@ -51,6 +51,17 @@ class Format:
 FORMATS = {f.name: f for f in (Format("q8_0", 32, 8), Format("nf4", 64, 4),
                                Format("q4_0", 32, 4))}
 
+# The output matrix's format (the lm_head, or the embeddings where it is tied to them)
+# where the others' is 4-bit, as llama.cpp's Q4_0 files keep it at 6 or 8 bits (Q6_K,
+# Q8_0 where it is tied): in 4 bits it cost most of what the 4-bit formats lose
+# (docs/performance.md). The kernel packs it so, and quantized checkpoints store it so.
+OUTPUT_FORMAT = {"nf4": "q8_0", "q4_0": "q8_0"}
+
+
+def output_format(name: str) -> str:
+    """The output matrix's format beside matrices in format `name`."""
+    return OUTPUT_FORMAT.get(name, name)
+
 
 def format_of(name: str) -> Format:
     if name not in FORMATS:

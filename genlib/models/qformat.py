@@ -14,8 +14,12 @@ generation_config.json) whose `model.safetensors` holds, for each quantized matr
 
 Every other tensor (the norms) is stored as it was. config.json says so:
 
-    "quantization_config": {"quant_method": "genlab", "format": "q8_0", "block": 32,
-                            "modules": ["model.embed_tokens", "model.layers.0...", ...]}
+    "quantization_config": {"quant_method": "genlab", "format": "nf4", "block": 64,
+                            "modules": ["model.embed_tokens", "model.layers.0...", ...],
+                            "module_formats": {"model.embed_tokens": "q8_0"}}
+
+`module_formats` (optional) names the modules stored in another format than `format`:
+the output matrix of a 4-bit checkpoint (`quant.output_format`), in q8_0.
 
 transformers does not know the method (it warns and would read the folder's tensors
 raw), so genlab never hands it the folder's weights: `Stored.state_dict` dequantizes
@@ -73,6 +77,12 @@ class Stored:
     config: dict[str, Any] = field(hash=False, compare=False)  # config.json, as it is
     # Every tensor of the float model, by its state-dict name: its shape.
     shapes: dict[str, tuple[int, ...]] = field(hash=False, compare=False, default_factory=dict)
+    # The modules stored in another format than `format` (the output matrix).
+    module_formats: dict[str, str] = field(hash=False, compare=False, default_factory=dict)
+
+    def format_of(self, name: str) -> str:
+        """The format matrix `name` (a module, or its `.weight`) is stored in."""
+        return self.module_formats.get(name.removesuffix(".weight"), self.format)
 
     @property
     def file(self) -> Path:
@@ -90,13 +100,15 @@ class Stored:
                 and self.config.get("tie_word_embeddings"):
             name = "model.embed_tokens.weight"
         codes, scales = self.read(name + CODES), self.read(name + SCALES)
-        return (unpack_nibbles(codes) if _bits(self.format) == 4 else codes), scales
+        return (unpack_nibbles(codes) if _bits(self.format_of(name)) == 4 else codes), scales
 
     def dequantized(self, name: str) -> torch.Tensor:
         """Matrix `name` as the float32 weights its codes and scales stand for."""
         from genlib.backends import quant
 
-        return quant.dequantize(*self.quantized(name), self.format)
+        if name == "lm_head.weight" and "lm_head" not in self.modules:
+            name = "model.embed_tokens.weight"  # tied, as `quantized` reads it
+        return quant.dequantize(*self.quantized(name), self.format_of(name))
 
     def dequantized_tensors(self, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
         """Every tensor of the float model by its state-dict name, in `dtype`; a matrix
@@ -179,30 +191,34 @@ def open_folder(folder: str | Path) -> Stored | None:
     if not isinstance(config, dict) or (quantization := quantization_of(config)) is None:
         return None
     name = str(folder)
-    fmt, modules = _check_config(name, quantization)
+    fmt, modules, formats = _check_config(name, quantization)
     try:
         table = _tensor_table(path / WEIGHTS)
     except (OSError, ValueError) as error:
         raise ModelLoadError(f"cannot load {name}: its {WEIGHTS} cannot be read "
                              f"({error}); {REWRITE}") from None
-    _check_tensors(name, fmt, modules, table)
+    _check_tensors(name, {m: formats.get(m, fmt) for m in modules}, table)
     plain = tuple(t for t in table if not t.endswith((CODES, SCALES)))
-    return Stored(path, fmt, modules, plain, config, _float_shapes(fmt, modules, plain, table))
+    return Stored(path, fmt, modules, plain, config,
+                  _float_shapes({m: formats.get(m, fmt) for m in modules}, plain, table),
+                  formats)
 
 
-def _float_shapes(fmt: str, modules: tuple[str, ...], plain: tuple[str, ...],
+def _float_shapes(formats: dict[str, str], plain: tuple[str, ...],
                   table: dict[str, tuple[str, tuple[int, ...]]]) -> dict[str, tuple[int, ...]]:
-    """The float model's tensor shapes: a matrix's from its codes (two a byte in 4-bit)."""
-    per_byte = 8 // _bits(fmt)
+    """The float model's tensor shapes: a matrix's from its codes (two a byte in 4-bit);
+    `formats`: each module's."""
     shapes = {name: table[name][1] for name in plain}
-    for module in modules:
+    for module, fmt in formats.items():
         rows, columns = table[module + ".weight" + CODES][1]
-        shapes[module + ".weight"] = (rows, columns * per_byte)
+        shapes[module + ".weight"] = (rows, columns * (8 // _bits(fmt)))
     return shapes
 
 
-def _check_config(name: str, quantization: dict[str, Any]) -> tuple[str, tuple[str, ...]]:
-    """The format and modules quantization_config declares, checked."""
+def _check_config(name: str, quantization: dict[str, Any]
+                  ) -> tuple[str, tuple[str, ...], dict[str, str]]:
+    """The format, modules and other modules' formats quantization_config declares,
+    checked."""
     from genlib.backends import quant
 
     fmt = quantization.get("format")
@@ -220,7 +236,14 @@ def _check_config(name: str, quantization: dict[str, Any]) -> tuple[str, tuple[s
             not all(isinstance(m, str) and m for m in modules):
         raise ModelLoadError(f"cannot load {name}: config.json's quantization_config needs "
                              f"`modules`, the names of the quantized modules; {REWRITE}")
-    return fmt, tuple(modules)
+    formats = quantization.get("module_formats", {})
+    if not isinstance(formats, dict) or not all(
+            module in modules and other in quant.FORMATS for module, other in formats.items()):
+        raise ModelLoadError(
+            f"cannot load {name}: config.json's quantization_config has `module_formats` "
+            f"{formats!r}, which must map listed modules to {', '.join(quant.FORMATS)}; "
+            f"{REWRITE}")
+    return fmt, tuple(modules), dict(formats)
 
 
 def _tensor_table(file: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
@@ -247,18 +270,19 @@ SAFETENSORS_DTYPES = {"I8": "int8", "U8": "uint8", "I16": "int16", "U16": "uint1
                       "F64": "float64", "BOOL": "bool"}
 
 
-def _check_tensors(name: str, fmt: str, modules: tuple[str, ...],
+def _check_tensors(name: str, formats: dict[str, str],
                    table: dict[str, tuple[str, tuple[int, ...]]]) -> None:
-    """ModelLoadError unless each module has codes and scales of its format's types and
-    matching shapes, and the file holds no codes or scales of an undeclared module."""
+    """ModelLoadError unless each module (`formats`: each one's format) has codes and
+    scales of its format's types and matching shapes, and the file holds no codes or
+    scales of an undeclared module."""
     from genlib.backends import quant
 
-    declared = {m + ".weight" + suffix for m in modules for suffix in (CODES, SCALES)}
+    declared = {m + ".weight" + suffix for m in formats for suffix in (CODES, SCALES)}
     extra = sorted(t for t in table if t.endswith((CODES, SCALES)) and t not in declared)
     if extra:
         raise ModelLoadError(f"cannot load {name}: {WEIGHTS} holds {extra[0]}, of a module "
                              f"config.json's quantization_config does not list; {REWRITE}")
-    for module in modules:
+    for module, fmt in formats.items():
         codes, scales = (_entry(name, table, module + ".weight" + s) for s in (CODES, SCALES))
         dtypes = (SAFETENSORS_DTYPES.get(codes[0]), SAFETENSORS_DTYPES.get(scales[0]))
         if dtypes[0] != CODE_DTYPES[fmt] or dtypes[1] not in SCALE_DTYPES:

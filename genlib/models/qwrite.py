@@ -1,6 +1,7 @@
 """Write a float model folder as genlab's quantized checkpoint (genlib.models.qformat): every
 weight matrix (the 2-D `.weight` tensors: projections, embeddings, output head; once
-when tied) in a format of genlib.backends.quant, everything else as it is.
+when tied) in a format of genlib.backends.quant, the output matrix in
+`quant.output_format`'s (q8_0 beside a 4-bit format), everything else as it is.
 
     summary = write(Path("code-small"), Path("code-small-q8"), "q8_0")
 
@@ -49,7 +50,8 @@ def write(source: Path, out: Path, fmt: str) -> Summary:
     config = _source_config(source)
     tensors = _source_tensors(source)
     _check_out(out)
-    stored, modules = _quantized(tensors, fmt)
+    formats = _other_formats(tensors, fmt)
+    stored, modules = _quantized(tensors, fmt, formats)
     out.mkdir(parents=True, exist_ok=True)
     from safetensors.torch import save_file
 
@@ -57,6 +59,8 @@ def write(source: Path, out: Path, fmt: str) -> Summary:
     (out / qformat.WEIGHTS).chmod(0o644)  # safetensors writes 0600: readable as its source
     config["quantization_config"] = {"quant_method": qformat.METHOD, "format": fmt,
                                      "block": quant.FORMATS[fmt].block, "modules": modules}
+    if formats:
+        config["quantization_config"]["module_formats"] = formats
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     for file in sorted(source.iterdir()):
         if file.is_file() and not any(file.match(pattern) for pattern in NOT_COPIED):
@@ -98,16 +102,30 @@ def _check_out(out: Path) -> None:
         raise QuantizeError(f"{out} exists and is not an empty folder; name a new one")
 
 
-def _quantized(tensors: dict[str, torch.Tensor], fmt: str
+# The output matrix's module: its own, else the embeddings it is tied to (llama's, gpt2's).
+OUTPUT_MODULES = ("lm_head", "model.embed_tokens", "transformer.wte")
+
+
+def _other_formats(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, str]:
+    """The modules to store in another format than `fmt`: the output matrix, where
+    `quant.output_format` gives it one."""
+    from genlib.backends import quant
+
+    output = next((m for m in OUTPUT_MODULES if m + ".weight" in tensors), None)
+    other = quant.output_format(fmt)
+    return {output: other} if output is not None and other != fmt else {}
+
+
+def _quantized(tensors: dict[str, torch.Tensor], fmt: str, formats: dict[str, str]
                ) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """The tensors to store: each matrix's codes and scales, the rest as they are; and
-    the quantized modules' names."""
+    """The tensors to store: each matrix's codes and scales (in `fmt`, or its module's
+    format in `formats`), the rest as they are; and the quantized modules' names."""
     stored, modules = {}, []
     for name, tensor in sorted(tensors.items()):
         if not (name.endswith(".weight") and tensor.dim() == 2 and tensor.is_floating_point()):
             stored[name] = tensor
             continue
-        codes, scales = _matrix(name, tensor, fmt)
+        codes, scales = _matrix(name, tensor, formats.get(name.removesuffix(".weight"), fmt))
         stored[name + qformat.CODES], stored[name + qformat.SCALES] = codes, scales
         modules.append(name.removesuffix(".weight"))
     return stored, modules
