@@ -1,6 +1,7 @@
 """Write a model folder as genlab's quantized checkpoint (docs/models.md): its weight
-matrices in q8_0, nf4 or q4_0, the norms as they are, the tokenizer files, generation
-config and README copied. The same input gives the same bytes.
+matrices in q8_0, nf4 or q4_0 (beside a 4-bit format the output matrix in q8_0), the
+norms as they are, the tokenizer files, generation config and README copied. The same
+input gives the same bytes.
 
     python scripts/quantize_model.py SRC OUT --format q8_0
     genlab generate -m OUT "def f("          # runs the stored codes on the native kernel
@@ -21,7 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("out", type=Path, help="the folder to write (new, or empty)")
     parser.add_argument("--format", required=True, choices=("q8_0", "nf4", "q4_0"),
                         help="q8_0: 8-bit codes, blocks of 32; nf4: 4-bit NF4, blocks of 64; "
-                             "q4_0: 4-bit, blocks of 32")
+                             "q4_0: 4-bit, blocks of 32 (the 4-bit ones keep the output "
+                             "matrix in q8_0)")
     args = parser.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     from genlib.models.qwrite import QuantizeError, write

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -179,19 +180,43 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
     assert greedy_native(step, lm.lean, ids, 64) == want
 
 
+def test_a_4bit_checkpoint_whose_config_hides_the_q8_0_output_matrix_is_refused(
+        written, tmp_path):
+    folder = tmp_path / "broken"
+    shutil.copytree(written(FLOAT_DRAFT, "nf4"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    del config["quantization_config"]["module_formats"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="model.embed_tokens.weight is stored as "
+                                             "int8 codes and float16 scales, and nf4 is"):
+        load_model(ModelSpec(str(folder)), quick=True)
+
+
 def test_a_4bit_checkpoint_runs_its_output_matrix_as_stored(written):
-    """The tool stores a 4-bit checkpoint's output matrix in q8_0 and the kernel runs it
-    so; a checkpoint written before, its output matrix in 4 bits (the built-in
-    code-small), still runs that matrix in 4 bits."""
+    """The tool stores a 4-bit checkpoint's output matrix (here the tied embeddings) in
+    q8_0 and the kernel runs it so, however the model loaded (transformers' model names
+    an lm_head, the quick load the embeddings), with the same tokens; a checkpoint
+    written before, its output matrix in 4 bits (the built-in code-small), still runs
+    that matrix in 4 bits."""
     from genlib.backends import kernel
+    from genlib.backends.fit import lean_of
 
     for folder, head in ((written(FLOAT_DRAFT, "nf4"), "q8_0"),
-                         (Path("genlib/assets/code-small"), "nf4")):
-        lm = load_model(ModelSpec(str(ROOT / folder)), quick=True)
-        lean = lm.lean
-        assert kernel.head_format(lean, "nf4") == head
-        step = kernel.NativeStep(lean, 1, weights="nf4")
-        assert step.head_weights == head
+                         (ROOT / "genlib/assets/code-small", "nf4")):
+        tokens = []
+        for quick in (True, False):
+            lm = load_model(ModelSpec(str(folder)), quick=quick)
+            assert (lm.lean is None) is not quick
+            lean = lean_of(lm)
+            assert kernel.head_format(lean, "nf4") == head
+            step = kernel.NativeStep(lean, 1, weights="nf4")
+            assert step.head_weights == head
+            cache, token, ids = lean.new_cache(16), 1, []
+            for _ in range(8):
+                token = int(step(token, cache).argmax())
+                ids.append(token)
+            tokens.append(ids)
+        assert tokens[0] == tokens[1], folder
 
 
 def test_a_batch_after_transformers_load_packs_the_codes_as_stored(written, monkeypatch):
@@ -282,9 +307,9 @@ DAMAGES = {"scales missing": (drop_scales, "has no model.layers.1.mlp.up_proj.we
            "wrong block": (edit_config(block=64), "blocks of 64 weights"),
            "unknown module format": (edit_config(module_formats={"model.embed_tokens": "q3_k"}),
                                      "has `module_formats`"),
-           "module format not stored": (
-               edit_config(module_formats={"model.embed_tokens": "nf4"}),
-               "model.embed_tokens.weight is stored as int8 codes")}
+           "module format for a layer": (
+               edit_config(module_formats={"model.layers.0.mlp.up_proj": "q8_0"}),
+               "it may give only the output matrix")}
 
 
 def broken_copy(source: Path, folder: Path, damage: str) -> Path:

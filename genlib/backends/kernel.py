@@ -29,8 +29,9 @@ use). A model loaded by transformers keeps its float weights beside the packed c
 `weights="bfloat16"` the packed matrices are bfloat16 and a second build of the kernel
 widens them as it reads them, the arithmetic float32: half the reads, for a draft model,
 whose proposals the target checks. The quantized formats (`quant.FORMATS`) have a build
-each too; a 4-bit one runs the output matrix in q8_0 through the q8_0 build's product
-(`quant.OUTPUT_FORMAT`, `head_library`). `ensure_built(notify)` tells its caller before the
+each too; a 4-bit one runs an output matrix packed in q8_0 (`quant.OUTPUT_FORMAT`, as
+`--quantize` packs it and new checkpoints store it) through the q8_0 build's product
+(`head_library`). `ensure_built(notify)` tells its caller before the
 first build compiles (a second or two a build).
 
 `LeanLlama.native_step` makes it; the native backend (genlib.backends.native) runs it.
@@ -64,7 +65,7 @@ WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
            "q8_0": ("-DGENLAB_Q8_0_WEIGHTS",), "nf4": ("-DGENLAB_NF4_WEIGHTS",),
            "q4_0": ("-DGENLAB_Q4_0_WEIGHTS",)}
 PREFILL_SLOTS = 256  # tokens a prefill call feeds at most: its scratch grows with them
-LAYOUT = 1  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
+LAYOUT = 2  # the packed matrices' layout (`pack`): the weight cache keys on it, bump it
 QKV = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # The MLP's input norm by `Arch.sandwich` (the lean forward reads it from here too).
 MLP_NORM = {False: "post_attention_layernorm", True: "pre_feedforward_layernorm"}
@@ -337,9 +338,9 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
     names NativeStep takes: `lm_head`, `layers.{i}.qkv` (q, k and v stacked), `.o`,
     `.gate` (unless not `gated`: gpt2's MLP has none), `.up`, `.down`. `tensor(name)`
     gives a float matrix (out, in) by its state-dict name, or a quantized checkpoint's
-    (codes, scales) in format `weights` (genlib.models.qformat), packed as stored; `head`
-    is the output projection's (the embeddings' when tied), stored as `head_weights`
-    (default `weights`)."""
+    (codes, scales) (genlib.models.qformat), packed as stored: in format `weights`, the
+    output matrix in `head_weights` (default `weights`), as for a float matrix; `head` is
+    the output projection's name (the embeddings' when tied)."""
     def matrix(*names: str, stored_as: str = weights) -> torch.Tensor:
         rows = [tensor(name) for name in names]
         if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are

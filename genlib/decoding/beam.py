@@ -213,7 +213,8 @@ def search(lm: LoadedModel, prompts_ids: Sequence[Sequence[int]],
     """`beam_search` as it runs: yields the Prefill event and a BeamStep per prompt and
     step (with the tree's candidates when `record_tree`), returns the results. Ctrl-C
     thrown into it (`.throw(KeyboardInterrupt)`) ends the search with the best beams so
-    far, marked interrupted."""
+    far, marked interrupted; before the first step (no beams yet) it goes on as
+    KeyboardInterrupt."""
     check_prompts(lm, prompts_ids, settings)
     if backend is None:
         backend = for_generation(lm, prompts_ids, settings,

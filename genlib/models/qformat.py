@@ -50,6 +50,8 @@ CODES, SCALES = ".qcodes", ".qscales"
 SCALE_DTYPES = ("float16", "float32")
 CODE_DTYPES = {"q8_0": "int8", "nf4": "uint8", "q4_0": "uint8"}
 REWRITE = "write it again with scripts/quantize_model.py from the float model"
+# The output matrix's module: its own, else the embeddings it is tied to (llama's, gpt2's).
+OUTPUT_MODULES = ("lm_head", "model.embed_tokens", "transformer.wte")
 
 
 def quantization_of(config: Mapping[str, Any]) -> dict[str, Any] | None:
@@ -80,9 +82,18 @@ class Stored:
     # The modules stored in another format than `format` (the output matrix).
     module_formats: dict[str, str] = field(hash=False, compare=False, default_factory=dict)
 
+    def matrix(self, name: str) -> str:
+        """The stored matrix `name` (a state-dict name) is: itself, or for a tied output
+        head (`lm_head.weight` where transformers' model names one) the embeddings'."""
+        if name == "lm_head.weight" and "lm_head" not in self.modules \
+                and self.config.get("tie_word_embeddings"):
+            return "model.embed_tokens.weight"
+        return name
+
     def format_of(self, name: str) -> str:
-        """The format matrix `name` (a module, or its `.weight`) is stored in."""
-        return self.module_formats.get(name.removesuffix(".weight"), self.format)
+        """The format matrix `name` (a state-dict name) is stored in."""
+        module = self.matrix(name).removesuffix(".weight")
+        return self.module_formats.get(module, self.format)
 
     @property
     def file(self) -> Path:
@@ -94,11 +105,9 @@ class Stored:
 
     def quantized(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
         """Matrix `name`'s codes (out, in), one a byte as `quant.quantize` gives them, and
-        its scales as stored (float16). A tied output head (`lm_head.weight` where
-        transformers' model names one) is the embeddings' matrix."""
-        if name == "lm_head.weight" and "lm_head" not in self.modules \
-                and self.config.get("tie_word_embeddings"):
-            name = "model.embed_tokens.weight"
+        its scales as stored (float16); a tied output head's are the embeddings'
+        (`matrix`)."""
+        name = self.matrix(name)
         codes, scales = self.read(name + CODES), self.read(name + SCALES)
         return (unpack_nibbles(codes) if _bits(self.format_of(name)) == 4 else codes), scales
 
@@ -106,8 +115,6 @@ class Stored:
         """Matrix `name` as the float32 weights its codes and scales stand for."""
         from genlib.backends import quant
 
-        if name == "lm_head.weight" and "lm_head" not in self.modules:
-            name = "model.embed_tokens.weight"  # tied, as `quantized` reads it
         return quant.dequantize(*self.quantized(name), self.format_of(name))
 
     def dequantized_tensors(self, dtype: torch.dtype) -> Mapping[str, torch.Tensor]:
@@ -237,12 +244,14 @@ def _check_config(name: str, quantization: dict[str, Any]
         raise ModelLoadError(f"cannot load {name}: config.json's quantization_config needs "
                              f"`modules`, the names of the quantized modules; {REWRITE}")
     formats = quantization.get("module_formats", {})
+    output = quant.output_format(fmt)
     if not isinstance(formats, dict) or not all(
-            module in modules and other in quant.FORMATS for module, other in formats.items()):
+            module in modules and module in OUTPUT_MODULES and other == output
+            for module, other in formats.items()):
         raise ModelLoadError(
             f"cannot load {name}: config.json's quantization_config has `module_formats` "
-            f"{formats!r}, which must map listed modules to {', '.join(quant.FORMATS)}; "
-            f"{REWRITE}")
+            f"{formats!r}; beside {fmt} it may give only the output matrix "
+            f"({', '.join(OUTPUT_MODULES)}) format {output}; {REWRITE}")
     return fmt, tuple(modules), dict(formats)
 
 

@@ -102,16 +102,12 @@ def _check_out(out: Path) -> None:
         raise QuantizeError(f"{out} exists and is not an empty folder; name a new one")
 
 
-# The output matrix's module: its own, else the embeddings it is tied to (llama's, gpt2's).
-OUTPUT_MODULES = ("lm_head", "model.embed_tokens", "transformer.wte")
-
-
 def _other_formats(tensors: dict[str, torch.Tensor], fmt: str) -> dict[str, str]:
     """The modules to store in another format than `fmt`: the output matrix, where
     `quant.output_format` gives it one."""
     from genlib.backends import quant
 
-    output = next((m for m in OUTPUT_MODULES if m + ".weight" in tensors), None)
+    output = next((m for m in qformat.OUTPUT_MODULES if m + ".weight" in tensors), None)
     other = quant.output_format(fmt)
     return {output: other} if output is not None and other != fmt else {}
 
