@@ -242,6 +242,22 @@ def test_8bit_on_a_cpu_runs_q8_0_on_the_native_backend(stories_q8):
     assert asked.reason == "asked for with --backend, weights q8_0"
 
 
+def test_4bit_names_its_output_matrix_where_it_ran():
+    """--stats and --json name the formats that ran: 4-bit weights, the output matrix
+    in q8_0."""
+    from genlib.backends.choose import Request, choose_backend
+    from genlib.models.info import ModelSpec
+    from genlib.models.loading import load_model
+    from tests.conftest import STORIES
+
+    quantized_build("nf4")
+    lm = load_model(ModelSpec(str(STORIES), quantize="4bit"), quick=True)
+    assert choose_backend(lm, Request(rows=1)).reason == \
+        "--quantize 4bit: weights nf4, output matrix q8_0"
+    assert choose_backend(lm, Request(backend="native")).reason == \
+        "asked for with --backend, weights nf4, output matrix q8_0"
+
+
 @pytest.mark.parametrize("backend", ["lean", "compiled", "transformers"])
 def test_other_backends_refuse_the_kernels_quantized_weights(stories_q8, backend):
     from genlib.backends.choose import Request, choose_backend

@@ -171,7 +171,8 @@ def test_native_greedy_tokens_are_the_dequantized_forwards(written, source, fmt,
     with monkeypatch.context() as patched:
         patched.setattr(quant, "quantize", no_quantizing)
         backend = choose_backend(lm, Request())  # packs the kernel's weights
-    assert backend.name == "native" and f"weights {fmt} as stored" in backend.reason
+    named = fmt if fmt == "q8_0" else f"{fmt}, output matrix q8_0"
+    assert backend.name == "native" and f"weights {named} as stored" in backend.reason
     step = native_step(lm.lean, fmt)
     ids = lm.encode(PROMPT)
     reference = load_model(ModelSpec(str(folder)), quick=False).model
@@ -211,6 +212,9 @@ def test_a_4bit_checkpoint_runs_its_output_matrix_as_stored(written):
             assert kernel.head_format(lean, "nf4") == head
             step = kernel.NativeStep(lean, 1, weights="nf4")
             assert step.head_weights == head
+            named = "nf4" if head == "nf4" else "nf4, output matrix q8_0"
+            assert choose_backend(lm, Request(rows=1)).reason == \
+                f"a nf4 checkpoint: weights {named} as stored"
             cache, token, ids = lean.new_cache(16), 1, []
             for _ in range(8):
                 token = int(step(token, cache).argmax())

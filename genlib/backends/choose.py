@@ -54,6 +54,7 @@ from genlib.backends.fit import (
     lean_refusal,
     native_allowed,
     stored_format,
+    weights_named,
 )
 from genlib.errors import ConfigError, not_one_of
 
@@ -127,7 +128,7 @@ def _pick(lm: LoadedModel, request: Request) -> tuple[type[Backend], str]:
         raise ConfigError(_refused(refusal, lm, request))
     reason = "asked for with --backend"
     if lm.weights is not None or (name == "native" and stored_format(lm)):
-        reason += f", weights {request.kernel_weights(lm)}"
+        reason += f", weights {weights_named(lm, request.kernel_weights(lm))}"
     return kind, reason
 
 

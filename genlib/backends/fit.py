@@ -87,6 +87,16 @@ def lean_of(lm: LoadedModel) -> LeanLlama | None:
     return _lean_models[lm.model]
 
 
+def weights_named(lm: LoadedModel, weights: str) -> str:
+    """The native kernel's `weights` for `lm` as a backend's reason names them: with the
+    output matrix's format where it is another (q8_0 beside a 4-bit format)."""
+    from genlib.backends.kernel import head_format
+
+    lean = lean_of(lm)
+    head = head_format(lean, weights) if lean is not None else weights
+    return weights if head == weights else f"{weights}, output matrix {head}"
+
+
 def lean_refusal(lm: LoadedModel) -> str:
     """Why `lm` has no lean forward, in one line naming the config key or the
     architecture."""

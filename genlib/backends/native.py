@@ -28,6 +28,7 @@ from genlib.backends.fit import (
     native_allowed,
     no_lean_refusal,
     stored_format,
+    weights_named,
 )
 from genlib.backends.kernel import NativeStep
 from genlib.backends.kernel import applies as kernel_applies
@@ -73,9 +74,10 @@ class NativeBackend(Backend):
     def picked(cls, lm: LoadedModel, request: Request) -> str:
         stored = stored_format(lm)
         if lm.weights is not None:
-            return f"--quantize {lm.quantize}: weights {request.kernel_weights(lm)}"
+            return f"--quantize {lm.quantize}: weights " \
+                f"{weights_named(lm, request.kernel_weights(lm))}"
         if stored is not None:
-            return f"a {stored} checkpoint: weights {stored} as stored"
+            return f"a {stored} checkpoint: weights {weights_named(lm, stored)} as stored"
         lean = lean_of(lm)
         assert lean is not None
         return f"a float32 {lean.arch.name} model on the CPU"
