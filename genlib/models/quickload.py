@@ -151,23 +151,31 @@ def _tokenizer(path: Path) -> Any | None:
     from genlib.models.info import quiet_transformers
 
     quiet_transformers()
-    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
     from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
     # AutoTokenizer's rules for a llama config: a declared LlamaTokenizer whose
     # tokenizer.json is byte-level, or a checkpoint on its list, gets TokenizersBackend.
-    listed = any(fnmatch(str(path).lower(), pattern)
-                 for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND)
+    # The list is looked at last: importing it imports transformers' model registry.
     try:
         cls: Any = TokenizersBackend
-        if declared.removesuffix("Fast") == "LlamaTokenizer" and not listed and \
-                not TokenizersBackend._tokenizer_json_has_byte_level(str(path)):
+        if declared.removesuffix("Fast") == "LlamaTokenizer" and \
+                not TokenizersBackend._tokenizer_json_has_byte_level(str(path)) and \
+                not _listed_for_tokenizers_backend(path):
             from transformers.models.llama.tokenization_llama import LlamaTokenizer
 
             cls = LlamaTokenizer
         return cls.from_pretrained(str(path))
     except Exception:  # noqa: BLE001  (any failure: transformers' own load explains it)
         return None
+
+
+def _listed_for_tokenizers_backend(path: Path) -> bool:
+    """Whether AutoTokenizer's list of checkpoints that need TokenizersBackend holds
+    `path`."""
+    from transformers.models.auto.tokenization_auto import MODEL_IDS_TO_TOKENIZERS_BACKEND
+
+    return any(fnmatch(str(path).lower(), pattern)
+               for pattern in MODEL_IDS_TO_TOKENIZERS_BACKEND)
 
 
 def _model_config(config: dict[str, Any]) -> SimpleNamespace | None:
