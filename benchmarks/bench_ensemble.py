@@ -12,6 +12,12 @@ run makes exactly --tokens tokens. Reported per pair: each run's median per-toke
 and the combined runs' ratio to A + B, the median of the per-round ratios (each round
 times all four back to back, so a busy spell moves numerator and denominator alike)
 with their min-max spread.
+
+`--controls` adds two mean ensembles of A with itself, each against 2 x A: with the same
+loaded model twice (the combination's own cost: one set of weights in the caches), and
+with a second copy of A's files (the same arithmetic over a second copy of the weights
+in memory). Where the copy costs more than the model twice, the difference is the
+second set of weights not fitting in the core's caches beside the first.
 """
 
 from __future__ import annotations
@@ -19,8 +25,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import platform
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -45,7 +53,7 @@ def per_token(lm, ids: list[int], settings) -> tuple[float, str]:
     return (finish.end - finish.first_token) / (len(finish.token_ids) - 1), backend
 
 
-def bench_pair(name: str, tokens: int, rounds: int) -> dict[str, object]:
+def bench_pair(name: str, tokens: int, rounds: int, copy: Path | None) -> dict[str, object]:
     from genlib.models.loading import ModelSpec, load_model
     from genlib.sampling.combine import AMATEUR, ENSEMBLE, Partner
     from genlib.settings.config import GenerationSettings
@@ -55,11 +63,16 @@ def bench_pair(name: str, tokens: int, rounds: int) -> dict[str, object]:
     b = load_model(ModelSpec(str(MODELS / second)), quick=True)
     ids = a.encode(prompt)
     plain = GenerationSettings(max_new_tokens=tokens, ignore_eos=True)
+    mean = dataclasses.replace(plain, ensemble_mode="mean")
     runs = {"A": (a, plain), "B": (b, plain),
-            "ensemble": (dataclasses.replace(a, partners=(Partner(b, ENSEMBLE),)),
-                         dataclasses.replace(plain, ensemble_mode="mean")),
+            "ensemble": (dataclasses.replace(a, partners=(Partner(b, ENSEMBLE),)), mean),
             "cd": (dataclasses.replace(a, partners=(Partner(b, AMATEUR),)),
                    dataclasses.replace(plain, cd_beta=0.5))}
+    if copy is not None:
+        shutil.copytree(MODELS / first, copy / first)
+        a_copy = load_model(ModelSpec(str(copy / first)), quick=True)
+        runs["A+A"] = (dataclasses.replace(a, partners=(Partner(a, ENSEMBLE),)), mean)
+        runs["A+copy"] = (dataclasses.replace(a, partners=(Partner(a_copy, ENSEMBLE),)), mean)
     for lm, settings in runs.values():  # warm-up: kernel builds, packed weights, caches
         per_token(lm, ids, dataclasses.replace(settings, max_new_tokens=8))
     times: dict[str, list[float]] = {key: [] for key in runs}
@@ -71,8 +84,9 @@ def bench_pair(name: str, tokens: int, rounds: int) -> dict[str, object]:
     out: dict[str, object] = {"pair": f"{first} + {second}", "backends": backends}
     for key, values in times.items():
         out[f"{key}_ms"] = statistics.median(values) * 1e3
-    for key in ("ensemble", "cd"):
-        ratios = [t / (x + y) for t, x, y in zip(times[key], times["A"], times["B"])]
+    for key in runs.keys() - {"A", "B"}:
+        second_model = times["A"] if key.startswith("A+") else times["B"]
+        ratios = [t / (x + y) for t, x, y in zip(times[key], times["A"], second_model)]
         out[f"{key}_ratio"] = (statistics.median(ratios), min(ratios), max(ratios))
     return out
 
@@ -83,6 +97,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--pairs", default="code,stories")
+    parser.add_argument("--controls", action="store_true",
+                        help="also time A with itself, and with a copy of its files")
     args = parser.parse_args()
     import torch
 
@@ -92,13 +108,18 @@ def main() -> None:
           f"{platform.processor() or platform.machine()} · torch threads {args.threads} · "
           f"{args.tokens} tokens · {args.rounds} rounds")
     for name in args.pairs.split(","):
-        r = bench_pair(name, args.tokens, args.rounds)
+        with tempfile.TemporaryDirectory() as scratch:
+            r = bench_pair(name, args.tokens, args.rounds,
+                           Path(scratch) if args.controls else None)
         print(f"\n{r['pair']} (backends: {r['backends']})")
         print(f"  A alone {r['A_ms']:.3f} ms/token, B alone {r['B_ms']:.3f} ms/token, "
               f"A + B {r['A_ms'] + r['B_ms']:.3f}")  # type: ignore[operator]
-        for key in ("ensemble", "cd"):
+        for key in ("ensemble", "cd", "A+A", "A+copy"):
+            if f"{key}_ratio" not in r:
+                continue
             median, low, high = r[f"{key}_ratio"]  # type: ignore[misc]
-            print(f"  {key:8s} {r[f'{key}_ms']:.3f} ms/token = {median:.3f}x (A + B), "
+            against = "2 x A" if key.startswith("A+") else "A + B"
+            print(f"  {key:8s} {r[f'{key}_ms']:.3f} ms/token = {median:.3f}x ({against}), "
                   f"rounds {low:.3f}-{high:.3f}")
 
 
