@@ -1,6 +1,7 @@
 """`genlab cache`: what genlab keeps in the user cache directory (the native kernel's
-packed weights, one file per model, format and kernel layout; the kernel's builds),
-with sizes; and `clear` to free it. Both start at once: no torch, no model."""
+packed weights, one file per model, format and kernel layout; the tokenizers transformers
+built, one per model folder; the kernel's builds), with sizes; and `clear` to free it.
+Both start at once: no torch, no model."""
 
 from __future__ import annotations
 
@@ -13,8 +14,8 @@ from cli import output
 from cli.errors import fail, user_errors
 from cli.output import Json, OutputFile, opened, sink
 
-app = typer.Typer(help="Show and free genlab's cache: packed weights and kernel builds.",
-                  no_args_is_help=True)
+app = typer.Typer(help="Show and free genlab's cache: packed weights, tokenizers and "
+                       "kernel builds.", no_args_is_help=True)
 
 
 def size_text(size: int) -> str:
@@ -28,13 +29,17 @@ def size_text(size: int) -> str:
 
 def _rows() -> list[dict[str, Any]]:
     """What the cache holds, a row a file: packed weights (with their model file, format
-    and whether that file changed since) and the kernel's builds."""
+    and whether that file changed since), tokenizers (with their model folder) and the
+    kernel's builds."""
     from genlib import cachedirs
     from genlib.backends import weightcache
+    from genlib.models import tokenizer_cache
 
     rows = [{"kind": "weights", "name": str(e.key.get("file", e.path.name)),
              "format": e.key.get("weights"), "size": e.size,
              "stale": weightcache.stale(e)} for e in weightcache.entries()]
+    rows += [{"kind": "tokenizer", "name": e.folder or e.path.name, "format": None,
+              "size": e.size, "stale": e.stale} for e in tokenizer_cache.entries()]
     rows += [{"kind": "kernel", "name": p.name, "format": None,
               "size": _size(p) + _size(p.with_name(p.name + ".sha256")), "stale": None}
              for p in cachedirs.files(cachedirs.native()) if p.suffix == ".so"]
@@ -44,7 +49,8 @@ def _rows() -> list[dict[str, Any]]:
 @app.command("list")
 @user_errors
 def list_cache(as_json: Json = False, output_file: OutputFile = None) -> None:
-    """List the packed weights and the kernel's builds, with their sizes and the total."""
+    """List the packed weights, the tokenizers and the kernel's builds, with their sizes
+    and the total."""
     from genlib import cachedirs
 
     target = sink(as_json, False, output_file)
@@ -71,8 +77,9 @@ def show_list(rows: list[dict[str, Any]], root: str) -> None:
     for column in ("what", "model file or build", "format", "size", "state"):
         table.add_column(column, overflow="fold")
     for row in rows:
+        changed = "model file" if row["kind"] == "weights" else "tokenizer files"
         state = "" if row["stale"] is None else \
-            "stale: the model file changed" if row["stale"] else "current"
+            f"stale: the {changed} changed" if row["stale"] else "current"
         table.add_row(row["kind"], escape(row["name"]), escape(row["format"] or ""),
                       size_text(row["size"]), state)
     out.print(table)
@@ -89,13 +96,16 @@ KernelsToo = Annotated[bool, typer.Option(
 @user_errors
 def clear(kernels: KernelsToo = True, as_json: Json = False,
           output_file: OutputFile = None) -> None:
-    """Delete the packed weights and the kernel's builds, and say how much was freed."""
+    """Delete the packed weights, the tokenizers and the kernel's builds, and say how
+    much was freed."""
     from cli.render import out
     from genlib import cachedirs
     from genlib.backends import weightcache
+    from genlib.models import tokenizer_cache
 
     target = sink(as_json, False, output_file)
-    doomed = [e.path for e in weightcache.entries()] + weightcache.leftovers()
+    doomed = [e.path for e in weightcache.entries()] + weightcache.leftovers() + \
+        [e.path for e in tokenizer_cache.entries()] + tokenizer_cache.leftovers()
     if kernels:
         doomed += cachedirs.files(cachedirs.native())
     with opened(target):

@@ -1,7 +1,8 @@
 """Where genlab caches what it makes once (nothing else: no torch, quick to import):
 under the user cache directory (platformdirs: `$XDG_CACHE_HOME/genlab` or
 `~/.cache/genlab` on Linux), the native kernel's builds (`native/`) and the kernel's
-packed weights (`weights/`). `genlab cache` lists and clears both."""
+packed weights (`weights/`), and the tokenizers transformers built (`tokenizers/`).
+`genlab cache` lists and clears them."""
 
 from __future__ import annotations
 
@@ -20,6 +21,10 @@ def native() -> Path:
 
 def weights() -> Path:
     return root() / "weights"
+
+
+def tokenizers() -> Path:
+    return root() / "tokenizers"
 
 
 def files(folder: Path) -> list[Path]:

@@ -24,6 +24,7 @@ import json
 from collections.abc import Callable, Mapping
 from dataclasses import replace
 from fnmatch import fnmatch
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
@@ -140,14 +141,22 @@ def _generation_config(path: Path) -> dict[str, Any] | None:
 
 def _tokenizer(path: Path) -> Any | None:
     """The tokenizer AutoTokenizer would load for a llama checkpoint in `path`, through
-    the same class and `from_pretrained`, or None when its choice would take more than
-    the tokenizer config (remote code, other classes)."""
+    the same class and `from_pretrained` (kept between starts by
+    genlib.models.tokenizer_cache), or None when its choice would take more than the
+    tokenizer config (remote code, other classes)."""
     tokenizer_config = _read_json(path / "tokenizer_config.json")
     if tokenizer_config is None or "auto_map" in tokenizer_config:
         return None
     declared = tokenizer_config.get("tokenizer_class")
     if declared not in TOKENIZER_CLASSES or not (path / "tokenizer.json").is_file():
         return None
+    from genlib.models.tokenizer_cache import cached_tokenizer
+
+    return cached_tokenizer(path, partial(_transformers_tokenizer, path, declared))
+
+
+def _transformers_tokenizer(path: Path, declared: str) -> Any | None:
+    """transformers' tokenizer for `path`, whose tokenizer config declares `declared`."""
     from genlib.models.info import quiet_transformers
 
     quiet_transformers()

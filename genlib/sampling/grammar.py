@@ -90,8 +90,9 @@ def _tokenizer(tokenizer: Any, vocab_size: int, eos_ids: Sequence[int]) -> _Toke
     per_tokenizer = _TOKENIZERS.setdefault(tokenizer, {})
     key = (vocab_size, tuple(eos_ids))
     if key not in per_tokenizer:
-        info = _xgrammar().TokenizerInfo.from_huggingface(
-            tokenizer, vocab_size=vocab_size, stop_token_ids=list(eos_ids) or None)
+        info = _xgrammar().TokenizerInfo.from_huggingface(  # transformers' own tokenizer
+            getattr(tokenizer, "full", tokenizer), vocab_size=vocab_size,
+            stop_token_ids=list(eos_ids) or None)
         per_tokenizer[key] = _Tokenizer(info, grammar_cache.tokenizer_digest(info))
     return per_tokenizer[key]
 
