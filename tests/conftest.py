@@ -49,6 +49,32 @@ CODE_DRAFT = SHARED_MODELS / "code-draft"
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
+
+def _own_cache() -> None:
+    """The suite caches the packed weights and tokenizers of hundreds of temporary models:
+    it keeps them in a folder of its own (XDG_CACHE_HOME, for the CLI subprocesses too),
+    removed when it ends, not in the user's cache. Only the native kernel's builds,
+    seconds each and named by their source and flags, are the user's."""
+    import atexit
+    import shutil
+    import tempfile
+
+    from genlib import cachedirs
+
+    builds = cachedirs.native()
+    folder = Path(tempfile.mkdtemp(prefix="genlab-tests-cache-"))
+    (folder / "genlab").mkdir()
+    try:
+        builds.mkdir(parents=True, exist_ok=True)
+        (folder / "genlab" / "native").symlink_to(builds, target_is_directory=True)
+    except OSError:
+        pass  # the kernel is then built in the suite's folder
+    os.environ["XDG_CACHE_HOME"] = str(folder)
+    atexit.register(shutil.rmtree, folder, True)
+
+
+_own_cache()
+
 @pytest.fixture(autouse=True)
 def _thaw_the_heap():
     """The CLI freezes the heap once a model has loaded (`models.freeze_heap`), for a

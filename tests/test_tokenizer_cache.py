@@ -234,3 +234,67 @@ def test_cache_list_and_clear_show_and_delete_tokenizers(tmp_path, monkeypatch):
     cleared = runner.invoke(app, ["cache", "clear", "--weights-only", "--json"])
     assert json.loads(cleared.output)["files"] == 1
     assert not list((tmp_path / "xdg" / "genlab" / "tokenizers").glob("*.json"))
+
+
+def test_a_tokenizer_told_to_clean_up_bpe_spaces_is_not_kept(tmp_path, cache_dir):
+    folder = tokenizer_folder(tmp_path)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update({"clean_up_tokenization_spaces": True,
+                   "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output":
+                   True})
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    full = load(folder)
+    ids = full.encode("you 're , . ? !", add_special_tokens=False)
+    assert full.decode(ids) == "you're,.?!"  # transformers cleans up, as told
+    assert not isinstance(load(folder), CachedTokenizer)
+    assert not list(cache_dir.glob("*.json"))
+
+
+def test_an_added_chat_template_file_makes_the_entry_again(tmp_path, cache_dir):
+    folder = tokenizer_folder(tmp_path, DEFAULT_MODEL)
+    load(folder)
+    assert isinstance(load(folder), CachedTokenizer)
+    (folder / "additional_chat_templates").mkdir()
+    (folder / "additional_chat_templates" / "rag.jinja").write_text("{{ messages }}")
+    changed = load(folder)
+    assert not isinstance(changed, CachedTokenizer)
+    assert isinstance(changed.chat_template, dict)  # several templates: not kept
+    assert not list(cache_dir.glob("*.json"))  # nor the entry of the former files
+    assert not isinstance(load(folder), CachedTokenizer)
+
+
+def test_a_failure_while_keeping_a_tokenizer_leaves_transformers_one(tmp_path, cache_dir,
+                                                                     monkeypatch):
+    def broken(tokenizer, key):
+        raise ValueError("no")
+
+    monkeypatch.setattr(tokenizer_cache, "_state", broken)
+    folder = tokenizer_folder(tmp_path)
+    tokenizer = load(folder)
+    assert not isinstance(tokenizer, CachedTokenizer) and tokenizer.encode("x")
+    assert not list(cache_dir.glob("*.json"))
+
+
+def test_what_a_cached_tokenizer_does_not_take_goes_to_transformers(tmp_path, cache_dir):
+    folder = tokenizer_folder(tmp_path)
+    full = load(folder)
+    kept = load(folder)
+    assert isinstance(kept, CachedTokenizer)
+    assert kept("a b", "c d")["input_ids"] == full("a b", "c d")["input_ids"]  # a text pair
+    assert kept.encode("a b", "c d") == full.encode("a b", "c d")
+    ids = full.encode("def f(x):")
+    assert kept.decode({"input_ids": ids}) == full.decode({"input_ids": ids})
+    assert kept.decode(ids, clean_up_tokenization_spaces=True) == \
+        full.decode(ids, clean_up_tokenization_spaces=True)
+
+
+def test_cache_list_calls_an_entry_of_other_versions_stale(tmp_path, cache_dir):
+    folder = tokenizer_folder(tmp_path)
+    load(folder)
+    [entry] = cache_dir.glob("*.json")
+    assert tokenizer_cache.entries()[0].stale is False
+    state = json.loads(entry.read_text())
+    state["key"]["transformers"] = "0.0.1"
+    entry.write_text(json.dumps(state))
+    assert tokenizer_cache.entries()[0].stale is True
+    assert not isinstance(load(folder), CachedTokenizer)  # as the next start finds it

@@ -16,9 +16,9 @@ Only a tokenizer whose Python layer adds nothing to those answers is kept: trans
 `TokenizersBackend` or `LlamaTokenizer` (which only builds the object differently),
 decoding without transformers' clean-up of spaces, and giving the same ids and texts
 from the rebuilt object on a set of probe texts. Everything the kept answers depend on
-keys the entry: the folder, a SHA-256 of each tokenizer file (a file rewritten within
-the file system's timestamp resolution still counts), and the versions of transformers
-and tokenizers; a stale, damaged or unreadable entry is built again. The
+keys the entry: the folder, a SHA-256 of each of its files but the weights (a file
+rewritten within the file system's timestamp resolution still counts), and the versions
+of transformers and tokenizers; a stale, damaged or unreadable entry is built again. The
 file is written whole (a temporary file, then a rename); a cache directory that cannot be
 written only costs the next start the import.
 """
@@ -37,13 +37,15 @@ from typing import Any
 
 FORMAT = 1
 SUFFIX = ".json"
-# The files transformers reads to build a tokenizer from a folder (and the config, whose
-# model type and tokenizer class it consults).
-FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "added_tokens.json", "chat_template.jinja", "chat_template.json", "config.json")
+# The key hashes every file of the folder transformers may read for a tokenizer: all but
+# the weights (and the chat templates' folder). A file of these suffixes is never read.
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack",
+                   ".onnx", ".ckpt")
+TEMPLATES = "additional_chat_templates"
 KEPT_CLASSES = ("TokenizersBackend", "LlamaTokenizer")
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
 PROBES = ("Hello, world! def f(x):\n    return x  # done\n\n\tTabs\r\nand  double  spaces ",
+          "a , b . c ? d ! don 't , it' s",
           " leading space", "Ünïcödé ✓ 日本語 🙂", "", "\n\n\n", "a" * 40)
 
 
@@ -66,12 +68,17 @@ def cached_tokenizer(folder: Path, build: Callable[[], Any]) -> Any:
             pass
     tokenizer = build()
     if tokenizer is not None:
-        state = _state(tokenizer, key)
-        if state is not None:
-            try:
+        try:
+            state = _state(tokenizer, key)
+        except Exception:  # noqa: BLE001  (whatever it is: transformers' tokenizer serves)
+            state = None
+        try:
+            if state is not None:
                 _write(path, state)
-            except OSError:
-                pass  # the next start builds it again
+            else:
+                path.unlink(missing_ok=True)  # an entry of the folder's former files
+        except OSError:
+            pass  # the next start builds it again
     return tokenizer
 
 
@@ -105,14 +112,17 @@ class CachedTokenizer:
             raise AttributeError(name)
         return getattr(self.full, name)
 
-    def __call__(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
-        if kwargs or not isinstance(text, str):
-            return self.full(text, add_special_tokens=add_special_tokens, **kwargs)
+    def __call__(self, text: Any, *more: Any, add_special_tokens: bool = True,
+                 **kwargs: Any) -> Any:
+        if more or kwargs or not isinstance(text, str):
+            return self.full(text, *more, add_special_tokens=add_special_tokens, **kwargs)
         return {"input_ids": self._encode(text, add_special_tokens)}
 
-    def encode(self, text: Any, add_special_tokens: bool = True, **kwargs: Any) -> Any:
-        if kwargs or not isinstance(text, str):
-            return self.full.encode(text, add_special_tokens=add_special_tokens, **kwargs)
+    def encode(self, text: Any, *more: Any, add_special_tokens: bool = True,
+               **kwargs: Any) -> Any:
+        if more or kwargs or not isinstance(text, str):
+            return self.full.encode(text, *more, add_special_tokens=add_special_tokens,
+                                    **kwargs)
         return self._encode(text, add_special_tokens)
 
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -126,15 +136,12 @@ class CachedTokenizer:
             ids = [ids]
         batched = isinstance(ids, (list, tuple)) and bool(ids) and \
             isinstance(ids[0], (list, tuple))
-        if kwargs or batched or (clean_up_tokenization_spaces and not self._bpe()):
+        if kwargs or batched or clean_up_tokenization_spaces or \
+                not isinstance(ids, (list, tuple)):
             return self.full.decode(token_ids, skip_special_tokens=skip_special_tokens,
                                     clean_up_tokenization_spaces=clean_up_tokenization_spaces,
                                     **kwargs)
         return self._backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
-
-    def _bpe(self) -> bool:
-        """transformers never cleans up a BPE model's spaces (it warns instead)."""
-        return type(self._backend.model).__name__ == "BPE"
 
     def convert_ids_to_tokens(self, ids: Any, skip_special_tokens: bool = False) -> Any:
         if isinstance(ids, int):
@@ -164,8 +171,7 @@ def _state(tokenizer: Any, key: dict[str, Any]) -> dict[str, Any] | None:
     if type(tokenizer).__name__ not in KEPT_CLASSES or \
             type(tokenizer).__module__.split(".")[0] != "transformers":
         return None
-    if tokenizer.clean_up_tokenization_spaces and \
-            type(tokenizer.backend_tokenizer.model).__name__ != "BPE":
+    if _cleans_up(tokenizer):
         return None
     backend = Tokenizer.from_str(tokenizer.backend_tokenizer.to_str())
     backend.no_truncation()  # transformers encodes without either unless asked
@@ -181,6 +187,16 @@ def _state(tokenizer: Any, key: dict[str, Any]) -> dict[str, Any] | None:
     if template is not None and not isinstance(template, str):
         return None
     return state if _agrees(tokenizer, CachedTokenizer(state, lambda: tokenizer)) else None
+
+
+def _cleans_up(tokenizer: Any) -> bool:
+    """Whether transformers' decode cleans up spaces by default: never for a BPE model,
+    unless told to even so."""
+    if not tokenizer.clean_up_tokenization_spaces:
+        return False
+    return type(tokenizer.backend_tokenizer.model).__name__ != "BPE" or bool(getattr(
+        tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
+        False))
 
 
 def _agrees(tokenizer: Any, kept: CachedTokenizer) -> bool:
@@ -205,13 +221,26 @@ def _agrees(tokenizer: Any, kept: CachedTokenizer) -> bool:
 def _key(folder: Path) -> dict[str, Any]:
     """Everything a cache entry depends on (see the module doc)."""
     files = {}
-    for name in FILES:
+    for path in sorted(_files(folder)):
         try:
-            files[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
+            files[path.relative_to(folder).as_posix()] = \
+                hashlib.sha256(path.read_bytes()).hexdigest()
         except OSError:
             continue
     return {"format": FORMAT, "folder": str(folder.resolve()), "files": files,
             "transformers": _version("transformers"), "tokenizers": _version("tokenizers")}
+
+
+def _files(folder: Path) -> list[Path]:
+    """The folder's files but its weights, and its additional chat templates."""
+    found: list[Path] = []
+    for place in (folder, folder / TEMPLATES):
+        try:
+            found += [p for p in place.iterdir() if p.is_file() and
+                      not p.name.endswith(WEIGHT_SUFFIXES)]
+        except OSError:
+            continue
+    return found
 
 
 def _version(package: str) -> str | None:
@@ -290,8 +319,7 @@ def _entry_of(path: Path) -> Entry:
         key, source = {}, None
     if not isinstance(source, str):
         return Entry(path, _size(path), None, True)
-    return Entry(path, _size(path), source,
-                 key.get("files") != _key(Path(source)).get("files"))
+    return Entry(path, _size(path), source, key != _key(Path(source)))
 
 
 def _size(path: Path) -> int:
