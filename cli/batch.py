@@ -205,7 +205,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags,
                 _run_ray(todo, lines, run_defaults, model_flags, model_ref, batch_size,
                          adapt, engine, results, tally)
             elif todo:
-                lm = load(model_flags, preset, quick=batch_size == 1)
+                lm = load(model_flags, preset)
                 _generate(lm, todo, run_defaults, batch_size, results, tally,
                           model_flags.backend)
         except KeyboardInterrupt:
@@ -373,8 +373,7 @@ def _run_ray(jobs: list[Job], lines: list[str], run_defaults: RunDefaults,
                      quantize=model_flags.quantize,
                      trust_remote_code=model_flags.trust_remote_code,
                      backend=check_name(model_flags.backend))
-    plan = WorkerPlan(spec=spec, run=run_defaults, batch_size=batch_size, adapt=adapt,
-                      quick=batch_size == 1)
+    plan = WorkerPlan(spec=spec, run=run_defaults, batch_size=batch_size, adapt=adapt)
     outcomes = run_on_ray(jobs, lines, plan, engine.workers, engine.ray_address,
                           note=render.warn)
     _record_outcomes(outcomes, len(jobs), 0, results, tally)

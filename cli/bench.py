@@ -321,7 +321,7 @@ def run_fidelity(model: str | None, device: str, trust_remote_code: bool, path: 
     text = read_fidelity_text(path)
     if threads is not None:
         torch.set_num_threads(threads)
-    lm = load(ModelFlags(model, device, "float32", "none", trust_remote_code), quick=True)
+    lm = load(ModelFlags(model, device, "float32", "none", trust_remote_code))
     lean = lean_of(lm)
     formats = fidelity_formats(quants)
     reasons = [applies(lean, name) for name in formats] if lean is not None else \
@@ -396,7 +396,8 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
         (warmup + runs)
     with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
         for dtype, quantize in product(dtypes, quants):
-            lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code))
+            lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code),
+                      quick=False)
             core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
             bar.expect(forced_warmups(lm, groups, warmup))
             weights = core.weight_bytes(lm.model)

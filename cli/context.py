@@ -97,10 +97,11 @@ def presets_model(refs: Sequence[str], alternative: str = "") -> str | None:
     return named[0] if named else None
 
 
-def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = False,
+def load(flags: ModelFlags, preset: Preset | None = None, quick: bool = True,
          weights: tuple[str, ...] = ("float32",)) -> LoadedModel:
     """The model the flags and preset name; `quick` starts without transformers where
-    the checkpoint allows (genlib.models.quickload), for commands that mostly decode one row;
+    the checkpoint allows (genlib.models.quickload: transformers' model loads on first use,
+    where a backend needs it), for every command that decodes on genlab's own backends;
     `weights`: the native kernels it may run (`kernel.WEIGHTS`: a draft's bfloat16).
     The heap it leaves is frozen (`models.freeze_heap`)."""
     from genlib.backends.choose import check_name
@@ -305,4 +306,5 @@ def load_scorer(flags: ModelFlags, settings: GenerationSettings) -> LoadedModel 
 
     if settings.rerank is None or method_kind(settings.rerank) != "model":
         return None
-    return load(replace(flags, model=settings.rerank, quantize="none", backend="auto"))
+    return load(replace(flags, model=settings.rerank, quantize="none", backend="auto"),
+                quick=False)  # it scores with transformers' forward

@@ -160,7 +160,7 @@ def explain(
         raise fail("explain steps through greedy or sampled decoding, not beam search "
                    "(see `genlab beam --tree`)")
     text = context.read_prompt(prompt)
-    lm = context.load(model_flags, loaded_preset, quick=True)
+    lm = context.load(model_flags, loaded_preset)
     ids = context.encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     context.prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None

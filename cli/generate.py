@@ -267,7 +267,7 @@ def generate(
     settings, loaded_preset = settings_for(preset, flags, combined)
     text = read_prompt(prompt)
     scorer = load_scorer(model_flags, settings)  # an unknown --rerank fails before loading
-    lm = load(model_flags, loaded_preset, quick=True)
+    lm = load(model_flags, loaded_preset)
     if show_settings:
         show_settings_table(settings, flags, loaded_preset, lm)
     ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)

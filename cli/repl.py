@@ -101,7 +101,7 @@ def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, 
     if system and not chat:
         raise fail("--system needs --chat")
     scorer = load_scorer(model_flags, settings)
-    lm = load(model_flags, preset, quick=True)
+    lm = load(model_flags, preset)
     session = Session(lm=lm, flags=dict(flags), preset=preset, settings=settings,
                       system=system, scorer=scorer, combined=dict(combined or {}),
                       backend=model_flags.backend)

@@ -361,14 +361,39 @@ def test_chat_templates_come_from_transformers_tokenizer(tmp_path):
     assert quick.encode_chat(messages) == full.encode_chat(messages)
 
 
-def test_genlab_generate_starts_without_transformers_model_modules():
+@pytest.mark.parametrize(("command", "shown"), [
+    (["generate", "-n", "8", "Once upon a time"], ", there was a little"),
+    (["beam", "-k", "2", "-n", "8", "Once upon a time"], ", there was a little"),
+    (["compare", "-n", "8", "-p", "greedy", "-p", "beam", "Once upon a time"], "there was"),
+    (["speculate", "--draft-model", str(STORIES), "-n", "8", "Once upon a time"],
+     ", there was a little"),
+    (["explain", "-n", "2", "Once upon a time"], "step 0: chose ','"),
+], ids=lambda c: c[0] if isinstance(c, list) else "")
+def test_a_command_starts_without_transformers_model_modules(command, shown):
     heavy = ("transformers.modeling_utils", "transformers.models.llama.configuration_llama",
              "transformers.integrations.hub_kernels")
     code = ("import sys\nfrom cli.main import app\n"
-            "try:\n    app(['generate', '-m', sys.argv[1], '-n', '8', 'Once upon a time'])\n"
+            "try:\n    app(sys.argv[2:3] + ['-m', sys.argv[1]] + sys.argv[3:])\n"
             "except SystemExit as exit:\n"
             f"    print(any(m in sys.modules for m in {heavy!r}), exit.code, file=sys.stderr)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(STORIES)], capture_output=True,
-                          text=True, cwd=ROOT, timeout=120)
-    assert done.stdout.startswith(", there was a little")
+    done = subprocess.run([sys.executable, "-c", code, str(STORIES), *command],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert shown in done.stdout, done.stderr
     assert done.stderr.strip().splitlines()[-1] == "False 0"
+
+
+def test_a_batch_of_several_rows_starts_without_transformers_model_modules(tmp_path):
+    lines = tmp_path / "in.jsonl"
+    lines.write_text("".join(json.dumps({"prompt": p}) + "\n"
+                             for p in ("Once upon a time", "The cat", "Tom had")))
+    heavy = ("transformers.modeling_utils", "transformers.models.llama.configuration_llama")
+    code = ("import sys\nfrom cli.main import app\n"
+            "try:\n    app(['generate', '-m', sys.argv[1], '-n', '8', '--batch-size', '3',\n"
+            "         '--input', sys.argv[2], '--output', sys.argv[3]])\n"
+            "except SystemExit as exit:\n"
+            f"    print(any(m in sys.modules for m in {heavy!r}), exit.code, file=sys.stderr)\n")
+    out = tmp_path / "out.jsonl"
+    done = subprocess.run([sys.executable, "-c", code, str(STORIES), str(lines), str(out)],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert done.stderr.strip().splitlines()[-1] == "False 0"
+    assert len(out.read_text().splitlines()) == 3

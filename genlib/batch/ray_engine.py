@@ -62,7 +62,7 @@ class WorkerPlan:
     run: RunDefaults
     batch_size: int
     adapt: LineAdapter | None = None  # module-level functions only: it travels by pickle
-    quick: bool = False
+    quick: bool = True
     cpus: int = 1  # torch threads per worker: the CPUs Ray reserves for it
 
 

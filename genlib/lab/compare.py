@@ -410,7 +410,7 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
 
     run = ModelRun(display_name(spec.ref), spec.quantize)
     try:
-        lm = load_model(spec)
+        lm = load_model(spec, quick=True)
         if freeze:
             freeze_heap()
         prompt_ids = lm.encode(prompt)
