@@ -21,6 +21,7 @@ from genlib.lab import metrics
 SHARED_MODELS = Path(__file__).resolve().parents[1].parent / "shared" / "models"
 STORIES = SHARED_MODELS / "stories260K"
 LLAMA2XS = SHARED_MODELS / "llama2xs"
+CODE_TARGET = SHARED_MODELS / "code-target"
 
 PROMPT = "Once upon a time"
 GREEDY_START = ", there was a little girl named Lily."
@@ -223,6 +224,24 @@ def test_model_comparison_divergence(tmp_path):
     assert other.first_difference == expected_first is not None
     assert other.agreement == pytest.approx(metrics.agreement(same.token_ids, other.token_ids))
     assert other.agreement < 1.0 and other.weight_bytes > 0
+
+
+def test_a_model_run_reports_its_weights_without_loading_transformers_model(monkeypatch):
+    from genlib.models import loading
+    from genlib.models.loading import ModelSpec
+
+    if not CODE_TARGET.is_dir():
+        pytest.skip("shared models missing")
+    loaded = []
+    real = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: loaded.append(real(*a, **k))
+                        or loaded[-1])
+    [greedy] = cmp.build_strategies([], ["strategy=greedy"], {"max_new_tokens": 4})
+    [run] = cmp.compare_models([ModelSpec(str(CODE_TARGET))], PROMPT, greedy).runs
+    assert len(loaded) == 1 and not loaded[0].model_loaded  # the quick load alone
+    footprint = real(ModelSpec(str(CODE_TARGET))).model.get_memory_footprint()
+    rotary = 64 * 4  # transformers' inv_freq buffer: head_dim / 2 float32
+    assert run.weight_bytes == footprint - rotary
 
 
 def test_each_model_run_times_its_generation_only(monkeypatch):

@@ -47,9 +47,12 @@ def loads(monkeypatch):
 
 def test_the_clis_load_freezes_the_model_and_what_loading_made_not_what_decoding_makes():
     gc.unfreeze()
-    lm = load(ModelFlags(str(STORIES)))
-    assert frozen(lm) and frozen(lm.model) and frozen(lm.tokenizer)
-    finish = list(stream(lm, [lm.encode("Once upon a time")],
+    lm = load(ModelFlags(str(STORIES)))  # the quick load: no transformers model
+    assert frozen(lm) and frozen(lm.lean) and frozen(lm.tokenizer) and not lm.model_loaded
+    gc.unfreeze()
+    full = load(ModelFlags(str(STORIES)), quick=False)
+    assert frozen(full) and frozen(full.model) and frozen(full.tokenizer)
+    finish = list(stream(full, [full.encode("Once upon a time")],
                          resolve_settings({"max_new_tokens": 4})))[-1]
     assert not frozen(finish)  # decoding's objects stay the collector's
 
@@ -63,16 +66,18 @@ def test_a_library_load_leaves_the_callers_heap_alone():
 def test_compare_across_models_freezes_each_loaded_model_where_the_cli_asks_only(loads):
     strategy = Strategy("greedy", resolve_settings({"max_new_tokens": 4}), "default")
     compare_models([ModelSpec(str(STORIES))], "Once upon a time", strategy)
-    assert not frozen(loads[0].model) and gc.get_freeze_count() == 0
+    assert not frozen(loads[0].lean) and gc.get_freeze_count() == 0
     compare_models([ModelSpec(str(STORIES))], "Once upon a time", strategy, freeze=True)
-    assert frozen(loads[1].model) and frozen(loads[1].tokenizer)
+    assert len(loads) == 2 and not loads[1].model_loaded  # quick loads, nothing deferred ran
+    assert frozen(loads[1].lean) and frozen(loads[1].tokenizer)
 
 
 def test_the_clis_compare_across_models_freezes_each_model_it_loads(loads):
     result = CliRunner().invoke(app, ["compare", "Once upon a time", "--models",
                                       f"{STORIES},{STORIES}", "-n", "4"])
     assert result.exit_code == 0, result.output
-    assert len(loads) == 2 and all(frozen(lm.model) for lm in loads)
+    assert len(loads) == 2 and not any(lm.model_loaded for lm in loads)
+    assert all(frozen(lm.lean) and frozen(lm.tokenizer) for lm in loads)
 
 
 def test_a_ray_worker_freezes_once_its_model_has_loaded(monkeypatch):
@@ -83,4 +88,4 @@ def test_a_ray_worker_freezes_once_its_model_has_loaded(monkeypatch):
     gc.unfreeze()
     worker = GenerateWorker(plan_for(1))
     assert worker.load_error is None
-    assert frozen(worker.lm) and frozen(worker.lm.model)
+    assert frozen(worker.lm) and frozen(worker.lm.lean) and not worker.lm.model_loaded

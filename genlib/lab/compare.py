@@ -16,6 +16,8 @@ object `generate --logprobs N` writes); beam search records none.
 
 from __future__ import annotations
 
+import math
+
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -455,8 +457,19 @@ def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
 
 
 def _weight_bytes(lm: LoadedModel) -> int | None:
-    footprint = getattr(lm.model, "get_memory_footprint", None)
-    return int(footprint()) if footprint is not None else None
+    """The model's weights in memory as transformers' footprint counts them; for a model
+    loaded without transformers' model, its tensors' sizes at its dtype (nothing is read
+    or loaded for it)."""
+    if lm.model_loaded or lm.lean is None:
+        footprint = getattr(lm.model, "get_memory_footprint", None)
+        return int(footprint()) if footprint is not None else None
+    import torch
+
+    lean = lm.lean
+    shapes = lean.stored.shapes.values() if lean.stored is not None else \
+        [tensor.shape for tensor in lean.tensors.values()]
+    return sum(math.prod(shape) for shape in shapes) * \
+        torch.empty((), dtype=lm.dtype).element_size()
 
 
 def _reset_peak_memory(lm: LoadedModel) -> None:
