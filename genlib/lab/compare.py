@@ -17,7 +17,6 @@ object `generate --logprobs N` writes); beam search records none.
 from __future__ import annotations
 
 import math
-
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
