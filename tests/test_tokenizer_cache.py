@@ -298,3 +298,16 @@ def test_cache_list_calls_an_entry_of_other_versions_stale(tmp_path, cache_dir):
     entry.write_text(json.dumps(state))
     assert tokenizer_cache.entries()[0].stale is True
     assert not isinstance(load(folder), CachedTokenizer)  # as the next start finds it
+
+
+def test_the_key_reads_no_weights(tmp_path, monkeypatch):
+    folder = tokenizer_folder(tmp_path)
+    (folder / "model.safetensors").write_bytes(b"\0" * 1000)
+    (folder / "rust_model.ot").write_bytes(b"\0" * 1000)
+    (folder / "merges.txt").write_text("a b\n")
+    read = []
+    real = Path.read_bytes
+    monkeypatch.setattr(Path, "read_bytes", lambda self: read.append(self.name) or real(self))
+    key = tokenizer_cache._key(folder)
+    assert sorted(read) == sorted(key["files"]) == \
+        ["merges.txt", "tokenizer.json", "tokenizer_config.json"]

@@ -16,9 +16,10 @@ Only a tokenizer whose Python layer adds nothing to those answers is kept: trans
 `TokenizersBackend` or `LlamaTokenizer` (which only builds the object differently),
 decoding without transformers' clean-up of spaces, and giving the same ids and texts
 from the rebuilt object on a set of probe texts. Everything the kept answers depend on
-keys the entry: the folder, a SHA-256 of each of its files but the weights (a file
-rewritten within the file system's timestamp resolution still counts), and the versions
-of transformers and tokenizers; a stale, damaged or unreadable entry is built again. The
+keys the entry: the folder, a SHA-256 of each of its files a tokenizer may be built
+from (`.json`, `.jinja`, `.txt`, `.model`, `.tiktoken`; a file rewritten within the file
+system's timestamp resolution still counts), and the versions of transformers and
+tokenizers; a stale, damaged or unreadable entry is built again. The
 file is written whole (a temporary file, then a rename); a cache directory that cannot be
 written only costs the next start the import.
 """
@@ -37,10 +38,10 @@ from typing import Any
 
 FORMAT = 1
 SUFFIX = ".json"
-# The key hashes every file of the folder transformers may read for a tokenizer: all but
-# the weights (and the chat templates' folder). A file of these suffixes is never read.
-WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack",
-                   ".onnx", ".ckpt")
+# The key hashes every file of the folder (and of its chat templates' folder) of a kind
+# transformers may read for a tokenizer: configs, vocabularies, merges, sentencepiece and
+# tiktoken models, templates. Weights and other large files are never read.
+TOKENIZER_SUFFIXES = (".json", ".jinja", ".txt", ".model", ".tiktoken")
 TEMPLATES = "additional_chat_templates"
 KEPT_CLASSES = ("TokenizersBackend", "LlamaTokenizer")
 SPECIAL = ("bos_token_id", "eos_token_id", "pad_token_id", "unk_token_id")
@@ -232,12 +233,13 @@ def _key(folder: Path) -> dict[str, Any]:
 
 
 def _files(folder: Path) -> list[Path]:
-    """The folder's files but its weights, and its additional chat templates."""
+    """The folder's files a tokenizer may be built from, and its additional chat
+    templates."""
     found: list[Path] = []
     for place in (folder, folder / TEMPLATES):
         try:
             found += [p for p in place.iterdir() if p.is_file() and
-                      not p.name.endswith(WEIGHT_SUFFIXES)]
+                      p.name.endswith(TOKENIZER_SUFFIXES)]
         except OSError:
             continue
     return found
