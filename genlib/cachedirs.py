@@ -6,7 +6,12 @@ packed weights (`weights/`), and the tokenizers transformers built (`tokenizers/
 
 from __future__ import annotations
 
+import os
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
+from typing import BinaryIO
 
 
 def root() -> Path:
@@ -30,3 +35,20 @@ def tokenizers() -> Path:
 def files(folder: Path) -> list[Path]:
     """The plain files in `folder`, sorted (none when it does not exist)."""
     return sorted(p for p in folder.iterdir() if p.is_file()) if folder.is_dir() else []
+
+
+@contextmanager
+def written_whole(path: Path) -> Iterator[BinaryIO]:
+    """A file for `path`'s new contents, written under a temporary name beside it
+    (`.NAME.*.tmp`) and renamed into place when the block ends without an error: a reader
+    never sees half a file, and two writers at once each leave a whole one. The temporary
+    file is gone either way. OSError where the folder cannot be made or written."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
+                                         suffix=".tmp")
+    try:
+        with os.fdopen(handle, "wb") as file:
+            yield file
+        os.replace(temporary, path)
+    finally:
+        Path(temporary).unlink(missing_ok=True)

@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,20 +142,15 @@ def _write(path: Path, key: Mapping[str, Any], tensors: Mapping[str, torch.Tenso
     """The entry, written whole under a temporary name and renamed into place."""
     import torch
 
+    from genlib.cachedirs import written_whole
+
     header = _layout(tensors, key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp")
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(MAGIC + len(header).to_bytes(8, "little") + header)
-            for tensor in tensors.values():
-                data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                file.write(memoryview(data))
-                file.write(b"\0" * (-len(data) % ALIGN))
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
+    with written_whole(path) as file:
+        file.write(MAGIC + len(header).to_bytes(8, "little") + header)
+        for tensor in tensors.values():
+            data = tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+            file.write(memoryview(data))
+            file.write(b"\0" * (-len(data) % ALIGN))
 
 
 @dataclass(frozen=True)

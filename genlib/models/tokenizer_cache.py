@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import metadata
@@ -282,15 +280,10 @@ def _valid(state: dict[str, Any]) -> bool:
 
 def _write(path: Path, state: dict[str, Any]) -> None:
     """The entry, written whole under a temporary name and renamed into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
-                                         suffix=".tmp")
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as file:
-            json.dump(state, file)
-        os.replace(temporary, path)
-    finally:
-        Path(temporary).unlink(missing_ok=True)
+    from genlib.cachedirs import written_whole
+
+    with written_whole(path) as file:
+        file.write(json.dumps(state).encode("utf-8"))
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -107,19 +105,10 @@ def store(name: str, compiled: Any, warnings: Sequence[str], compile_s: float) -
         return
     header = json.dumps({"format": FORMAT, "sha256": _digest(body),
                          "warnings": list(warnings)}).encode()
-    folder = cache_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=folder, prefix=".", suffix=".tmp")
-    except OSError:
-        return
-    try:
-        with os.fdopen(handle, "wb") as file:
-            file.write(header + b"\n" + body)
-        os.replace(temporary, _path(name))
-    except OSError:
-        with contextlib.suppress(OSError):
-            os.unlink(temporary)
+    from genlib.cachedirs import written_whole
+
+    with contextlib.suppress(OSError), written_whole(_path(name)) as file:
+        file.write(header + b"\n" + body)
 
 
 def _digest(body: bytes) -> str:
