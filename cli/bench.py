@@ -115,14 +115,15 @@ def build_cases(strategies: list[tuple[str, GenerationSettings]], prompt_lens: l
 
 
 def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, group: Group,
-           weight_bytes: int, runs: int, warmup: int) -> dict[str, Any]:
+           runs: int, warmup: int) -> dict[str, Any]:
     """One JSON/CSV record: what was run, every metric, and how it compares (the bound
-    from the bandwidth sampled between this configuration's rounds)."""
+    from the bandwidth sampled between this configuration's rounds and the bytes of
+    weights the backend that ran holds)."""
     from genlib.backends.choose import architecture, stored_format
 
     case = engine_result.case
     metrics = engine_result.metrics()
-    bound_tps = group.bound_tps(weight_bytes)
+    bound_tps = group.bound_tps(engine_result.weight_bytes or 0)
     bandwidth = group.median_bandwidth()
     row: dict[str, Any] = {
         "model": lm.ref, "strategy": case.label, "engine": engine_result.engine,
@@ -138,12 +139,19 @@ def record(lm: LoadedModel, dtype: str, quantize: str, engine_result: Result, gr
         "runs": runs, "warmup": warmup, "settings": case.settings.to_dict(), **metrics,
         "speedup": group.speedup(engine_result),
         "identical_to_baseline": group.identical(engine_result),
+        "weight_bytes": engine_result.weight_bytes,
         "read_bandwidth_gbs": bandwidth / 1e9 if bandwidth else None,
         "bandwidth_bound_tps": bound_tps * case.batch_size if bound_tps else None,
     }
     bound = row["bandwidth_bound_tps"]
     row["bound_fraction"] = metrics["decode_tps"] / bound if bound else None
     return row
+
+
+def weights_key(r: dict[str, Any]) -> str:
+    """What `machine.weight_bytes` files a record's weights under: the dtype and
+    quantization asked for, and the engine and backend that read them."""
+    return f"{r['dtype']}/{r['quantize']} {engine_label(r, compile_time=False)}"
 
 
 def engine_label(r: dict[str, Any], compile_time: bool = True) -> str:
@@ -400,14 +408,14 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
                       quick=False)
             core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
             bar.expect(forced_warmups(lm, groups, warmup))
-            weights = core.weight_bytes(lm.model)
-            machine.setdefault("weight_bytes", {})[f"{dtype}/{quantize}"] = weights
             for cases in groups:
                 group = core.measure(lm, cases, runs, warmup, baseline, bar, probe)
                 for result in [*group.results, group.baseline]:
                     if result is not None:
-                        records.append(record(lm, dtype, quantize, result, group, weights,
-                                              runs, warmup))
+                        records.append(record(lm, dtype, quantize, result, group, runs,
+                                              warmup))
+                        machine.setdefault("weight_bytes", {})[weights_key(
+                            records[-1])] = result.weight_bytes
     if probe is not None and probe.samples:
         machine.update(bandwidth_summary(probe.samples))
     return records, machine
@@ -602,6 +610,8 @@ def print_table(records: list[dict[str, Any]], machine: dict[str, Any], out: Any
                      f"[{machine['read_bandwidth_gbs_min']:.1f}-"
                      f"{machine['read_bandwidth_gbs_max']:.1f}]")
         for key, weights in machine.get("weight_bytes", {}).items():
+            if not weights:
+                continue
             bound = machine["read_bandwidth_gbs"] * 1e9 / weights
             notes.append(f"weights {key}: {weights / 1e6:.1f} MB read per step -> bound "
                          f"{bound:,.0f} tok/s at batch 1 at that median (each row's % uses "

@@ -12,7 +12,9 @@ class Prefill:
     """The prompt(s) went through the model once; `seconds` is the prefill's wall time.
     `backend` names the backend that runs the generation and `backend_reason` why it was
     chosen (genlib.backends.choose); `draft_weights`, in speculative decoding with a draft
-    model, how its backend stores the draft's matrices (a torch dtype name)."""
+    model, how its backend stores the draft's matrices (a torch dtype name);
+    `weight_bytes`, the bytes of weights that backend holds, in the format it runs
+    (`Backend.weight_bytes`)."""
 
     prompt_tokens: tuple[int, ...]  # per row
     seconds: float
@@ -20,6 +22,7 @@ class Prefill:
     backend: str = ""
     backend_reason: str = ""
     draft_weights: str | None = None
+    weight_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

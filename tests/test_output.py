@@ -485,10 +485,13 @@ CACHE = {"cache list": ["cache", "list"], "cache clear": ["cache", "clear"]}
 
 
 def test_cache_documents_validate_and_say_what_the_cache_held(tmp_path, monkeypatch):
-    """`cache list --json` lists each packed-weights entry and kernel build with its size,
-    and `cache clear --json` says what it freed; both validate against the schema, and
-    -o FILE gets the document instead of stdout."""
+    """`cache list --json` lists each packed-weights entry, tokenizer and kernel build
+    with its size, and `cache clear --json` says what it freed; both validate against the
+    schema, and -o FILE gets the document instead of stdout."""
+    from transformers import AutoTokenizer
+
     from genlib.backends import weightcache
+    from genlib.models import tokenizer_cache
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     model = tmp_path / "model.safetensors"
@@ -500,17 +503,23 @@ def test_cache_documents_validate_and_say_what_the_cache_held(tmp_path, monkeypa
     native = tmp_path / "genlab" / "native"
     native.mkdir()
     (native / "lean_step-abc.so").write_bytes(bytes(1000))
+    if STORIES.is_dir():
+        tokenizer_cache.cached_tokenizer(STORIES, lambda: AutoTokenizer.from_pretrained(STORIES))
     listed = json.loads(run(*CACHE["cache list"], "--json").stdout)
     assert errors(listed) == [] and listed["command"] == "cache list"
     entry = (tmp_path / "genlab" / "weights" / "m-q8_0.weights").stat().st_size
+    kept = [p.stat().st_size for p in (tmp_path / "genlab" / "tokenizers").glob("*")] \
+        if STORIES.is_dir() else []
     assert [(e["kind"], e["name"], e["format"], e["size"], e["stale"])
             for e in listed["entries"]] == [
         ("weights", str(model), "q8_0", entry, False),
+        *[("tokenizer", str(STORIES), None, size, False) for size in kept],
         ("kernel", "lean_step-abc.so", None, 1000, None)]
-    assert listed["total_bytes"] == entry + 1000
+    assert listed["total_bytes"] == entry + sum(kept) + 1000
     target = tmp_path / "cleared.json"
     assert run(*CACHE["cache clear"], "--json", "-o", str(target)).stdout == ""
     cleared = json.loads(target.read_text())
     assert errors(cleared) == [] and cleared["command"] == "cache clear"
-    assert (cleared["freed_bytes"], cleared["files"]) == (entry + 1000, 2)
+    assert (cleared["freed_bytes"], cleared["files"]) == (entry + sum(kept) + 1000,
+                                                          2 + len(kept))
     assert json.loads(run(*CACHE["cache list"], "--json").stdout)["entries"] == []

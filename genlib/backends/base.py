@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
+from genlib.backends.sizes import step_bytes
 from genlib.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -140,6 +141,12 @@ class Backend(ABC):
         """How this backend stores the model's matrices (a torch dtype name)."""
         return self.lm.dtype_name
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one decode step reads, as this backend holds them, in the
+        format it runs (genlib.backends.sizes): transformers' parameters here."""
+        return step_bytes(self.lm.model)
+
     def draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                      ) -> tuple[list[int], int]:
         """A greedy draft of one row in one call: feed `feed` after the cached tokens,
@@ -228,3 +235,4 @@ class Backend(ABC):
 
     def _keep_candidate(self, index: int) -> None:
         raise NotImplementedError
+

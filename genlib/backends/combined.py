@@ -65,6 +65,10 @@ class CombinedBackend(Backend):
     def weights(self) -> str:
         return self.parts[0].weights
 
+    @property
+    def weight_bytes(self) -> int:
+        return sum(part.weight_bytes for part in self.parts)
+
     def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
         logits = [part.prefill(rows, capacity) for part in self.parts]
         self.length = self.parts[0].length

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from genlib.backends import quant
+from genlib.backends.sizes import tensor_bytes
 
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
@@ -482,6 +483,9 @@ class NativeStep:
         panel = library.genlab_panel_rows()  # type: ignore[union-attr]
         packed = packed_weights(lean, panel, weights, notify)
         self._kept.extend(packed.values())
+        # What a step reads (genlib.backends.sizes): the packed matrices; of the float
+        # embedding tables one row each, and the norms and biases (a few kB), left out.
+        self.weight_bytes = tensor_bytes(packed.values())
         head = head_format(lean, weights)
         self.head_weights = head
         self._head_library = head_library(library, head) if head != weights else None

@@ -74,6 +74,10 @@ class LeanBackend(Backend):
         self.lean = lean
         self.cache: LeanCache | None = None
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.lean.weight_bytes
+
     def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
         self.cache = self.lean.new_cache(cache_capacity(capacity, self.lm.max_positions))
         ids = torch.tensor([list(rows[0])], dtype=torch.long, device=self.lean.device)

@@ -30,6 +30,7 @@ the last bits, the tokens do not in the tests.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -359,6 +360,19 @@ class LeanLlama:
             torch.tensor(self.arch.embed_scale).to(self.dtype)  # as gemma's embeddings do
         self._ones = torch.ones(1, max(self.arch.window, 1), dtype=torch.bool,
                                 device=self.device)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the weights one step of the torch forward reads, at its dtype (a
+        quantized checkpoint's dequantized; genlib.backends.sizes: tied matrices once, the
+        embedding tables only where one is the output matrix); counted from the shapes,
+        so nothing is read or made."""
+        shapes = dict(self.stored.shapes) if self.stored is not None else \
+            {name: tensor.shape for name, tensor in self.tensors.items()}
+        for table in ("model.embed_tokens.weight", "model.embed_positions.weight"):
+            if table != self.head_name:
+                shapes.pop(table, None)
+        return sum(math.prod(shape) for shape in shapes.values()) * self.embed.element_size()
 
     @functools.cached_property
     def lm_head(self) -> _Proj:

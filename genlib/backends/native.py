@@ -141,6 +141,10 @@ class NativeBackend(Backend):
     def weights(self) -> str:
         return self.kernel.weights  # its packed copy's, not the model's
 
+    @property
+    def weight_bytes(self) -> int:
+        return self.kernel.weight_bytes
+
     def _draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                       ) -> tuple[list[int], int]:
         if len(self.caches) != 1:

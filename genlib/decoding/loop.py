@@ -176,7 +176,7 @@ def run(lm: LoadedModel, backend: Backend, plan: Plan, rows: list[Row],
         context = context_of(prompts, lm.device) if plan.needs_context else None
         yield Prefill(tuple(len(p) for p in prompts), time.perf_counter() - start,
                       time.perf_counter(), backend.name, backend.reason,
-                      stepper.draft_weights)
+                      stepper.draft_weights, backend.weight_bytes)
         for step in itertools.count():
             chosen = stepper.choose(backend, plan, context, logits, step)
             yield from chosen.events

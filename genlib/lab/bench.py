@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from genlib.backends.nocache import NoCacheBackend
+from genlib.backends.sizes import step_bytes
 from genlib.decoding import loop
 from genlib.events import Event, Finish, Prefill, Token
 from genlib.generate import stream
@@ -65,6 +66,7 @@ class Run:
     inter_token_s: tuple[float, ...]  # gaps between consecutive steps
     token_ids: tuple[tuple[int, ...], ...]
     backend: str = ""  # the backend that ran, as its Prefill event names it
+    weight_bytes: int | None = None  # the bytes of weights that backend holds (Prefill's)
 
     @property
     def prefill_tps(self) -> float:
@@ -116,6 +118,12 @@ class Result:
     def backend(self) -> str:
         """The backend its runs ran on (from their events; transformers for the baseline)."""
         return self.runs[0].backend if self.runs else ""
+
+    @property
+    def weight_bytes(self) -> int | None:
+        """The bytes of weights its backend holds, in the format it runs (each decode
+        step reads them once)."""
+        return self.runs[0].weight_bytes if self.runs else None
 
 
 def percentile(values: Sequence[float], p: float) -> float:
@@ -190,7 +198,8 @@ def run_from_events(events: Iterable[Event], start: float) -> Run:
                decode_s=times[-1] - times[0], e2e_s=end - start, steps=len(times),
                rows=len(finishes), prompt_tokens=sum(prefill.prompt_tokens),
                inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
-               token_ids=tuple(f.token_ids for f in finishes), backend=prefill.backend)
+               token_ids=tuple(f.token_ids for f in finishes), backend=prefill.backend,
+               weight_bytes=prefill.weight_bytes)
 
 
 def genlab_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
@@ -295,7 +304,7 @@ def baseline_run(lm: LoadedModel, prompts: list[list[int]], case: Case) -> Run:
                rows=len(prompts), prompt_tokens=ids.numel(),
                inter_token_s=tuple(b - a for a, b in zip(times, times[1:])),
                token_ids=tuple(tuple(r) for r in out[:, ids.shape[1]:].tolist()),
-               backend="transformers")
+               backend="transformers", weight_bytes=step_bytes(lm.model))
 
 
 # --- Memory ---------------------------------------------------------------------------
@@ -335,18 +344,6 @@ def cuda_peak_mb(device: torch.device) -> float | None:
 
 
 # --- The memory-bandwidth bound -----------------------------------------------------------
-
-def weight_bytes(model: Any) -> int:
-    """Bytes of weights one decode step reads: every parameter once (tied weights once)."""
-    seen: set[int] = set()
-    total = 0
-    for p in model.parameters():
-        key = p.data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += p.numel() * p.element_size()
-    return total
-
 
 def read_bandwidth(mib: int = 512, repeats: int = 5) -> float:
     """Measured read bandwidth in bytes/s: the best of `repeats` sums over a buffer larger

@@ -16,14 +16,13 @@ object `generate --logprobs N` writes); beam search records none.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from genlib.errors import ConfigError, GenlabError
-from genlib.events import Event, Finish, Token
+from genlib.events import Event, Finish, Prefill, Token
 from genlib.lab import metrics
 from genlib.settings.config import (
     GenerationSettings,
@@ -417,8 +416,8 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
         prompt_ids = lm.encode(prompt)
         warm_up(lm, prompt_ids, spec.backend)  # else the first run's tokens/s carries it
         _reset_peak_memory(lm)
-        finish, run.logprobs_object = generate_one(lm, prompt_ids, strategy, logprobs,
-                                                   spec.backend)
+        finish, run.logprobs_object, prefill = generate_one(lm, prompt_ids, strategy,
+                                                            logprobs, spec.backend)
     except GenlabError as exc:
         run.error = str(exc)
         return run, None
@@ -428,16 +427,17 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
     run.text, run.token_ids, run.logprobs = finish.text, finish.token_ids, finish.logprobs
     run.finish_reason = finish.reason
     run.tokens_per_s = finish.new_tokens / run.seconds if run.seconds > 0 else None
-    run.weight_bytes = _weight_bytes(lm)
+    run.weight_bytes = prefill.weight_bytes if prefill is not None else None
     run.peak_bytes = _peak_memory(lm)
     return run, lm.tokenizer
 
 
 def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
                  logprobs: int = 0, backend: str = "auto"
-                 ) -> tuple[Finish, dict[str, Any] | None]:
-    """One output of `strategy` (the first row) and, with `logprobs` N > 0 and a
-    strategy that records them (not beam search), its logprobs object."""
+                 ) -> tuple[Finish, dict[str, Any] | None, Prefill | None]:
+    """One output of `strategy` (the first row); with `logprobs` N > 0 and a strategy
+    that records them (not beam search), its logprobs object; and the Prefill event
+    (the backend that ran, and the bytes of weights it holds)."""
     from genlib.decoding.detail import Detail
     from genlib.generate import stream
 
@@ -445,30 +445,17 @@ def generate_one(lm: LoadedModel, prompt_ids: Sequence[int], strategy: Strategy,
     detail = Detail(logprobs=logprobs) if record else None
     finished: list[Finish] = []
     recorded: dict[int, list[Token]] = {}
+    prefill: Prefill | None = None
     for event in stream(lm, [list(prompt_ids)], strategy.settings, detail=detail,
                         backend=backend):
         if isinstance(event, Finish):
             finished.append(event)
+        elif isinstance(event, Prefill):
+            prefill = event
         elif isinstance(event, Token) and event.detail is not None:
             recorded.setdefault(event.row, []).append(event)
     first = min(finished, key=lambda f: f.row)
-    return first, logprobs_objects(lm, recorded).get(first.row)
-
-
-def _weight_bytes(lm: LoadedModel) -> int | None:
-    """The model's weights in memory as transformers' footprint counts them; for a model
-    loaded without transformers' model, its tensors' sizes at its dtype (nothing is read
-    or loaded for it)."""
-    if lm.model_loaded or lm.lean is None:
-        footprint = getattr(lm.model, "get_memory_footprint", None)
-        return int(footprint()) if footprint is not None else None
-    import torch
-
-    lean = lm.lean
-    shapes = lean.stored.shapes.values() if lean.stored is not None else \
-        [tensor.shape for tensor in lean.tensors.values()]
-    return sum(math.prod(shape) for shape in shapes) * \
-        torch.empty((), dtype=lm.dtype).element_size()
+    return first, logprobs_objects(lm, recorded).get(first.row), prefill
 
 
 def _reset_peak_memory(lm: LoadedModel) -> None:
