@@ -49,8 +49,7 @@ def _rows() -> list[dict[str, Any]]:
 @app.command("list")
 @user_errors
 def list_cache(as_json: Json = False, output_file: OutputFile = None) -> None:
-    """List the packed weights, the tokenizers and the kernel's builds, with their sizes
-    and the total."""
+    """List the cached weights, tokenizers and kernel builds, with sizes and the total."""
     from genlib import cachedirs
 
     target = sink(as_json, False, output_file)
@@ -77,27 +76,27 @@ def show_list(rows: list[dict[str, Any]], root: str) -> None:
     for column in ("what", "model file or build", "format", "size", "state"):
         table.add_column(column, overflow="fold")
     for row in rows:
-        changed = "model file" if row["kind"] == "weights" else "tokenizer files"
-        state = "" if row["stale"] is None else \
-            f"stale: the {changed} changed" if row["stale"] else "current"
+        state = "" if row["stale"] is None else "stale" if row["stale"] else "current"
         table.add_row(row["kind"], escape(row["name"]), escape(row["format"] or ""),
                       size_text(row["size"]), state)
     out.print(table)
     out.print(f"total {size_text(sum(row['size'] for row in rows))} in {escape(root)}")
+    if any(row["stale"] for row in rows):
+        out.print("stale: its model's files changed since it was made; the next load makes "
+                  "it again (`genlab cache clear` frees it now)", soft_wrap=False)
 
 
 KernelsToo = Annotated[bool, typer.Option(
     "--kernels/--weights-only",
-    help="Also remove the native kernel's builds (the next run rebuilds them, a few "
-         "seconds).")]
+    help="Remove the native kernel's builds too (the default; the next run rebuilds "
+         "them, a few seconds), or keep them and remove the rest.")]
 
 
 @app.command("clear")
 @user_errors
 def clear(kernels: KernelsToo = True, as_json: Json = False,
           output_file: OutputFile = None) -> None:
-    """Delete the packed weights, the tokenizers and the kernel's builds, and say how
-    much was freed."""
+    """Delete the cached weights, tokenizers and kernel builds; say how much was freed."""
     from cli.render import out
     from genlib import cachedirs
     from genlib.backends import weightcache
@@ -115,7 +114,8 @@ def clear(kernels: KernelsToo = True, as_json: Json = False,
             target.json_document(output.document("cache clear", None, root=root,
                                                  freed_bytes=freed, files=len(doomed)))
         else:
-            out.print(f"freed {size_text(freed)} ({len(doomed)} files) from {root}")
+            files = f"{len(doomed)} file{'' if len(doomed) == 1 else 's'}"
+            out.print(f"freed {size_text(freed)} ({files}) from {root}")
 
 
 def _size(path: Path) -> int:

@@ -257,7 +257,14 @@ def encode_prompt(lm: LoadedModel, prompt: str, flags: PromptFlags,
         ids = lm.encode(prompt)
     if truncate and lm.max_positions is not None:
         lm.check_room(max_new_tokens)
-        ids = keep_last_tokens(lm, ids, lm.max_positions - max_new_tokens)
+        kept = keep_last_tokens(lm, ids, lm.max_positions - max_new_tokens)
+        if len(kept) < len(ids):
+            from cli import render
+
+            render.info(f"--truncate-prompt: kept the prompt's last {len(kept)} of its "
+                        f"{len(ids)} tokens, so that it and {max_new_tokens} new tokens "
+                        f"fit the model's {lm.max_positions} positions")
+        ids = kept
     return ids
 
 

@@ -36,8 +36,8 @@ Jsonl = Annotated[bool, typer.Option(
     help="Print one JSON object per output, each as soon as it is ready (for pipes).")]
 OutputFile = Annotated[str | None, typer.Option(
     "--output", "-o", rich_help_panel=OUTPUT_PANEL, metavar="FILE",
-    help="Write what would go to stdout (the text, or the JSON with --json/--jsonl) to "
-         "FILE instead; stderr is unchanged.")]
+    help="Write what would go to stdout (the text, or the JSON) to FILE instead; stderr "
+         "is unchanged.")]
 
 
 def version() -> str:

@@ -133,7 +133,8 @@ def show_yaml(preset: Preset) -> str:
     if preset.model:
         resolved["model"] = preset.model
     resolved.update(resolve_alone(preset).to_dict())
-    return yaml.dump(resolved, Dumper=Dumper, sort_keys=False, allow_unicode=True)
+    return yaml.dump(resolved, Dumper=Dumper, sort_keys=False, allow_unicode=True,
+                     width=72)  # a long description folds within 80 columns
 
 
 @app.command("show")
@@ -177,10 +178,11 @@ def show_keys() -> None:
     from genlib.settings.config import SPECS
 
     table = Table(show_edge=False)
-    for column in ("key", "default"):  # each key and its default stay whole on one line
-        table.add_column(column, no_wrap=True)
-    for column in ("allowed", "meaning"):
-        table.add_column(column, overflow="fold", ratio=1)
+    table.add_column("key", no_wrap=True)  # each key stays whole on one line
+    # A long default (a list) folds rather than take the meaning's room.
+    table.add_column("default", overflow="fold", max_width=14)
+    table.add_column("allowed", overflow="fold", max_width=16)
+    table.add_column("meaning", overflow="fold", ratio=1)
     for key, spec in SPECS.items():
         table.add_row(key, repr(spec.default), spec.allowed or spec.kind, spec.help)
     out.print(table)

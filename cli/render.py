@@ -24,7 +24,7 @@ def error(message: str) -> None:
 
 
 def warn(message: str) -> None:
-    err.print(f"[yellow]warning:[/] {_escape(message)}")
+    err.print(f"[yellow]warning:[/] {_escape(message)}", soft_wrap=not err.is_terminal)
 
 
 def warn_unused(settings: Any) -> None:
@@ -115,7 +115,8 @@ def warn_incomplete(reasons: list[str], max_new_tokens: int) -> bool:
 
 
 def info(message: str) -> None:
-    err.print(_escape(message), style="dim")
+    """A note on stderr: broken between words on a terminal, one line in a file or pipe."""
+    err.print(_escape(message), style="dim", soft_wrap=not err.is_terminal)
 
 
 # Characters a terminal acts on instead of showing (ESC starts colour, title and cursor

@@ -108,7 +108,7 @@ def show_steps(steps: Sequence[dict[str, Any]], first: int, last: int | None) ->
     for step in steps:
         if step["step"] >= first and (last is None or step["step"] < last):
             for table in step_tables(step, out.width):
-                out.print(table)
+                out.print(table, soft_wrap=False)  # the caption wraps at words
             out.print()
 
 

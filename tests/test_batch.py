@@ -592,3 +592,15 @@ def test_cli_adding_logprobs_to_a_finished_run_is_a_change(tmp_path: Path):
     assert interactive.exit_code == 2  # the session has /set logprobs=N
     assert "--logprobs only apply to a single prompt, not with --interactive" in \
         interactive.stderr
+
+
+@pytest.mark.parametrize("lines, said", [(1, "1 line · 1 generated"), (2, "2 lines · 2 generated")])
+def test_the_summary_counts_lines_in_words(lines, said, monkeypatch):
+    from rich.console import Console
+
+    from cli import batch, render
+
+    console = Console(record=True, width=200, force_terminal=False)
+    monkeypatch.setattr(render, "err", console)
+    batch._summary(batch.Tally(lines=lines, done=lines, tokens=8, generating_s=1.0), 1.0)
+    assert console.export_text().startswith(f"{said} · 0 failed")

@@ -166,6 +166,8 @@ def test_truncate_prompt_is_opt_in(llama2xs):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout)["prompt_tokens"] == 256 - 100
     full = llama2xs.encode(long_prompt)
+    assert f"--truncate-prompt: kept the prompt's last 156 of its {len(full)} tokens, so " \
+        "that it and 100 new tokens fit the model's 256 positions" in result.stderr
     kept = encode_prompt(llama2xs, long_prompt, PromptFlags(truncate=True), 100)
     assert kept == full[:1] + full[len(full) - 155:]  # BOS, then the prompt's last tokens
 

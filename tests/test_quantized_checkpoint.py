@@ -214,7 +214,7 @@ def test_a_4bit_checkpoint_runs_its_output_matrix_as_stored(written):
             assert step.head_weights == head
             named = "nf4" if head == "nf4" else "nf4, output matrix q8_0"
             assert choose_backend(lm, Request(rows=1)).reason == \
-                f"a nf4 checkpoint: weights {named} as stored"
+                f"an nf4 checkpoint: weights {named} as stored"
             cache, token, ids = lean.new_cache(16), 1, []
             for _ in range(8):
                 token = int(step(token, cache).argmax())

@@ -269,10 +269,14 @@ def test_cache_list_and_clear_show_and_free_entries_and_builds(cache_home, tmp_p
     assert listed.stdout.strip().endswith(
         f"total {weightcache_size(entry_size + 40_064)} in {home}/genlab")
     os.utime(model, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # the model rewritten
-    assert "stale: the model file changed" in genlab("cache", "list", home=home).stdout
+    stale = genlab("cache", "list", home=home).stdout
+    assert [cell.strip() for cell in stale.splitlines()[2].split("│")][-1] == "stale"
+    assert " ".join(stale.split()).endswith(
+        "stale: its model's files changed since it was made; the next load makes it again "
+        "(`genlab cache clear` frees it now)")
     kept = genlab("cache", "clear", "--weights-only", home=home)
     assert (kept.returncode, kept.stdout.strip()) == (
-        0, f"freed {weightcache_size(entry_size)} (1 files) from {home}/genlab")
+        0, f"freed {weightcache_size(entry_size)} (1 file) from {home}/genlab")
     assert not list(cache_home.iterdir())
     assert (home / "genlab" / "native" / "lean_step-abc.so").exists()
     cleared = genlab("cache", "clear", home=home)

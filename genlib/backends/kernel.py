@@ -59,7 +59,7 @@ from genlib.backends.sizes import tensor_bytes
 
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
-BUILDING = "building genlab's native kernel, once"
+BUILDING = "building genlab's native kernel"  # then the formats: `building`
 # How the products store the weight matrices (torch's dtype names, or a quantized format
 # of genlib.backends.quant), and the build flags that make them read so.
 WEIGHTS = {"float32": (), "bfloat16": ("-DGENLAB_BF16_WEIGHTS",),
@@ -190,12 +190,18 @@ def ensure_built(notify: Callable[[str], None] | None = None,
                  flags: tuple[str, ...] = FLAGS, weights: tuple[str, ...] = ("float32",)
                  ) -> Build:
     """`build()` of the kernels that read each of `weights` (`WEIGHTS` keys), first
-    calling `notify` with `BUILDING` when one is going to compile (the CLI prints it on
-    stderr: a build takes a second or two); the first one's build."""
+    calling `notify` with `building(...)` when one is going to compile (the CLI prints
+    it on stderr: a build takes a second or two); the first one's build."""
     kinds = builds_for(weights)
-    if notify is not None and any(_will_compile(flags + WEIGHTS[kind]) for kind in kinds):
-        notify(BUILDING)
+    compiling = [kind for kind in kinds if _will_compile(flags + WEIGHTS[kind])]
+    if notify is not None and compiling:
+        notify(building(compiling))
     return [build_for(kind, flags) for kind in kinds][0]
+
+
+def building(kinds: Sequence[str]) -> str:
+    """What the CLI says before compiling the builds for `kinds` (WEIGHTS keys)."""
+    return f"{BUILDING} for {' and '.join(kinds)} weights (once per format on this machine)"
 
 
 def builds_for(weights: tuple[str, ...]) -> tuple[str, ...]:

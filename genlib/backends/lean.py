@@ -56,8 +56,8 @@ class LeanBackend(Backend):
 
     @classmethod
     def picked(cls, lm: LoadedModel, request: Request) -> str:
-        if request.hidden is not None:
-            return f"{request.hidden} needs hidden states: the lean forward"
+        if request.hidden is not None:  # the native backend's refusal says why
+            return "the lean forward, which gives hidden states"
         if lm.dtype_name != "float32":
             return (f"one row in {lm.dtype_name} on {lm.device.type}: the lean forward, "
                     f"exact; a compiled step sums in another order")

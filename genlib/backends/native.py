@@ -77,7 +77,8 @@ class NativeBackend(Backend):
             return f"--quantize {lm.quantize}: weights " \
                 f"{weights_named(lm, request.kernel_weights(lm))}"
         if stored is not None:
-            return f"a {stored} checkpoint: weights {weights_named(lm, stored)} as stored"
+            article = "an" if stored[0] in "aefhilmnorsx" else "a"  # an nf4, a q8_0
+            return f"{article} {stored} checkpoint: weights {weights_named(lm, stored)} as stored"
         lean = lean_of(lm)
         assert lean is not None
         return f"a float32 {lean.arch.name} model on the CPU"
