@@ -236,7 +236,7 @@ def text_of(text: str, what: str) -> str:
     bad = first_surrogate(text)
     if bad is not None:
         raise fail(f"{what} is not valid UTF-8 text (character {bad[0] + 1}); genlab "
-                   f"reads prompts as UTF-8")
+                   f"reads text as UTF-8")
     return text
 
 
@@ -246,6 +246,8 @@ def encode_prompt(lm: LoadedModel, prompt: str, flags: PromptFlags,
     tokens with --truncate-prompt, refused when it cannot fit."""
     chat, system, truncate = flags.chat, flags.system, flags.truncate
     if chat:
+        if system:
+            text_of(system, "--system")
         messages = ([{"role": "system", "content": system}] if system else []) + \
             [{"role": "user", "content": prompt}]
         ids = lm.encode_chat(messages)

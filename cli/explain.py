@@ -50,9 +50,10 @@ def warn_if_no_step(steps: str, first: int, runs: list[dict[str, Any]]) -> None:
 
 def parse_branch(lm: LoadedModel, text: str, max_new_tokens: int) -> tuple[int, int]:
     """`--branch STEP:TOKEN` -> (step, token id)."""
+    from cli.context import text_of
     from genlib.lab.explain import parse_branch as branch_point
 
-    step, _, token = text.partition(":")
+    step, _, token = text_of(text, "--branch").partition(":")
     return branch_point(lm, step, token, max_new_tokens, name="--branch",
                         limit="--max-new-tokens",
                         usage=f"--branch {text!r}: give STEP:TOKEN, e.g. 3:#421 (a token id) "

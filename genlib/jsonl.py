@@ -151,7 +151,7 @@ def lone_surrogate(value: Any) -> str | None:
         elif isinstance(item, dict):
             stack.extend(item.keys())
             stack.extend(item.values())
-        elif isinstance(item, list):
+        elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return None
 

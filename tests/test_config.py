@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import sys
+
 import pytest
 
 from genlib.errors import ConfigError
@@ -172,3 +175,18 @@ def test_a_schema_text_holding_an_integer_too_long_to_read_is_named():
         validate_settings({"json_schema": schema}, "--json-schema")
     assert str(caught.value) == ("--json-schema: json_schema holds an integer of 5,000 digits, "
                                  "more than Python reads; no schema needs one")
+
+
+@pytest.mark.parametrize("penalty, word", [(500.0, "overflow"), (-1000.0, "vanish")])
+def test_a_length_penalty_whose_power_leaves_float_range_is_refused(penalty, word):
+    """It crashed the search with an OverflowError or a ZeroDivisionError (as it does
+    transformers' beam search), after the first tokens were printed."""
+    with pytest.raises(ConfigError) as refused:
+        resolve_settings({"num_beams": 2, "length_penalty": penalty, "max_new_tokens": 8})
+    assert str(refused.value) == (
+        f"length_penalty {penalty:g} makes length ** length_penalty {word} within "
+        f"max_new_tokens (8); keep it between -341.3 and 341.3")
+    bound = math.log(sys.float_info.max) / math.log(8)
+    assert float(8 ** (bound - 1e-9)) < math.inf  # the bound itself is safe
+    assert resolve_settings({"num_beams": 2, "length_penalty": 341.0,
+                             "max_new_tokens": 8}).length_penalty == 341.0

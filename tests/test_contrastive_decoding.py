@@ -152,7 +152,8 @@ def test_cli_cd_with_beta_zero_prints_the_experts_text() -> None:
 @pytest.mark.parametrize(("args", "message"), [
     (["--cd-beta", "0.5"], "--cd-beta needs --amateur MODEL"),
     (["--cd-alpha", "0.2"], "--cd-alpha needs --amateur MODEL"),
-    (["--amateur", str(LLAMA2XS), "--cd-beta", "-0.5"], "cd_beta must be >= 0"),
+    (["--amateur", str(LLAMA2XS), "--cd-beta", "-0.5"], "cd_beta must be 0 <= cd_beta <= 1e6"),
+    (["--amateur", str(LLAMA2XS), "--cd-beta", "1e39"], "got 1e+39"),  # past float32: crashed
     (["--amateur", str(LLAMA2XS), "--cd-alpha", "1.5"], "0 <= cd_alpha <= 1"),
     (["--amateur", str(CODE_TARGET)], "first at token id 0"),
     (["-p", "cd"], "give --amateur MODEL"),

@@ -408,3 +408,24 @@ def test_an_output_path_that_cannot_be_written_fails_before_the_model_loads(
     result = invoke(args[0], *MODEL, *args[1:])
     assert_clear(result, 2, fragment)
     assert LONG_NAME not in os.listdir("/tmp")
+
+
+NOT_UTF8 = "\udcff"  # how Python hands over an argument's byte 0xff
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["generate", "x", "--stop", NOT_UTF8, "--json"], "stop_strings holds \\udcff, which is "
+     "not text (a byte that is not UTF-8, or half of a surrogate pair); give it as UTF-8 text"),
+    (["generate", "x", "--logit-bias", f"{NOT_UTF8}=1"], "logit_bias holds \\udcff"),
+    (["generate", "x", "--regex", NOT_UTF8], "regex holds \\udcff"),
+    (["beam", "x", "--force", NOT_UTF8], "force_words holds \\udcff"),
+    (["generate", "x", "--stop", "\ud800", "--jsonl"], "stop_strings holds \\ud800"),
+    (["explain", "x", "--branch", f"0:{NOT_UTF8}"],
+     "--branch is not valid UTF-8 text (character 3); genlab reads text as UTF-8"),
+    (["generate", "x", "--chat", "--system", NOT_UTF8],
+     "--system is not valid UTF-8 text (character 1)"),
+])
+def test_flag_values_that_are_not_text_are_refused_in_one_line(args, fragment):
+    """Each was an "unexpected" TypeError or UnicodeEncodeError (exit 1), the JSON ones
+    after the text was generated."""
+    assert_clear(invoke(*args, *MODEL, "-n", "3"), 2, fragment)

@@ -88,6 +88,35 @@ FIX_MISMATCH = "; fix config.json or use the folder the weights came from"
 FIX_CONFIG = "; fix config.json or restore it from the model's source"
 
 
+def renamed_tensor(folder: Path) -> None:
+    """One matrix under another name: the weights lack it and hold a stranger."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(str(STORIES / "model.safetensors"))
+    tensors["bogus.model.layers.2.mlp.down_proj.weight"] = \
+        tensors.pop("model.layers.2.mlp.down_proj.weight")
+    (folder / "model.safetensors").unlink()
+    save_file(tensors, str(folder / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("change", "fragments"), [
+    (renamed_tensor, [MISMATCH + "they lack model.layers.2.mlp.down_proj.weight, which "
+                      "config.json's model needs, and hold bogus.model.layers.2.mlp."
+                      "down_proj.weight, which it has no place for)" + FIX_MISMATCH]),
+    (edit_config(model_type="gpt2"), [MISMATCH + "they lack lm_head.weight and ",
+                                      "more, which config.json's model needs, and hold "
+                                      "model.embed_tokens.weight"]),
+], ids=["renamed", "another-architecture"])
+def test_weights_transformers_would_fill_with_random_values_are_refused(
+        tmp_path, command, change, fragments):
+    """Both loaded with exit 0 and wrote nonsense: transformers filled what the weights
+    lack with random values, and the model ran on them."""
+    folder = copy_of_stories(tmp_path)
+    change(folder)
+    assert_refused([*COMMANDS[command], "-m", str(folder)], *fragments)
+
+
 @pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize(("change", "fragments"), [
     (replace_config('{"model_type": "llama"}'),
@@ -132,7 +161,13 @@ def test_a_config_that_does_not_match_the_weights_is_refused_before_building(
     (edit_config(max_position_embeddings=0),
      ["config.json sets max_position_embeddings to 0, which must be at least 1"
       + FIX_CONFIG]),
-], ids=["field-type", "heads", "null", "not-json", "control-character", "no-positions"])
+    (edit_config(num_attention_heads=0),  # transformers' own check divided by it
+     ["config.json is invalid (it sets num_attention_heads to 0, which must be at least 1)"
+      + FIX_CONFIG]),
+    (edit_config(num_key_value_heads=0),  # the model's build divided by it
+     ["config.json sets num_key_value_heads to 0, which must be at least 1" + FIX_CONFIG]),
+], ids=["field-type", "heads", "null", "not-json", "control-character", "no-positions",
+        "no-heads", "no-kv-heads"])
 def test_bad_config_values_are_load_errors_naming_the_field(tmp_path, command, change,
                                                             fragments):
     folder = copy_of_stories(tmp_path)
@@ -343,3 +378,61 @@ def test_a_tokenizer_larger_than_the_model_is_refused_before_the_forward(tmp_pat
         f"error: the prompt holds token id 1248, but {folder} has only 512 embeddings (ids "
         f"0-511): its tokenizer (8192 tokens) is not the model's; use the tokenizer files the "
         f"model was trained with")
+
+
+@pytest.mark.parametrize("flag", ["-m", "--amateur"])
+@pytest.mark.parametrize("name", ["foo bar", "bad id!", "a" * 300])
+def test_a_name_that_is_neither_a_folder_nor_a_hub_id_is_refused(flag, name):
+    """huggingface_hub's validation error reached the user as "unexpected", exit 1."""
+    result = runner.invoke(app, ["generate", "Once", "-n", "2", flag, name])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.strip() == (
+        f"error: {name!r} is neither a local folder nor a hub id (letters, digits, '-', "
+        f"'_' and '.', 'org/name', at most 96 characters); give a local folder in Hugging "
+        f"Face layout or a hub id like 'org/name'")
+
+
+def test_a_folder_under_an_unknown_users_home_is_refused():
+    result = runner.invoke(app, ["generate", "Once", "-n", "2", "-m", "~no-such-user-x/m"])
+    assert result.exit_code == 2, (result.output, result.exception)
+    assert result.stderr.strip() == ("error: model folder ~no-such-user-x/m names a user this "
+                                     "machine does not know; give the folder's full path")
+
+
+def test_compare_shows_a_bad_name_in_its_column_and_runs_the_others():
+    result = runner.invoke(app, ["compare", "Once", "-n", "2", "--json", "--models",
+                                 f"bad id!,{STORIES}"])
+    assert result.exit_code == 0, (result.output, result.exception)
+    runs = json.loads(result.stdout)["runs"]
+    assert "'bad id!' is neither a local folder nor a hub id" in runs[0]["error"]
+    assert runs[1]["error"] is None and runs[1]["outputs"]
+
+
+@pytest.mark.parametrize("locked", ["folder", "weights"])
+def test_a_folder_or_file_the_user_may_not_read_is_named(tmp_path, locked):
+    """An unreadable folder said "unexpected PermissionError", exit 1; an unreadable
+    weights file, that it did not exist."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    folder = tmp_path / "model"
+    shutil.copytree(STORIES, folder)
+    (folder if locked == "folder" else folder / "model.safetensors").chmod(0)
+    command = [sys.executable, "-m", "cli", "generate", "Once", "-n", "2", "-m", str(folder)]
+    if os.geteuid() == 0:  # root reads anything: drop that power for the run
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv")
+        command = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                              cwd=Path(__file__).parent.parent)
+    finally:
+        folder.chmod(0o755)
+        (folder / "model.safetensors").chmod(0o644)
+    what = f"model folder {folder}" if locked == "folder" else \
+        f"model.safetensors in model folder {folder}"
+    assert (done.returncode, done.stderr.strip()) == (2, (
+        f"error: cannot read {what} (permission denied); give yourself read access "
+        f"(chmod -R u+rX {folder})"))

@@ -26,7 +26,8 @@ GENERATION_TOKEN_IDS = ("eos_token_id", "pad_token_id")
 # Config fields that count something (tokens, widths, layers, positions; aliases such as
 # GPT-2's n_embd read through them): 0 or less makes a model that cannot run.
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                   "num_attention_heads", "max_position_embeddings")
+                   "num_attention_heads", "num_key_value_heads", "head_dim",
+                   "max_position_embeddings")
 # The JSON files AutoTokenizer reads, and the files one of which holds a vocabulary.
 TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                   "added_tokens.json", "chat_template.json")

@@ -84,7 +84,28 @@ def model_source(ref: str) -> str:
         return str(BUILTIN_MODELS[ref])
     # As given, `~` expanded: Path() would drop a leading `./`, and a folder that does
     # not exist would then read as a hub id.
-    return os.path.expanduser(ref) if _is_local_ref(ref) else ref
+    if _is_local_ref(ref):
+        folder = os.path.expanduser(ref)
+        if folder.startswith("~"):
+            raise ModelLoadError(f"model folder {ref} names a user this machine does not "
+                                 f"know; give the folder's full path")
+        return folder
+    _check_hub_id(ref)
+    return ref
+
+
+def _check_hub_id(ref: str) -> None:
+    """ModelLoadError for a name that is neither a local folder nor a possible hub id."""
+    from huggingface_hub.errors import HFValidationError
+    from huggingface_hub.utils import validate_repo_id
+
+    try:
+        validate_repo_id(ref)
+    except HFValidationError:
+        raise ModelLoadError(
+            f"{ref!r} is neither a local folder nor a hub id (letters, digits, '-', '_' "
+            f"and '.', 'org/name', at most 96 characters); give a local folder in Hugging "
+            f"Face layout or a hub id like 'org/name'") from None
 
 
 def _is_local_ref(ref: str) -> bool:
@@ -185,10 +206,27 @@ def _load_config(ref: str, spec: ModelSpec, files_only: bool = False) -> Any:
     except StrictDataclassError as exc:  # a value of the wrong type, or values that clash
         raise ModelLoadError(f"cannot load {spec.ref}: config.json is invalid "
                              f"({_cause(exc)}); {checkpoint.FIX_CONFIG}") from None
+    except ArithmeticError as exc:  # its own checks divide by a size of 0
+        raise ModelLoadError(f"cannot load {spec.ref}: config.json is invalid "
+                             f"({_zero_size(ref) or _first_line(exc)}); "
+                             f"{checkpoint.FIX_CONFIG}") from None
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(_load_message(ref, exc)) from None
     checkpoint.check_sizes(spec.ref, config)
     return config
+
+
+def _zero_size(ref: str) -> str | None:
+    """The first size in a local config.json that is below 1, in words; None if none."""
+    try:
+        raw = json.loads((Path(ref).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    for name, value in raw.items() if isinstance(raw, dict) else ():
+        sized = any(part in name for part in ("head", "size", "layer", "dim", "n_"))
+        if sized and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+            return f"it sets {name} to {value}, which must be at least 1"
+    return None
 
 
 def _cause(exc: BaseException) -> str:
@@ -214,6 +252,28 @@ def _load_message(ref: str, exc: BaseException) -> str:
     if _is_local_ref(ref):
         return f"cannot load the model in {ref}: {text}"
     return _hub_message(ref, exc)
+
+
+def _check_readable(name: str, folder: Path) -> None:
+    """ModelLoadError for a model folder, or a file in it, that this user may not read
+    (the loaders would say "unexpected", or that a file there does not exist)."""
+    def refuse(what: str) -> ModelLoadError:
+        return ModelLoadError(f"cannot read {what} (permission denied); give yourself read "
+                              f"access (chmod -R u+rX {name})")
+
+    try:
+        entries = list(folder.iterdir())
+    except PermissionError:
+        raise refuse(f"model folder {name}") from None
+    for path in entries:
+        try:
+            if path.is_file():
+                with open(path, "rb"):
+                    pass
+        except PermissionError:
+            raise refuse(f"{path.name} in model folder {name}") from None
+        except OSError:
+            pass  # the loaders say what else is wrong with it
 
 
 def _first_line(exc: BaseException) -> str:
@@ -301,11 +361,14 @@ def _tokenizer_error(name: str, source: str, exc: Exception) -> ModelLoadError |
 
 
 def _load_weights(ref: str, spec: ModelSpec, kwargs: dict[str, Any]) -> Any:
-    """transformers' model from `ref`, its failures as ModelLoadErrors."""
+    """transformers' model from `ref`, its failures as ModelLoadErrors; and weights that
+    lack a tensor the model needs (which transformers fills with random values, a model
+    that runs and writes nonsense) too."""
     from transformers import AutoModelForCausalLM
 
     try:
-        return AutoModelForCausalLM.from_pretrained(ref, **kwargs)
+        model, info = AutoModelForCausalLM.from_pretrained(ref, output_loading_info=True,
+                                                           **kwargs)
     except LOAD_ERRORS as exc:
         first = _first_line(exc)
         if spec.quantize != "none":
@@ -325,6 +388,16 @@ def _load_weights(ref: str, spec: ModelSpec, kwargs: dict[str, Any]) -> Any:
         raise ModelLoadError(f"the weights of {spec.ref} cannot be read ({_first_line(exc)}); "
                              f"the file is damaged or incomplete: copy or download it "
                              f"again") from None
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:
+        unexpected = sorted(info.get("unexpected_keys") or ())
+        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
+        beside = f", and hold {unexpected[0]}, which it has no place for" if unexpected else ""
+        raise ModelLoadError(
+            f"cannot load {spec.ref}: config.json does not match the weights (they lack "
+            f"{missing[0]}{more}, which config.json's model needs{beside}); fix config.json "
+            f"or use the folder the weights came from")
+    return model
 
 
 def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
@@ -341,6 +414,8 @@ def load_model(spec: ModelSpec, quick: bool = False) -> LoadedModel:
     if spec.quantize not in QUANTIZATIONS:
         raise ModelLoadError(not_one_of("--quantize", spec.quantize, QUANTIZATIONS))
     local_folder = _is_local_ref(spec.ref) and Path(ref).is_dir()
+    if local_folder:
+        _check_readable(spec.ref, Path(ref))
     stored = _stored_checkpoint(ref, spec) if local_folder else None
     if quick and local_folder:
         from genlib.models.quickload import quick_load

@@ -16,6 +16,7 @@ import math
 import os
 import re
 import reprlib
+import sys
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -278,7 +279,8 @@ SPECS: dict[str, Spec] = {
                           flag=_flag("--ensemble-mode", panel=COMBINED)),
     "cd_beta": Spec("float", None, "contrastive decoding: score (1+beta) log p_expert - beta "
                     "log p_amateur against the --amateur model (default 0.5 with "
-                    "--amateur; 0 = the expert alone)", ">= 0", lambda v: v >= 0,
+                    "--amateur; 0 = the expert alone; past 1e6 the score, in float32, is "
+                    "the log ratio alone)", "0 <= cd_beta <= 1e6", lambda v: 0 <= v <= 1e6,
                     optional=True,
                     flag=_flag("--cd-beta", panel=COMBINED)),
     "cd_alpha": Spec("float", 0.1, "contrastive decoding: keep only tokens with p_expert >= "
@@ -423,6 +425,10 @@ def _coerce(source: str, key: str, spec: Spec, value: Any) -> Any:
         if spec.optional:
             return None
         raise ConfigError(f"{source}: {key} needs a value ({spec.allowed or spec.help})")
+    bad = jsonl.lone_surrogate(value)  # a flag's bytes that are not UTF-8 arrive so
+    if bad is not None:
+        raise ConfigError(f"{source}: {key} holds {bad}, which is not text (a byte that is "
+                          f"not UTF-8, or half of a surrogate pair); give it as UTF-8 text")
     kind = spec.kind
     if kind == "int":
         if isinstance(value, bool) or not isinstance(value, int):
@@ -776,6 +782,7 @@ def _check_combination(s: Mapping[str, Any]) -> None:
         if s["num_beams"] % s["num_beam_groups"]:
             raise ConfigError(f"num_beams ({s['num_beams']}) must be divisible by "
                               f"num_beam_groups ({s['num_beam_groups']})")
+        _check_length_penalty(s["length_penalty"], s["max_new_tokens"])
     if s["diversity_penalty"] > 0 and s["num_beam_groups"] == 1:
         raise ConfigError("diversity_penalty needs num_beam_groups > 1")
     if (s["force_words"] or s["force_any"]) and s["strategy"] != "beam":
@@ -789,6 +796,18 @@ def _check_combination(s: Mapping[str, Any]) -> None:
         raise ConfigError(f"min_new_tokens ({s['min_new_tokens']}) must be <= max_new_tokens "
                           f"({s['max_new_tokens']})")
     _check_rerank(s)
+
+
+def _check_length_penalty(penalty: float, max_new_tokens: int) -> None:
+    """length ** length_penalty must stay a finite, non-zero float at every length the
+    search reaches (past that transformers' beam search fails with an OverflowError, or
+    divides by zero)."""
+    bound = math.log(sys.float_info.max) / math.log(max(max_new_tokens, 2))
+    if abs(penalty) >= bound:
+        limit = "overflow" if penalty > 0 else "vanish"
+        raise ConfigError(f"length_penalty {penalty:g} makes length ** length_penalty "
+                          f"{limit} within max_new_tokens ({max_new_tokens}); keep it between "
+                          f"{-bound:.4g} and {bound:.4g}")
 
 
 # --- The seed policy ----------------------------------------------------------------
