@@ -111,7 +111,7 @@ def check_modes(prompt: str | None, interactive: bool, input_path: Path | None,
     mode = "--interactive" if interactive else "--input"
     given = [name for name, on in (single_prompt_flags or {}).items() if on]
     if (interactive or input_path is not None) and given:
-        raise fail(f"{', '.join(given)} only apply to a single prompt, not with {mode}; "
+        raise fail(f"{', '.join(given)} only {_apply(given)} to a single prompt, not with {mode}; "
                    f"drop {'them' if len(given) > 1 else 'it'}")
     if interactive and input_path is not None:
         raise fail("--interactive and --input exclude each other; use one")

@@ -15,7 +15,7 @@ import typer
 
 from cli import options as opt
 from cli.context import ModelFlags, load, presets_model, settings_for
-from cli.errors import fail, user_errors
+from cli.errors import INTERRUPTED, fail, user_errors
 from cli.output import Sink, opened, sink
 from cli.paths import check_output_path
 from genlib.backends.choose import BACKENDS
@@ -291,6 +291,13 @@ def bench(
                                  runs, warmup, baseline == "transformers", threads, bandwidth)
     with opened(target):
         emit(records, machine, target, csv_path, plot, wide)
+    if machine.get("interrupted"):
+        from cli import render
+
+        rows = f"{len(records)} row{'' if len(records) == 1 else 's'}"
+        render.warn(f"interrupted: the {rows} measured before it are reported; the rest "
+                    f"did not run")
+        raise typer.Exit(INTERRUPTED)
 
 
 # --- --fidelity: what each quantized format keeps ------------------------------------
@@ -402,23 +409,39 @@ def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: l
     records: list[dict[str, Any]] = []
     per_sweep = (sum(len(g) for g in groups) + (len(groups) if baseline else 0)) * \
         (warmup + runs)
-    with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
-        for dtype, quantize in product(dtypes, quants):
-            lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code),
-                      quick=False)
-            core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
-            bar.expect(forced_warmups(lm, groups, warmup))
-            for cases in groups:
-                group = core.measure(lm, cases, runs, warmup, baseline, bar, probe)
-                for result in [*group.results, group.baseline]:
-                    if result is not None:
-                        records.append(record(lm, dtype, quantize, result, group, runs,
-                                              warmup))
-                        machine.setdefault("weight_bytes", {})[weights_key(
-                            records[-1])] = result.weight_bytes
+    try:
+        with progress_bar(len(dtypes) * len(quants) * per_sweep) as bar:
+            _sweep(model, device, trust_remote_code, dtypes, quants, groups, runs, warmup,
+                   baseline, bar, probe, records, machine)
+    except KeyboardInterrupt:  # what was measured is reported, and marked so
+        if not records:
+            raise
+        machine["interrupted"] = True
     if probe is not None and probe.samples:
         machine.update(bandwidth_summary(probe.samples))
     return records, machine
+
+
+def _sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],
+           quants: list[str], groups: list[list[Case]], runs: int, warmup: int,
+           baseline: bool, bar: Any, probe: Any, records: list[dict[str, Any]],
+           machine: dict[str, Any]) -> None:
+    """Every configuration's records, appended to `records` as each group finishes."""
+    from genlib.lab import bench as core
+
+    for dtype, quantize in product(dtypes, quants):
+        lm = load(ModelFlags(model, device, dtype, quantize, trust_remote_code),
+                  quick=False)
+        core.check_cases(lm, [cases[0] for cases in groups])  # before any case runs
+        bar.expect(forced_warmups(lm, groups, warmup))
+        for cases in groups:
+            group = core.measure(lm, cases, runs, warmup, baseline, bar, probe)
+            for result in [*group.results, group.baseline]:
+                if result is not None:
+                    records.append(record(lm, dtype, quantize, result, group, runs,
+                                          warmup))
+                    machine.setdefault("weight_bytes", {})[weights_key(
+                        records[-1])] = result.weight_bytes
 
 
 def bandwidth_summary(samples: list[float]) -> dict[str, Any]:
@@ -448,7 +471,8 @@ class progress_bar:  # noqa: N801 - used as a context manager, like open()
         from cli.render import err
 
         self._progress = Progress("measuring", BarColumn(), MofNCompleteColumn(),
-                                  TimeElapsedColumn(), console=err, transient=True)
+                                  TimeElapsedColumn(), console=err, transient=True,
+                                  disable=not err.is_terminal)  # nothing in logs
         self._task = self._progress.add_task("bench", total=total)
 
     def __enter__(self) -> Any:

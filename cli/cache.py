@@ -5,6 +5,8 @@ Both start at once: no torch, no model."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -53,7 +55,8 @@ def list_cache(as_json: Json = False, output_file: OutputFile = None) -> None:
     from genlib import cachedirs
 
     target = sink(as_json, False, output_file)
-    rows, root = _rows(), str(cachedirs.root())
+    with _readable():
+        rows, root = _rows(), str(cachedirs.root())
     with opened(target):
         if target.machine:
             target.json_document(output.document(
@@ -103,10 +106,11 @@ def clear(kernels: KernelsToo = True, as_json: Json = False,
     from genlib.models import tokenizer_cache
 
     target = sink(as_json, False, output_file)
-    doomed = [e.path for e in weightcache.entries()] + weightcache.leftovers() + \
-        [e.path for e in tokenizer_cache.entries()] + tokenizer_cache.leftovers()
-    if kernels:
-        doomed += cachedirs.files(cachedirs.native())
+    with _readable():
+        doomed = [e.path for e in weightcache.entries()] + weightcache.leftovers() + \
+            [e.path for e in tokenizer_cache.entries()] + tokenizer_cache.leftovers()
+        if kernels:
+            doomed += cachedirs.files(cachedirs.native())
     with opened(target):
         freed = sum(_remove(path) for path in doomed)
         root = str(cachedirs.root())
@@ -116,6 +120,18 @@ def clear(kernels: KernelsToo = True, as_json: Json = False,
         else:
             files = f"{len(doomed)} file{'' if len(doomed) == 1 else 's'}"
             out.print(f"freed {size_text(freed)} ({files}) from {root}")
+
+
+@contextmanager
+def _readable() -> Iterator[None]:
+    """A cache folder this user may not read stops the command with one line (exit 1)."""
+    from genlib import cachedirs
+
+    try:
+        yield
+    except PermissionError as exc:
+        raise fail(f"cannot read {exc.filename or cachedirs.root()} (permission denied); "
+                   f"give yourself access (chmod -R u+rwX {cachedirs.root()})", 1) from None
 
 
 def _size(path: Path) -> int:

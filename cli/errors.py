@@ -101,19 +101,25 @@ def user_errors(command: F) -> F:
             reader_gone(sys.stdout)
             raise typer.Exit(BROKEN_PIPE) from None
         except OSError as exc:
-            if exc.errno == errno.EBADF and not _stdout_open():
-                raise fail(STDOUT_CLOSED, 2) from None
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                where = f" {exc.filename}" if exc.filename else ""
-                raise fail(f"cannot write{where}: no space left on the device; free some "
-                           f"space, or write elsewhere", 1) from None
-            raise _unexpected(exc) from None
+            raise (write_failure(exc) or _unexpected(exc)) from None
         except Exception as exc:
             if type(exc).__module__.startswith(("typer", "click")):
                 raise  # Typer's own exits and usage errors
             raise _unexpected(exc) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def write_failure(exc: OSError) -> typer.Exit | None:
+    """The one line and exit of a write that failed because stdout is closed or the
+    device is full (said now); None for any other OSError."""
+    if exc.errno == errno.EBADF and not _stdout_open():
+        return fail(STDOUT_CLOSED, 2)
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        where = f" {exc.filename}" if exc.filename else ""
+        return fail(f"cannot write{where}: no space left on the device; free some space, "
+                    f"or write elsewhere", 1)
+    return None
 
 
 def reader_gone(stream: IO[str]) -> None:

@@ -36,9 +36,12 @@ app = typer.Typer(
 
 def _print_version(value: bool) -> None:
     if value:
+        from cli.errors import STDOUT_CLOSED, fail
         from cli.output import version
         from cli.render import out
 
+        if sys.stdout is None:  # started with stdout closed (`>&-`)
+            raise fail(STDOUT_CLOSED, 2)
         out.print(f"genlab {version()}", markup=False, highlight=False)
         raise typer.Exit()
 
@@ -89,8 +92,10 @@ def run() -> None:
         fail,
         is_usage_error,
         on_broken_pipe,
+        reader_gone,
         stderr_to_devnull,
         usage_error,
+        write_failure,
     )
 
     # Rich's hook for a closed pipe (its own exits with 1), set on the class so that the
@@ -119,6 +124,12 @@ def run() -> None:
         code = fail("aborted", 1).exit_code
     except SystemExit as exc:
         code = exc.code
+    except OSError as exc:  # --help and --version write outside any command's guard
+        failure = write_failure(exc)
+        if failure is None:
+            raise
+        reader_gone(sys.stdout)  # the exit's flush of what stdout holds goes nowhere
+        code = failure.exit_code
     except Exception as exc:
         if not is_usage_error(exc):
             raise

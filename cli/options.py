@@ -137,16 +137,16 @@ def preset_refs(given: list[str] | None) -> list[str]:
     return refs
 
 
-def unescape(text: str) -> str:
+def unescape(text: str, flag: str = "--stop") -> str:
     r"""Python-style escapes in a flag value: `--stop "\n\n"` means two newlines.
-    ConfigError for an escape Python does not read (a lone trailing backslash, `\u`
-    without four hex digits)."""
+    ConfigError, naming `flag`, for an escape Python does not read (a lone trailing
+    backslash, `\u` without four hex digits)."""
     from genlib.errors import ConfigError
 
     try:
         return text.encode("latin-1", "backslashreplace").decode("unicode_escape")
     except UnicodeDecodeError as exc:
-        raise ConfigError(f"--stop {text!r}: {exc.reason} in its escapes; write \\\\ for a "
+        raise ConfigError(f"{flag} {text!r}: {exc.reason} in its escapes; write \\\\ for a "
                           f"backslash") from None
 
 
@@ -326,7 +326,7 @@ def setting_flags(**flags: Any) -> dict[str, Any]:
         if value is None or value == [] or (value is False and spec.default is False):
             continue
         if spec.flag is not None and spec.flag.escapes:
-            value = [unescape(text) for text in value]
+            value = [unescape(text, spec.flag.names[0]) for text in value]
         elif spec.kind == "early_stopping":
             value = config.parse_value(key, value)
         given[key] = value

@@ -590,7 +590,7 @@ def test_cli_adding_logprobs_to_a_finished_run_is_a_change(tmp_path: Path):
     assert len(record["logprobs"]["content"]) == 4
     interactive = invoke("-i", "--logprobs", "2")
     assert interactive.exit_code == 2  # the session has /set logprobs=N
-    assert "--logprobs only apply to a single prompt, not with --interactive" in \
+    assert "--logprobs only applies to a single prompt, not with --interactive" in \
         interactive.stderr
 
 

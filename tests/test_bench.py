@@ -447,3 +447,40 @@ def test_fidelity_of_a_quantized_checkpoint_says_what_float32_means(tmp_path):
         in result.stderr
     nf4 = json.loads(result.stdout)["results"][1]  # the same products, summed in another order
     assert (nf4["weights"], nf4["top1_agreement"]) == ("nf4", 1.0) and nf4["mean_kl"] < 1e-9
+
+
+def test_an_interrupted_sweep_reports_and_exports_what_it_measured(tmp_path, one_thread,
+                                                                    monkeypatch):
+    """Ctrl-C lost every row measured before it ("error: interrupted", no CSV)."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    measured = bench.measure
+
+    def measure(lm, cases, *args, **kwargs):
+        if cases[0].prompt_len == 8:
+            raise KeyboardInterrupt
+        return measured(lm, cases, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "measure", measure)
+    table = tmp_path / "rows.csv"
+    result = run_cli("--json", "--runs", "1", "--warmup", "0", "--prompt-len", "4,8",
+                     "--new-tokens", "3", "--no-bandwidth", "--csv", str(table))
+    assert result.exit_code == 130, result.output
+    doc = json.loads(result.stdout)
+    assert [r["prompt_len"] for r in doc["results"]] == [4]
+    assert doc["machine"]["interrupted"] is True
+    assert [row["prompt_len"] for row in csv.DictReader(table.open())] == ["4"]
+    assert "warning: interrupted: the 1 row measured before it are reported" in result.stderr
+
+
+def test_a_run_the_loop_cut_short_is_an_interruption_not_a_measurement():
+    """The decode loop ends rows "interrupted" on Ctrl-C; bench timed them as done runs
+    (34 of 64 tokens) and went on."""
+    from genlib.events import Finish, Prefill, Token
+
+    events = [Prefill((2,), 0.1, 1.0),
+              Token(row=0, token_id=5, text="a", logprob=-1.0, index=0, time=1.1),
+              Token(row=0, token_id=6, text="b", logprob=-1.0, index=1, time=1.2),
+              Finish(0, 0, "interrupted", (5, 6), "ab", 2, 1.0, 1.1, 1.2)]
+    with pytest.raises(KeyboardInterrupt):
+        bench.run_from_events(events, 1.0)

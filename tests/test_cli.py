@@ -238,7 +238,7 @@ def test_batch_and_interactive_refuse_single_prompt_flags(tmp_path, flag):
     for mode in (["--input", str(prompts)], ["-i"]):
         result = invoke("generate", *MODEL, *mode, flag)
         assert result.exit_code == 2, result.output
-        assert f"{flag} only apply to a single prompt" in result.stderr
+        assert f"{flag} only applies to a single prompt" in result.stderr
 
 
 def test_the_retired_compile_flag_names_its_replacement_in_every_mode(tmp_path):

@@ -188,6 +188,25 @@ def test_a_full_disk_is_one_clear_line_not_a_bug():
                                      "free some space, or write elsewhere")
 
 
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+@pytest.mark.parametrize("args", [["--version"], ["generate", "--help"], ["presets", "--help"]])
+def test_help_and_version_on_a_full_disk_are_one_line_not_a_traceback(args):
+    with open("/dev/full", "w") as full:
+        result = subprocess.run([sys.executable, "-m", "cli", *args], stdout=full,
+                                stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    assert (result.returncode, result.stderr.strip()) == (1, (
+        "error: cannot write: no space left on the device; free some space, or write "
+        "elsewhere"))
+
+
+def test_version_with_stdout_closed_says_so():
+    result = subprocess.run([sys.executable, "-m", "cli", "--version"], stdout=None,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                            preexec_fn=lambda: os.close(1))
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().startswith("error: standard output is closed")
+
+
 def test_binary_stdin_and_non_utf8_arguments_are_refused():
     assert_clear(invoke("generate", *MODEL, input=b"\x00\xff\xfe binary"), 2,
                  "stdin is not UTF-8 text (byte 0xff at offset 1)")
@@ -429,3 +448,21 @@ def test_flag_values_that_are_not_text_are_refused_in_one_line(args, fragment):
     """Each was an "unexpected" TypeError or UnicodeEncodeError (exit 1), the JSON ones
     after the text was generated."""
     assert_clear(invoke(*args, *MODEL, "-n", "3"), 2, fragment)
+
+
+def test_a_bad_escape_names_the_flag_it_is_in():
+    """--dry-sequence-breaker's bad escape was blamed on --stop."""
+    assert_clear(invoke("generate", "x", *MODEL, "-n", "2", "--dry-multiplier", "1",
+                        "--dry-sequence-breaker", "\\x"), 2,
+                 "error: --dry-sequence-breaker '\\\\x': truncated \\xXX escape")
+
+
+def test_a_rerank_model_too_short_for_the_run_is_the_one_named():
+    """It said "the model's 256 positions ... shorten the prompt" of a 2-token prompt on a
+    512-position model: the 256 were the rerank model's."""
+    from tests.conftest import LLAMA2XS
+
+    assert_clear(invoke("generate", "Once", *MODEL, "-n", "300", "--samples", "2", "-t", "1",
+                        "--rerank", str(LLAMA2XS)), 2,
+                 f"exceeds the rerank model {LLAMA2XS}'s 256 positions; lower max_new_tokens "
+                 f"to 254 or rerank with a model of a longer context")

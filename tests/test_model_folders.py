@@ -166,8 +166,18 @@ def test_a_config_that_does_not_match_the_weights_is_refused_before_building(
       + FIX_CONFIG]),
     (edit_config(num_key_value_heads=0),  # the model's build divided by it
      ["config.json sets num_key_value_heads to 0, which must be at least 1" + FIX_CONFIG]),
+    (edit_config(hidden_act="nope"),  # transformers' KeyError said only 'nope'
+     ["config.json sets hidden_act to 'nope', which transformers ", " does not know"
+      + FIX_CONFIG]),
+    (edit_config(rope_parameters={"rope_type": "nope", "rope_theta": 10000.0}),
+     ["config.json sets rope_parameters.rope_type to 'nope', which transformers "]),
+    (edit_config(rms_norm_eps=float("nan")),  # ran, and wrote nothing (NaN logits)
+     ["config.json sets rms_norm_eps to nan, which must be a finite number above 0"
+      + FIX_CONFIG]),
+    (edit_config(rope_parameters={"rope_type": "default", "rope_theta": -1.0}),
+     ["config.json sets rope_theta to -1.0, which must be a finite number above 0"]),
 ], ids=["field-type", "heads", "null", "not-json", "control-character", "no-positions",
-        "no-heads", "no-kv-heads"])
+        "no-heads", "no-kv-heads", "activation", "rope-type", "nan-eps", "negative-theta"])
 def test_bad_config_values_are_load_errors_naming_the_field(tmp_path, command, change,
                                                             fragments):
     folder = copy_of_stories(tmp_path)

@@ -278,3 +278,26 @@ def test_the_shell_completion_protocol_offers_preset_names(user_presets, words, 
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == expected
+
+
+@pytest.mark.parametrize("kind", ["folder", "dangling"])
+def test_a_preset_name_that_is_no_file_says_what_it_is(user_presets, kind):
+    """It said "no preset named 'dir' (did you mean 'dir'?)"."""
+    entry = user_presets / "odd.yaml"
+    if kind == "folder":
+        entry.mkdir()
+        said = f"preset 'odd' is {entry}, a folder, not a preset file; rename or remove it"
+    else:
+        entry.symlink_to(user_presets / "gone.yaml")
+        said = (f"preset 'odd' is {entry}, a symbolic link that leads nowhere; point it at a "
+                f"preset file or remove it")
+    result = CliRunner().invoke(app, ["presets", "show", "odd"])
+    assert (result.exit_code, result.stderr.strip()) == (2, f"error: {said}")
+
+
+def test_a_nul_byte_in_a_preset_is_one_line(tmp_path):
+    preset = tmp_path / "nul.yaml"
+    preset.write_bytes(b"temperature: 0.5\x00\n")
+    result = CliRunner().invoke(app, ["presets", "show", str(preset)])
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert "not valid YAML (unacceptable character #x0000" in result.stderr

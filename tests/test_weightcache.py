@@ -319,3 +319,26 @@ def test_generate_with_a_cache_that_cannot_be_written_says_so_once(tmp_path):
     assert said == [f"warning: the weight cache {tmp_path}/genlab/weights cannot be written "
                     "(File exists); the weights stay packed in memory only, and are packed "
                     "again on the next start"]
+
+
+@pytest.mark.parametrize("command", ["list", "clear"])
+def test_a_cache_folder_the_user_may_not_read_is_one_line(tmp_path, command):
+    """It said "unexpected PermissionError", exit 1."""
+    import shutil
+
+    native = tmp_path / "genlab" / "native"
+    native.mkdir(parents=True)
+    native.chmod(0)
+    run = [sys.executable, "-m", "cli", "cache", command]
+    if os.geteuid() == 0:  # root reads anything: drop that power for the run
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root without setpriv")
+        run = ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *run]
+    try:
+        done = subprocess.run(run, cwd=ROOT, capture_output=True, text=True, timeout=120,
+                              env={**os.environ, "XDG_CACHE_HOME": str(tmp_path)})
+    finally:
+        native.chmod(0o755)
+    assert (done.returncode, done.stderr.strip()) == (1, (
+        f"error: cannot read {native} (permission denied); give yourself access (chmod -R "
+        f"u+rwX {tmp_path / 'genlab'})"))

@@ -116,7 +116,9 @@ def prepare(lm: LoadedModel, prompts: Sequence[Sequence[int]], settings: Generat
                           f"load to score with; give it as --rerank when the run starts")
     check_same_tokenizer(lm, scorer)
     for prompt in prompts:
-        scorer.check_fits(len(prompt), settings.max_new_tokens)
+        scorer.check_fits(len(prompt), settings.max_new_tokens,
+                          whose=f"the rerank model {scorer.ref}'s",
+                          remedy="rerank with a model of a longer context")
     return scorer.ref
 
 

@@ -191,6 +191,8 @@ def run_from_events(events: Iterable[Event], start: float) -> Run:
         elif isinstance(event, Finish):
             finishes.append(event)
     end = time.perf_counter()
+    if any(f.reason == "interrupted" for f in finishes):
+        raise KeyboardInterrupt  # the loop kept what it made; a bench keeps no cut run
     if prefill is None or not times:
         raise RuntimeError("the generation produced no tokens")
     finishes.sort(key=lambda f: f.row)

@@ -9,6 +9,7 @@ refuse for another reason is left to it, which says why.
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,8 @@ GENERATION_TOKEN_IDS = ("eos_token_id", "pad_token_id")
 POSITIVE_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
                    "num_attention_heads", "num_key_value_heads", "head_dim",
                    "max_position_embeddings")
+# Norm epsilons: a number that is not above 0 makes every logit NaN.
+POSITIVE_SCALES = ("rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps")
 # The JSON files AutoTokenizer reads, and the files one of which holds a vocabulary.
 TOKENIZER_JSON = ("tokenizer_config.json", "tokenizer.json", "special_tokens_map.json",
                   "added_tokens.json", "chat_template.json")
@@ -114,6 +117,15 @@ def check_sizes(ref: str, config: Any) -> None:
             raise ModelLoadError(f"cannot load {ref}: config.json sets "
                                  f"{aliases.get(name, name)} to {value}, which must be at "
                                  f"least 1; {FIX_CONFIG}")
+    rope = getattr(config, "rope_parameters", None)
+    scales = {name: getattr(config, name, None) for name in POSITIVE_SCALES}
+    scales["rope_theta"] = rope.get("rope_theta") if isinstance(rope, dict) else \
+        getattr(config, "rope_theta", None)
+    for name, value in scales.items():  # NaN, 0 or less: a model that writes nothing
+        if isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and not (math.isfinite(value) and value > 0):
+            raise ModelLoadError(f"cannot load {ref}: config.json sets {name} to {value}, "
+                                 f"which must be a finite number above 0; {FIX_CONFIG}")
 
 
 def skeleton(config: Any, trust_remote_code: bool) -> Any:

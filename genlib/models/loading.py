@@ -216,6 +216,29 @@ def _load_config(ref: str, spec: ModelSpec, files_only: bool = False) -> Any:
     return config
 
 
+def _unknown_option(ref: str, exc: BaseException) -> str | None:
+    """For a KeyError of transformers' tables (activations, rope types), the config.json
+    key that names the unknown value, in words; None where it is not found there."""
+    if not isinstance(exc, KeyError) or not exc.args or not isinstance(exc.args[0], str):
+        return None
+    try:
+        raw = json.loads((Path(ref).expanduser() / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    stack: list[tuple[str, Any]] = [("", raw)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((f"{path}.{key}" if path else str(key), item)
+                         for key, item in value.items())
+        elif value == exc.args[0]:
+            import transformers
+
+            return (f"config.json sets {path} to {value!r}, which transformers "
+                    f"{transformers.__version__} does not know")
+    return None
+
+
 def _zero_size(ref: str) -> str | None:
     """The first size in a local config.json that is below 1, in words; None if none."""
     try:
@@ -376,6 +399,10 @@ def _load_weights(ref: str, spec: ModelSpec, kwargs: dict[str, Any]) -> Any:
                                  f"try --quantize none") from None
         if isinstance(exc, OSError):
             raise ModelLoadError(_load_message(spec.ref, exc)) from None
+        unknown = _unknown_option(ref, exc)
+        if unknown is not None:
+            raise ModelLoadError(f"cannot load {spec.ref}: {unknown}; "
+                                 f"{checkpoint.FIX_CONFIG}") from None
         raise ModelLoadError(f"cannot load {spec.ref}: {first}") from None
     except pickle.UnpicklingError:  # torch.load's weights_only refusal: its advice is unsafe
         raise ModelLoadError(f"the .bin weights of {spec.ref} are not plain tensors: the "

@@ -233,7 +233,8 @@ def _default_rope(fields: dict[str, Any]) -> dict[str, Any] | None:
     if rope is None:
         rope = {"rope_type": "default", "rope_theta": fields.get("rope_theta", 10000.0)}
     if not isinstance(rope, dict) or set(rope) != {"rope_type", "rope_theta"} \
-            or rope["rope_type"] != "default" or not isinstance(rope["rope_theta"], (int, float)):
+            or rope["rope_type"] != "default" or not isinstance(rope["rope_theta"], (int, float)) \
+            or not rope["rope_theta"] > 0:  # NaN or not above 0: transformers' load says so
         return None
     return rope
 

@@ -124,6 +124,13 @@ def _find_named(name: str, skip: tuple[Path, ...] = ()) -> Path | None:
             candidate = folder / f"{name}{suffix}"
             try:
                 found = candidate.is_file() and candidate.resolve() not in skip
+                if not found and candidate.is_symlink() and not candidate.exists():
+                    raise PresetError(f"preset {shown(name)} is {candidate}, a symbolic link "
+                                      f"that leads nowhere; point it at a preset file or "
+                                      f"remove it")
+                if not found and candidate.is_dir():
+                    raise PresetError(f"preset {shown(name)} is {candidate}, a folder, not a "
+                                      f"preset file; rename or remove it")
             except OSError:  # a name too long for a file name: no preset has it
                 continue
             if found:
@@ -187,7 +194,8 @@ def _read_yaml(path: Path) -> dict[str, Any]:
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark is not None else ""
-        raise PresetError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})",
+        reason = " ".join(str(getattr(exc, "problem", None) or exc).split())  # one line
+        raise PresetError(f"{path}{where}: not valid YAML ({reason})",
                           quotes_file=True) from None
     except RecursionError:
         raise PresetError(f"{path}: nested too deeply to be a preset") from None
