@@ -114,7 +114,10 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
 def test_the_cli_runs_it_on_the_lean_forward():
     done = run_cli("--penalty-alpha", "0.6", "--top-k", "4", "--stats")
     assert done.returncode == 0, done.stderr
-    assert "backend lean (contrastive search needs hidden states" in done.stderr
+    assert " ".join(done.stderr.split()).count("backend lean (the lean forward, which gives "
+                                                "hidden states; the native backend gives no "
+                                                "hidden states, which contrastive search "
+                                                "needs)") == 1
 
 
 @pytest.mark.slow
