@@ -10,8 +10,9 @@ from typing import Any
 
 from rich.console import Console
 
-out = Console(highlight=False, soft_wrap=True)
-err = Console(stderr=True, highlight=False, soft_wrap=True)
+# emoji=False: Rich would turn ":smile:" in a prompt, a path or a flag value into an emoji.
+out = Console(highlight=False, soft_wrap=True, emoji=False)
+err = Console(stderr=True, highlight=False, soft_wrap=True, emoji=False)
 
 PROMPT_STYLE = "dim"
 TEXT_STYLE = ""
@@ -81,7 +82,7 @@ class compiling:  # noqa: N801 - used as a context manager, like open()
             yield
             return
         console = Console(file=self._file, force_terminal=self._terminal,
-                          no_color=err.no_color, highlight=False, soft_wrap=True)
+                          no_color=err.no_color, highlight=False, soft_wrap=True, emoji=False)
         if not self._terminal:
             console.print(f"[dim]{_escape(message)}...[/]")
             yield

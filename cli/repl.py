@@ -5,6 +5,7 @@ kept in a file across sessions); settings change with the same validation as pre
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -30,6 +31,8 @@ PROMPT = "genlab> "
 CONTINUE = "....... "
 BLOCK = '"""'
 HISTORY_LENGTH = 1000
+# A write to stdout that fails so ends the session: no later answer has anywhere to go.
+OUTPUT_GONE = (errno.ENOSPC, errno.EDQUOT, errno.EBADF)
 
 HELP_INTRO = "Type a prompt and press Enter; the answer streams below it."
 HELP_KEYS = (
@@ -149,7 +152,9 @@ def rescue(session: Session) -> Path | None:
     except OSError as exc:
         render.warn(f"cannot keep this session's {len(session.turns)} turns in {path} ({exc})")
         return None
-    render.warn(f"the session ended early; its {len(session.turns)} turns are in {path}")
+    one = len(session.turns) == 1
+    turns = f"{len(session.turns)} turn{'' if one else 's'} {'is' if one else 'are'}"
+    render.warn(f"the session ended early; its {turns} in {path}")
     return path
 
 
@@ -186,6 +191,11 @@ def loop(session: Session) -> int:
             render.error(str(exc))
         except KeyboardInterrupt:
             render.info("[interrupted]")
+        except OSError as exc:
+            if isinstance(exc, BrokenPipeError) or exc.errno in OUTPUT_GONE:
+                raise  # nowhere left to answer: the command ends (141, or one line)
+            render.error(f"{unexpected(exc)} (the session goes on; GENLAB_DEBUG=1 shows "
+                         f"tracebacks)")
         except Exception as exc:  # noqa: BLE001  (a fault in one turn never ends the session)
             render.error(f"{unexpected(exc)} (the session goes on; GENLAB_DEBUG=1 shows "
                          f"tracebacks)")

@@ -642,3 +642,11 @@ def test_the_backend_asked_for_reaches_each_commands_generation(args, backend, s
     typed = "/set strategy=beam num_beams=2\nOnce\n/quit\n" if "-i" in args else None
     result = invoke(*args, *MODEL, "--backend", backend, input=typed)
     assert said in result.output, result.output
+
+
+def test_emoji_codes_in_user_text_stay_text():
+    """Rich turned ":smile:" in a prompt and ":-1:" in an --ensemble value into emoji."""
+    beam = invoke("beam", "x :smile: y", *MODEL, "-n", "2", "-k", "2")
+    assert beam.exit_code == 0 and "beam search: 'x :smile: y'" in beam.output
+    refused = invoke("generate", "Once", *MODEL, "--ensemble", f"{LLAMA2XS}:-1")
+    assert refused.exit_code == 2 and f"{LLAMA2XS}:-1: the weight" in refused.stderr

@@ -262,3 +262,35 @@ def test_a_refused_set_leaves_logprobs_as_they_were(tmp_path: Path):
     assert errors(result.stderr) == ["error: /set: temperature must be a number, got 'abc'"]
     assert "logprobs 3" not in result.stderr
     assert "logprobs: 0" in result.stdout + result.stderr
+
+
+def test_a_reader_that_goes_away_ends_the_session(tmp_path: Path):
+    """Each later turn said "unexpected BrokenPipeError (the session goes on)" and was
+    generated into the closed pipe; now the first failed write ends it with 141."""
+    env = {**os.environ, "GENLAB_HISTORY": str(tmp_path / "history"), "NO_COLOR": "1",
+           "XDG_DATA_HOME": str(tmp_path)}
+    session = subprocess.Popen([sys.executable, "-m", "cli", "generate", "-i", "-m",
+                                str(STORIES), "-n", "30"], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               cwd=str(ROOT), env=env)
+    session.stdin.write("Once upon a time\n" * 40)
+    session.stdin.close()
+    session.stdout.readline()
+    session.stdout.close()
+    stderr = session.stderr.read()
+    assert session.wait(timeout=120) == 141, stderr
+    assert "unexpected" not in stderr and stderr.count("genlab> ") < 40
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_full_stdout_ends_the_session_in_one_line(tmp_path: Path):
+    env = {**os.environ, "GENLAB_HISTORY": str(tmp_path / "history"), "NO_COLOR": "1",
+           "XDG_DATA_HOME": str(tmp_path)}
+    with open("/dev/full", "w") as full:
+        done = subprocess.run([sys.executable, "-m", "cli", "generate", "-i", "-m",
+                               str(STORIES), "-n", "30"], input="Once\nThe dog\n",
+                              stdout=full, stderr=subprocess.PIPE, text=True, cwd=str(ROOT),
+                              env=env, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert errors(done.stderr) == ["error: cannot write: no space left on the device; free "
+                                   "some space, or write elsewhere"]

@@ -70,6 +70,10 @@ def test_compare_shows_the_bytes_each_format_reads(quantized_runs):
     assert [(run["quantize"], run["weight_bytes"]) for run in quantized_runs] == [
         ("none", packed_bytes("float32")), ("8bit", packed_bytes("q8_0")),
         ("4bit", packed_bytes("nf4"))]
+    assert [run["backend"] for run in quantized_runs] == [
+        {"name": "native", "reason": "a float32 llama model on the CPU"},
+        {"name": "native", "reason": "--quantize 8bit: weights q8_0"},
+        {"name": "native", "reason": "--quantize 4bit: weights nf4, output matrix q8_0"}]
 
 
 def test_bench_bounds_each_row_by_the_bytes_its_backend_reads():
@@ -90,3 +94,24 @@ def test_bench_bounds_each_row_by_the_bytes_its_backend_reads():
             row["read_bandwidth_gbs"] * 1e9 / row["weight_bytes"])
     assert sorted(doc["machine"]["weight_bytes"].values()) == sorted(
         [native["weight_bytes"], baseline["weight_bytes"]])
+
+
+@pytest.mark.parametrize("settings", [{"dola_layers": "high"},
+                                      {"penalty_alpha": 0.6, "top_k": 4}])
+def test_a_figure_never_loads_transformers_model(settings):
+    """DoLa's backend asked the base class, which loaded transformers' model inside the
+    timed decode (a first token of 2.6 s on a 260K model)."""
+    from genlib.events import Prefill
+    from genlib.generate import stream
+    from genlib.models.loading import ModelSpec, load_model
+    from genlib.settings.config import resolve_settings
+    from tests.conftest import STORIES
+
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    lm = load_model(ModelSpec(str(STORIES)), quick=True)
+    events = list(stream(lm, [lm.encode("Once upon")],
+                         resolve_settings({"max_new_tokens": 3, **settings})))
+    [prefill] = [e for e in events if isinstance(e, Prefill)]
+    assert not lm.model_loaded
+    assert prefill.weight_bytes == lm.lean.weight_bytes > 0

@@ -142,10 +142,11 @@ class Backend(ABC):
         return self.lm.dtype_name
 
     @property
-    def weight_bytes(self) -> int:
+    def weight_bytes(self) -> int | None:
         """Bytes of the weights one decode step reads, as this backend holds them, in the
-        format it runs (genlib.backends.sizes): transformers' parameters here."""
-        return step_bytes(self.lm.model)
+        format it runs (genlib.backends.sizes): transformers' parameters here; None where
+        its model is not loaded (a figure never loads one)."""
+        return step_bytes(self.lm.model) if self.lm.model_loaded else None
 
     def draft_greedy(self, feed: Sequence[int], gamma: int, bans: Bans
                      ) -> tuple[list[int], int]:

@@ -66,8 +66,9 @@ class CombinedBackend(Backend):
         return self.parts[0].weights
 
     @property
-    def weight_bytes(self) -> int:
-        return sum(part.weight_bytes for part in self.parts)
+    def weight_bytes(self) -> int | None:
+        parts = [part.weight_bytes for part in self.parts]
+        return None if None in parts else sum(parts)  # type: ignore[arg-type]
 
     def _prefill(self, rows: Sequence[Sequence[int]], capacity: int) -> torch.Tensor | None:
         logits = [part.prefill(rows, capacity) for part in self.parts]

@@ -108,6 +108,10 @@ class LayerContrast(Backend):
     def name(self) -> str:  # type: ignore[override]
         return self.inner.name
 
+    @property
+    def weight_bytes(self) -> int | None:
+        return self.inner.weight_bytes
+
     def _scores(self, logits: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         early = self.lean.early_exit_logits(states[:, -1:])  # (layers, 1, vocab)
         self.length = self.inner.length

@@ -364,6 +364,7 @@ class ModelRun:
     error: str | None = None
     finish_reason: str | None = None
     logprobs_object: dict[str, Any] | None = None  # with --logprobs (see Sample)
+    backend: dict[str, str] | None = None  # the backend that ran and why (its Prefill's)
 
     @property
     def interrupted(self) -> bool:
@@ -380,7 +381,7 @@ class ModelRun:
                 "tokens_per_s": self.tokens_per_s, "weight_bytes": self.weight_bytes,
                 "peak_bytes": self.peak_bytes, "first_difference": self.first_difference,
                 "agreement": self.agreement, "unit": self.unit, "error": self.error,
-                "finish_reason": self.finish_reason,
+                "finish_reason": self.finish_reason, "backend": self.backend,
                 "mean_logprob": metrics.mean_logprob(self.logprobs)}
 
 
@@ -428,6 +429,8 @@ def run_model(spec: ModelSpec, prompt: str, strategy: Strategy, logprobs: int = 
     run.finish_reason = finish.reason
     run.tokens_per_s = finish.new_tokens / run.seconds if run.seconds > 0 else None
     run.weight_bytes = prefill.weight_bytes if prefill is not None else None
+    run.backend = {"name": prefill.backend, "reason": prefill.backend_reason} \
+        if prefill is not None else None
     run.peak_bytes = _peak_memory(lm)
     return run, lm.tokenizer
 
