@@ -555,7 +555,7 @@ def _cells(r: dict[str, Any], wide: bool) -> dict[str, str]:
     if wide:
         cells["decode tok/s [min-max]"] = cells.pop("decode tok/s")
         return {k: cells[k] for k in WIDE_COLUMNS}
-    return {k: cells[k] for k in COLUMNS}
+    return {k: cells[k] for k in ("dtype/quant", *COLUMNS)}
 
 
 # The default table: what a reader compares first, narrow enough for 80 columns with the
@@ -602,6 +602,8 @@ def fitted_table(records: list[dict[str, Any]], width: int, out: Any
     """The default table within `width` columns: where even its columns do not fit (long
     labels, big numbers), the least telling ones go, named, rather than cut values."""
     columns = list(COLUMNS)
+    if len({(r["torch_dtype"], r["quantize"]) for r in records}) > 1:  # what a sweep varies
+        columns.insert(columns.index("engine") + 1, "dtype/quant")
     dropped: list[str] = []
     table = bench_table(records, columns=tuple(columns))
     for name in DROP_ORDER:

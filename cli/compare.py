@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from rich.console import Console, RenderableType
 
     from genlib.lab.compare import Comparison, ModelComparison, Strategy, StrategyResult
+    from genlib.models.info import LoadedModel
     from genlib.settings.config import GenerationSettings
 
 
@@ -747,6 +748,32 @@ def check_outputs(target: Sink, markdown_path: str | None) -> None:
         check_output_path(Path(markdown_path), "--markdown")
 
 
+def prepare_grammars(lm: LoadedModel, strategies: list[Strategy]) -> None:
+    """Each distinct grammar of the strategies compiled before any column's clock starts
+    (as generate prepares its one; the first column to use it paid for the compile). One
+    that every strategy shares and that cannot be compiled ends the comparison in one
+    line, as it ends generate; another is left for its columns to report."""
+    from cli.context import prepare_grammar
+    from genlib.errors import GenlabError
+    from genlib.sampling import grammar
+
+    def constraint(strategy: Strategy) -> tuple[str, Any] | None:
+        kind = grammar.kind_of(strategy.settings)
+        return None if kind is None else (kind, getattr(strategy.settings, kind))
+
+    tried: set[tuple[str, Any]] = set()
+    for strategy in strategies:
+        key = constraint(strategy)
+        if key is None or key in tried:
+            continue
+        tried.add(key)
+        try:
+            prepare_grammar(lm, strategy.settings)
+        except GenlabError:
+            if all(constraint(other) == key for other in strategies):
+                raise
+
+
 def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlags,
                    seed: int, target: Sink, markdown_path: str | None,
                    crn: bool = True, logprobs: int = 0) -> None:
@@ -759,6 +786,7 @@ def run_strategies(text: str, strategies: list[Strategy], model_flags: ModelFlag
     least = min((s.settings.max_new_tokens for s in strategies), default=1)
     lm.check_prompt_chars(text, least)
     ids = lm.encode(text)
+    prepare_grammars(lm, strategies)
     console = console_for(target, markdown_path)
     if any(s.stochastic for s in strategies):
         render.info(CRN_NOTE if crn else NO_CRN_NOTE)

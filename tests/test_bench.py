@@ -484,3 +484,18 @@ def test_a_run_the_loop_cut_short_is_an_interruption_not_a_measurement():
               Finish(0, 0, "interrupted", (5, 6), "ab", 2, 1.0, 1.1, 1.2)]
     with pytest.raises(KeyboardInterrupt):
         bench.run_from_events(events, 1.0)
+
+
+def test_a_format_sweep_names_each_rows_format_in_the_table(one_thread, monkeypatch):
+    """The rows of --quantize none,8bit were identical but for their figures."""
+    if not STORIES.is_dir():
+        pytest.skip("stories260K not present")
+    monkeypatch.setenv("COLUMNS", "100")
+    result = run_cli("--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens",
+                     "3", "--no-bandwidth", "--quantize", "none,8bit")
+    assert result.exit_code == 0, result.output
+    rows = [line.split() for line in result.stdout.splitlines() if "genlab/" in line]
+    assert [row[2] for row in rows] == ["float32/none", "float32/8bit"]
+    single = run_cli("--runs", "1", "--warmup", "0", "--prompt-len", "4", "--new-tokens", "3",
+                     "--no-bandwidth")
+    assert "dtype/quant" not in single.stdout  # nothing swept: no column for it

@@ -684,3 +684,48 @@ def test_cli_a_variants_own_seed_is_kept(stories, tmp_path):
     assert compare_json("-n", "2", "-p", str(preset))["strategies"][0]["settings"]["seed"] == 7
     flagged = compare_json("-n", "2", "-p", str(preset), "--seed", "1")
     assert flagged["strategies"][0]["settings"]["seed"] == 1  # flag > preset
+
+
+def test_a_grammar_compiles_before_any_column_is_timed(monkeypatch):
+    """The first column to use a grammar paid for its compile (1 s of a 0.01 s greedy
+    run), and lost the star for speed to the second."""
+    import time
+
+    from genlib.sampling import grammar
+
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    compiled = grammar._compiled
+
+    def slow(*args, **kwargs):
+        time.sleep(0.5)
+        return compiled(*args, **kwargs)
+
+    monkeypatch.setattr(grammar, "_compiled", slow)
+    monkeypatch.setattr(grammar, "_COMPILED", type(grammar._COMPILED)())
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "--regex", "[a-z ]{9}",
+                                 "-p", "greedy", "-p", "beam", "-n", "5", "--json"])
+    assert result.exit_code == 0, result.output
+    seconds = [s["metrics"]["seconds"] for s in json.loads(result.stdout)["strategies"]]
+    assert len(seconds) == 2 and max(seconds) < 0.5, seconds
+
+
+def test_a_grammar_every_column_shares_that_will_not_compile_ends_it_in_one_line(
+        monkeypatch):
+    from genlib.errors import GrammarTimeoutError
+    from genlib.sampling import grammar
+
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    calls = []
+
+    def too_slow(*args, **kwargs):
+        calls.append(1)
+        raise GrammarTimeoutError("the regex grammar took longer than 1 s to compile")
+
+    monkeypatch.setattr(grammar, "compile_for", too_slow)
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "--regex", "[a-z]{9}",
+                                 "-p", "greedy", "-p", "beam", "-n", "5"])
+    assert (result.exit_code, result.stderr.strip()) == (
+        1, "error: the regex grammar took longer than 1 s to compile")
+    assert len(calls) == 1  # waited once, not once a column
