@@ -572,8 +572,9 @@ def turn(session: Session, text: str) -> None:
         lm.check_prompt_chars(text, settings.max_new_tokens)
         ids = lm.encode(text)
     # --truncate-prompt is not a session option: say what works here instead.
+    earlier = session.chat and bool(session.messages)  # turns /reset would forget
     lm.check_fits(len(ids), settings.max_new_tokens,
-                  remedy="/reset to forget the conversation's earlier turns" if session.chat
+                  remedy="/reset to forget the conversation's earlier turns" if earlier
                   else "shorten the prompt")
     finish = stream_answer(lm, ids, settings, session.logprobs, session.scorer,
                            session.backend)

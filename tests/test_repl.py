@@ -294,3 +294,12 @@ def test_a_full_stdout_ends_the_session_in_one_line(tmp_path: Path):
     assert done.returncode == 1, done.stderr
     assert errors(done.stderr) == ["error: cannot write: no space left on the device; free "
                                    "some space, or write elsewhere"]
+
+
+def test_a_first_chat_message_too_long_is_told_to_shorten_not_to_reset(tmp_path: Path):
+    """/reset forgets earlier turns; with none, it cannot help."""
+    long = "x = [" + ", ".join(map(str, range(180))) + "]"
+    done = piped(tmp_path, ["/chat on", long], "-n", "20", model="builtin:code-small")
+    assert errors(done.stderr) == [
+        "error: the prompt alone (550 tokens) fills the model's 512 positions; shorten "
+        "the prompt"]
