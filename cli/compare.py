@@ -330,6 +330,18 @@ CRN_NOTE = ("common random numbers: every sampled strategy draws from the same u
 NO_CRN_NOTE = "independent random draws per strategy (--no-crn): part of the differences is luck"
 
 
+def _constraint_markdown(settings: GenerationSettings) -> list[str]:
+    """The strategy's JSON schema, regex or grammar, whole (the settings line leaves it
+    out for brevity); nothing without one."""
+    for key, name in (("json_schema", "JSON schema"), ("regex", "Regex"),
+                      ("grammar", "Grammar (EBNF)")):
+        text = getattr(settings, key, None)
+        if text is not None:
+            fence = "```" + "`" * max((len(m) for m in re.findall(r"`+", text)), default=0)
+            return [f"{name}:", "", fence, text, fence, ""]
+    return []
+
+
 def comparison_markdown(comparison: Comparison) -> str:
     """The whole comparison as Markdown: a metrics table (best in bold), then each
     strategy's settings and samples."""
@@ -359,6 +371,7 @@ def comparison_markdown(comparison: Comparison) -> str:
         cut = " (interrupted)" if r.interrupted else ""
         lines += ["", f"## {r.strategy.label}{cut}", "",
                   f"Settings: `{settings_summary(r.strategy.settings)}`", ""]
+        lines += _constraint_markdown(r.strategy.settings)
         if r.error is not None:
             lines += [f"Error: {r.error}"]
             continue

@@ -729,3 +729,16 @@ def test_a_grammar_every_column_shares_that_will_not_compile_ends_it_in_one_line
     assert (result.exit_code, result.stderr.strip()) == (
         1, "error: the regex grammar took longer than 1 s to compile")
     assert len(calls) == 1  # waited once, not once a column
+
+
+def test_the_markdown_export_holds_each_strategys_constraint(tmp_path):
+    """It said only "Settings: greedy": the regex that shaped every sample was lost."""
+    pytest.importorskip("xgrammar")
+    if not STORIES.is_dir():
+        pytest.skip("shared models missing")
+    page = tmp_path / "c.md"
+    result = runner.invoke(app, ["compare", PROMPT, "-m", str(STORIES), "--regex",
+                                 "[a-z `]{9}", "-p", "greedy", "-n", "5", "--markdown",
+                                 str(page)])
+    assert result.exit_code == 0, result.output
+    assert "Settings: `greedy`\n\nRegex:\n\n````\n[a-z `]{9}\n````\n" in page.read_text()

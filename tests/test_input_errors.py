@@ -466,3 +466,13 @@ def test_a_rerank_model_too_short_for_the_run_is_the_one_named():
                         "--rerank", str(LLAMA2XS)), 2,
                  f"exceeds the rerank model {LLAMA2XS}'s 256 positions; lower max_new_tokens "
                  f"to 254 or rerank with a model of a longer context")
+
+
+@pytest.mark.parametrize("command", ["generate", "speculate"])
+def test_an_empty_prompt_on_a_model_without_bos_says_what_to_give(command):
+    from tests.conftest import CODE_TARGET
+
+    extra = ["--prompt-lookup", "2"] if command == "speculate" else []
+    assert_clear(invoke(command, "", "-m", str(CODE_TARGET), "-n", "3", *extra), 2,
+                 "error: every prompt needs at least one token, and this model's tokenizer "
+                 "adds none (no BOS) to an empty prompt: give some text")

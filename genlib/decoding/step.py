@@ -329,7 +329,8 @@ def check_prompts(lm: LoadedModel, prompts: Sequence[Sequence[int]],
     for) / TooLargeError (rows that cannot fit in memory) for prompts no loop can run,
     before any work."""
     if not prompts or any(len(p) == 0 for p in prompts):
-        raise ConfigError("every prompt needs at least one token")
+        raise ConfigError("every prompt needs at least one token, and this model's "
+                          "tokenizer adds none (no BOS) to an empty prompt: give some text")
     for prompt in prompts:
         lm.check_fits(len(prompt), settings.max_new_tokens)
         lm.check_token_ids(prompt)
