@@ -415,11 +415,14 @@ def test_sigkill_mid_run_then_resume_gives_every_id_once_with_clean_texts(tmp_pa
                 str(batch_size)]
 
     killed = tmp_path / "killed.jsonl"
-    proc = subprocess.Popen(command(killed, 4), cwd=ROOT, env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    wait_for_lines(killed, 3, proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
+    log = tmp_path / "killed.stderr"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(command(killed, 4), cwd=ROOT, env=env,
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        wait_for_lines(killed, 3, proc)
+        proc.send_signal(signal.SIGKILL)
+        code = proc.wait()
+    assert killed.exists(), f"the run ended ({code}) before writing: {log.read_text()}"
     partial = len(read_results(killed))
     assert 3 <= partial < 16, "the run should have been killed midway"
     with killed.open("a") as fh:  # what a crash in the middle of a write leaves
