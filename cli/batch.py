@@ -428,8 +428,8 @@ def _progress(total: int) -> Progress:
 def _summary(tally: Tally, seconds: float) -> None:
     from cli import render
 
-    parts = [f"{tally.lines} line{'' if tally.lines == 1 else 's'}",
-             f"{tally.done} generated", f"{tally.failed} failed"]
+    parts = [render.counted(tally.lines, "line"), f"{tally.done} generated",
+             f"{tally.failed} failed"]
     if tally.skipped:
         parts.append(f"{tally.skipped} already done"
                      + (f" ({tally.failed_before} of them failed)" if tally.failed_before

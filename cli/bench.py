@@ -294,9 +294,8 @@ def bench(
     if machine.get("interrupted"):
         from cli import render
 
-        rows = f"{len(records)} row{'' if len(records) == 1 else 's'}"
-        render.warn(f"interrupted: the {rows} measured before it are reported; the rest "
-                    f"did not run")
+        render.warn(f"interrupted: the {render.counted(len(records), 'row')} measured "
+                    f"before it are reported; the rest did not run")
         raise typer.Exit(INTERRUPTED)
 
 

@@ -100,7 +100,7 @@ KernelsToo = Annotated[bool, typer.Option(
 def clear(kernels: KernelsToo = True, as_json: Json = False,
           output_file: OutputFile = None) -> None:
     """Delete the cached weights, tokenizers and kernel builds; say how much was freed."""
-    from cli.render import out
+    from cli.render import counted, out
     from genlib import cachedirs
     from genlib.backends import weightcache
     from genlib.models import tokenizer_cache
@@ -118,8 +118,8 @@ def clear(kernels: KernelsToo = True, as_json: Json = False,
             target.json_document(output.document("cache clear", None, root=root,
                                                  freed_bytes=freed, files=len(doomed)))
         else:
-            files = f"{len(doomed)} file{'' if len(doomed) == 1 else 's'}"
-            out.print(f"freed {size_text(freed)} ({files}) from {root}")
+            out.print(f"freed {size_text(freed)} ({counted(len(doomed), 'file')}) from "
+                      f"{root}")
 
 
 @contextmanager

@@ -110,6 +110,14 @@ def user_errors(command: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def output_lost(exc: BaseException) -> bool:
+    """Whether `exc` is a write that failed because the output has nowhere to go: its
+    reader went away, stdout is closed, or the device is full."""
+    return isinstance(exc, BrokenPipeError) or (isinstance(exc, OSError) and (
+        exc.errno in (errno.ENOSPC, errno.EDQUOT)
+        or (exc.errno == errno.EBADF and not _stdout_open())))
+
+
 def write_failure(exc: OSError) -> typer.Exit | None:
     """The one line and exit of a write that failed because stdout is closed or the
     device is full (said now); None for any other OSError."""

@@ -20,6 +20,11 @@ DRAFT_STYLE = "green"
 TARGET_STYLE = "bold"
 
 
+def counted(count: int, noun: str) -> str:
+    """`count` and `noun`, plural but for one: "1 line", "3 lines"."""
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def error(message: str) -> None:
     err.print(f"[bold red]error:[/] {_escape(message)}")
 

@@ -5,7 +5,6 @@ kept in a file across sessions); settings change with the same validation as pre
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import typer
 
 from cli import render
 from cli.context import ModelFlags, load, load_scorer, settings_for
-from cli.errors import fail
+from cli.errors import fail, output_lost
 from genlib.errors import GenlabError, unexpected
 from genlib.settings.config import SPECS, GenerationSettings, parse_assignments, resolve_settings
 
@@ -31,8 +30,6 @@ PROMPT = "genlab> "
 CONTINUE = "....... "
 BLOCK = '"""'
 HISTORY_LENGTH = 1000
-# A write to stdout that fails so ends the session: no later answer has anywhere to go.
-OUTPUT_GONE = (errno.ENOSPC, errno.EDQUOT, errno.EBADF)
 
 HELP_INTRO = "Type a prompt and press Enter; the answer streams below it."
 HELP_KEYS = (
@@ -152,9 +149,9 @@ def rescue(session: Session) -> Path | None:
     except OSError as exc:
         render.warn(f"cannot keep this session's {len(session.turns)} turns in {path} ({exc})")
         return None
-    one = len(session.turns) == 1
-    turns = f"{len(session.turns)} turn{'' if one else 's'} {'is' if one else 'are'}"
-    render.warn(f"the session ended early; its {turns} in {path}")
+    verb = "is" if len(session.turns) == 1 else "are"
+    render.warn(f"the session ended early; its {render.counted(len(session.turns), 'turn')} "
+                f"{verb} in {path}")
     return path
 
 
@@ -191,12 +188,9 @@ def loop(session: Session) -> int:
             render.error(str(exc))
         except KeyboardInterrupt:
             render.info("[interrupted]")
-        except OSError as exc:
-            if isinstance(exc, BrokenPipeError) or exc.errno in OUTPUT_GONE:
-                raise  # nowhere left to answer: the command ends (141, or one line)
-            render.error(f"{unexpected(exc)} (the session goes on; GENLAB_DEBUG=1 shows "
-                         f"tracebacks)")
         except Exception as exc:  # noqa: BLE001  (a fault in one turn never ends the session)
+            if output_lost(exc):
+                raise  # nowhere left to answer: the command ends (141, or one line)
             render.error(f"{unexpected(exc)} (the session goes on; GENLAB_DEBUG=1 shows "
                          f"tracebacks)")
             if os.environ.get("GENLAB_DEBUG"):
@@ -225,8 +219,8 @@ class UnfinishedPrompt(EOFError):
     """The input ended inside a prompt: in a \"\"\" block or after a trailing backslash."""
 
     def __init__(self, lines: int, inside: str, ending: str) -> None:
-        super().__init__(f"the input ended {inside}, so that prompt ({lines} "
-                         f"line{'s' if lines != 1 else ''}) was not run; {ending}")
+        super().__init__(f"the input ended {inside}, so that prompt "
+                         f"({render.counted(lines, 'line')}) was not run; {ending}")
 
 
 def read_prompt(read: Any = input) -> str:

@@ -240,14 +240,15 @@ def _unknown_option(ref: str, exc: BaseException) -> str | None:
 
 
 def _zero_size(ref: str) -> str | None:
-    """The first size in a local config.json that is below 1, in words; None if none."""
+    """The first of a local config.json's sizes (`checkpoint.POSITIVE_FIELDS`, as the file
+    names them) that is below 1, in words; None if none."""
     try:
         raw = json.loads((Path(ref).expanduser() / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    for name, value in raw.items() if isinstance(raw, dict) else ():
-        sized = any(part in name for part in ("head", "size", "layer", "dim", "n_"))
-        if sized and isinstance(value, int) and not isinstance(value, bool) and value < 1:
+    for name in checkpoint.POSITIVE_FIELDS:
+        value = raw.get(name) if isinstance(raw, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool) and value < 1:
             return f"it sets {name} to {value}, which must be at least 1"
     return None
 
