@@ -19,6 +19,7 @@ from cli import beam as beam_cmd
 from cli import bench as bench_cmd
 from cli import cache as cache_cmd
 from cli import compare as compare_cmd
+from cli import daemon as daemon_cmd
 from cli import explain as explain_cmd
 from cli import generate as generate_cmd
 from cli import presets as presets_cmd
@@ -67,6 +68,7 @@ app.command("speculate")(speculate_cmd.speculate)
 app.command("explain")(explain_cmd.explain)
 app.add_typer(presets_cmd.app, name="presets")
 app.add_typer(cache_cmd.app, name="cache")
+app.add_typer(daemon_cmd.app, name="daemon")
 
 
 def in_finalizer(frame: FrameType | None) -> bool:

@@ -30,7 +30,7 @@ KEYS_BEGIN = "<!-- keys: written by scripts/gen_docs.py from the settings' decla
              "do not edit -->"
 KEYS_END = "<!-- /keys -->"
 COMMANDS = ("generate", "beam", "compare", "speculate", "bench", "explain", "presets",
-            "cache")
+            "cache", "daemon")
 WIDTH = 100
 
 

@@ -74,6 +74,9 @@ def _own_cache() -> None:
 
 
 _own_cache()
+# A start daemon the developer runs must not serve the suite's commands: each runs in a
+# process of its own, but in tests/test_daemon.py.
+os.environ["GENLAB_DAEMON"] = "0"
 
 @pytest.fixture(autouse=True)
 def _thaw_the_heap():

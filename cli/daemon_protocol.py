@@ -1,0 +1,165 @@
+"""What the start daemon and the `genlab` command that uses it share: where the socket
+is, which runs it may serve, and how a message is framed. Standard library only: the
+command reads this before it imports anything else.
+
+A run is one message from the command: its arguments, folder, environment, import path
+and standard streams (their descriptors ride along, SCM_RIGHTS). The daemon answers with
+the pid of the process it forked for the run, then, when that process ends, with its wait
+status; or at once with why it will not serve the run."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import resource
+import socket
+import stat
+import struct
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+# The messages' version: a command and a daemon of different versions do not talk.
+VERSION = 1
+
+# Off switch: GENLAB_DAEMON=0 runs every command in its own process, as before.
+SWITCH = "GENLAB_DAEMON"
+
+# Variables the libraries the daemon imports read when they are imported (thread pools,
+# allocators, the locale), so a run may differ from the daemon's only where it would have
+# made no difference: a run whose values differ starts on its own.
+_FIXED_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH",
+                   "PYTORCH_", "CUDA", "LD_", "LC_", "NUMEXPR_")
+_FIXED_NAMES = ("LANG", "LANGUAGE")
+
+# The limits a command's shell may set (`ulimit`) that its run must keep.
+_LIMITS = ("RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZE",
+           "RLIMIT_MEMLOCK", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_RSS", "RLIMIT_STACK")
+
+_HEADER = struct.Struct("!I")
+MAX_MESSAGE = 16 << 20
+
+
+def enabled() -> bool:
+    return os.environ.get(SWITCH, "1") != "0"
+
+
+def folder() -> Path:
+    """The user's folder for the socket: `$XDG_RUNTIME_DIR/genlab`, else
+    `genlab-UID` in the temporary folder. Only its owner may enter it."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and Path(runtime).is_dir():
+        return Path(runtime) / "genlab"
+    return Path(tempfile.gettempdir()) / f"genlab-{os.getuid()}"
+
+
+def private(path: Path) -> bool:
+    """Whether `path` is a folder this user owns that no one else may enter."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid()
+            and not info.st_mode & 0o077)
+
+
+def interpreter() -> str:
+    """This Python, as a short name: a daemon serves runs of the interpreter it runs on."""
+    ident = f"{os.path.realpath(sys.executable)}\0{sys.prefix}\0{sys.version}"
+    return hashlib.sha256(ident.encode()).hexdigest()[:12]
+
+
+def socket_path() -> Path:
+    return folder() / f"daemon-{interpreter()}.sock"
+
+
+def fixed_environment(environ: dict[str, str]) -> dict[str, str]:
+    """The part of an environment that a daemon's imports have already read."""
+    return {name: value for name, value in environ.items()
+            if name.startswith(_FIXED_PREFIXES) or name in _FIXED_NAMES}
+
+
+def identity() -> dict[str, Any]:
+    """What a run must share with the daemon to be served by it."""
+    return {"version": VERSION, "interpreter": interpreter(), "flags": repr(sys.flags),
+            "environment": fixed_environment(dict(os.environ))}
+
+
+def process_state() -> dict[str, Any]:
+    """What a process inherits that its environment does not say: the file mode mask,
+    the CPUs it may run on (`taskset`), its niceness (`nice`) and its limits (`ulimit`)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return {"umask": mask, "cpus": sorted(os.sched_getaffinity(0)),
+            "nice": os.getpriority(os.PRIO_PROCESS, 0),
+            "limits": {name: resource.getrlimit(getattr(resource, name))
+                       for name in _LIMITS if hasattr(resource, name)}}
+
+
+def unreachable(state: dict[str, Any]) -> str | None:
+    """Why this process could not take on `state` (a higher priority or a higher hard
+    limit than its own need privileges), or None."""
+    if state["nice"] < os.getpriority(os.PRIO_PROCESS, 0):
+        return "a higher priority than the daemon's"
+    if not set(state["cpus"]) <= os.sched_getaffinity(0):
+        return "CPUs the daemon may not run on"
+    for name, (_, hard) in state["limits"].items():
+        ours = resource.getrlimit(getattr(resource, name))[1]
+        if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
+            return f"a higher {name} limit than the daemon's"
+    return None
+
+
+def take_on(state: dict[str, Any]) -> None:
+    """Make this process's mask, CPUs, niceness and limits `state`'s."""
+    os.umask(state["umask"])
+    os.sched_setaffinity(0, state["cpus"])
+    os.nice(state["nice"] - os.getpriority(os.PRIO_PROCESS, 0))
+    for name, limits in state["limits"].items():
+        resource.setrlimit(getattr(resource, name), tuple(limits))
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] = ()) -> None:
+    data = json.dumps(message).encode()
+    packet = _HEADER.pack(len(data)) + data
+    sent = socket.send_fds(sock, [packet], list(fds)) if fds else 0
+    if sent < len(packet):
+        sock.sendall(packet[sent:])
+
+
+def receive(sock: socket.socket, max_fds: int = 0) -> tuple[dict[str, Any] | None, list[int]]:
+    """The next message and the descriptors that came with it; None at the end of the
+    connection. Reads exactly one message, so that the next stays for the next call.
+    ValueError for bytes that are not a message."""
+    if max_fds:
+        head, fds, _, _ = socket.recv_fds(sock, _HEADER.size, max_fds)
+    else:
+        head, fds = sock.recv(_HEADER.size), []
+    try:
+        if not head:
+            raise ValueError("no message") if fds else EOFError
+        (size,) = _HEADER.unpack(head + _exactly(sock, _HEADER.size - len(head)))
+        if size > MAX_MESSAGE:
+            raise ValueError(f"a message of {size} bytes")
+        message = json.loads(_exactly(sock, size))
+        if not isinstance(message, dict):
+            raise ValueError("a message that is not an object")
+    except EOFError:
+        return None, []
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
+    return message, fds
+
+
+def _exactly(sock: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            raise ValueError("a message cut short")
+        data += chunk
+    return data

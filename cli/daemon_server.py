@@ -1,0 +1,380 @@
+"""The start daemon: a process that has imported torch and the other libraries a command
+needs (about 1.2 s of every start) and forks a process for each run of `genlab` that asks.
+The forked process takes the run's standard streams, folder, environment and arguments,
+imports genlab's own modules afresh from the run's import path, and runs the command as
+a process of its own would; the daemon reports its wait status back.
+
+    genlab daemon start      # starts this in the background (cli/daemon.py)
+
+The daemon is one thread: a selector over the socket, the connections of the runs it
+forked (a connection that closes early means its command was killed: the run is
+killed too) and a pipe that SIGCHLD writes to."""
+
+from __future__ import annotations
+
+import atexit
+import fcntl
+import gc
+import importlib
+import io
+import os
+import random
+import selectors
+import signal
+import socket
+import struct
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, NoReturn
+
+from cli import daemon_protocol as protocol
+
+# What a command imports before its work starts, and genlab's own modules do not need to
+# have imported first. genlab's modules are imported by each run, so that a run always
+# has the code of its own checkout or install.
+PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "typer", "typer._adapters",
+           "typer._click.decorators", "rich.console", "rich.table", "yaml", "platformdirs",
+           "pydantic.type_adapter", "pydantic.plugin._loader", "shlex", "sysconfig",
+           "zoneinfo")
+OWN_PACKAGES = ("cli", "genlib")
+# genlab's modules the daemon itself runs: changed on disk, it runs code that is gone.
+OWN_MODULES = ("cli.daemon_server", "cli.daemon_protocol")
+
+
+class Run:
+    """A request to run one command, as the forked process receives it."""
+
+    def __init__(self, request: dict[str, Any], fds: list[int]) -> None:
+        self.request = request
+        self.fds = fds
+
+
+class Daemon:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.pid = os.getpid()
+        self.identity = protocol.identity()
+        self.preloaded = _files_of(PRELOAD + OWN_MODULES)
+        self.started = time.time()
+        self.served = 0
+        self.children: dict[int, socket.socket] = {}
+        self.stopping = False
+        self.selector = selectors.DefaultSelector()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.wake_read, self.wake_write = os.pipe()
+
+    def serve(self) -> Run | None:
+        """Answer until stopped (then None, once every run has ended). In a forked
+        process, returns that process's run."""
+        self._listen()
+        while not self.stopping or self.children:
+            for key, _ in self.selector.select():
+                try:
+                    run = self._on_ready(key.fileobj)
+                except Exception:  # a fault of one command's request: the daemon goes on
+                    traceback.print_exc()
+                    if os.getpid() != self.pid:  # in a forked run: never a second daemon
+                        os._exit(1)
+                    continue
+                if run is not None:
+                    return run
+        return None
+
+    def _listen(self) -> None:
+        self.lock = os.open(self.path.with_suffix(".lock"), os.O_WRONLY | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise SystemExit("another genlab daemon of this Python is running") from None
+        if self.path.exists():
+            self.path.unlink()  # left by a daemon that was killed: nobody answers on it
+        self.listener.bind(str(self.path))
+        self.listener.listen(64)
+        os.set_blocking(self.wake_read, False)
+        os.set_blocking(self.wake_write, False)
+        signal.set_wakeup_fd(self.wake_write)
+        signal.signal(signal.SIGCHLD, lambda signum, frame: None)
+        signal.signal(signal.SIGTERM, lambda signum, frame: self._stop())
+        signal.signal(signal.SIGINT, lambda signum, frame: self._stop())
+        signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        self.selector.register(self.listener, selectors.EVENT_READ)
+        self.selector.register(self.wake_read, selectors.EVENT_READ)
+
+    def _on_ready(self, source: Any) -> Run | None:
+        if source is self.listener:
+            return self._accept()
+        if source == self.wake_read:
+            while True:
+                try:
+                    if not os.read(self.wake_read, 512):
+                        break
+                except BlockingIOError:
+                    break
+            self._reap()
+            return None
+        self._client_gone(source)
+        return None
+
+    def _accept(self) -> Run | None:
+        try:
+            conn, _ = self.listener.accept()
+        except OSError:
+            return None
+        try:
+            conn.settimeout(10)
+            if _peer_uid(conn) != os.getuid():
+                conn.close()
+                return None
+            request, fds = protocol.receive(conn, max_fds=3)
+            conn.settimeout(None)
+        except (OSError, ValueError):
+            conn.close()
+            return None
+        if request is None:
+            conn.close()
+            return None
+        try:
+            return self._answer(conn, request, fds)
+        except Exception:  # a request it cannot read: the command runs on its own
+            if os.getpid() != self.pid:
+                raise
+            if not isinstance(sys.exc_info()[1], OSError):
+                traceback.print_exc()
+            conn.close()
+            return None
+        finally:
+            if os.getpid() == self.pid:  # the run's process keeps them, the daemon not
+                _close(fds)
+
+    def _answer(self, conn: socket.socket, request: dict[str, Any],
+                fds: list[int]) -> Run | None:
+        if request.get("stop"):
+            self._stop()  # first: once the command hears back, nothing new comes here
+            protocol.send(conn, {"stopping": os.getpid(), "running": len(self.children)})
+            conn.close()
+            return None
+        if request.get("status"):
+            protocol.send(conn, self._status())
+            conn.close()
+            return None
+        refusal = self._refusal(request)
+        if refusal is not None:
+            protocol.send(conn, {"refused": refusal})
+            conn.close()
+            return None
+        pid = os.fork()
+        if pid == 0:
+            self._leave(keep=conn)
+            conn.close()
+            return Run(request, fds)
+        self.served += 1
+        try:
+            protocol.send(conn, {"pid": pid})
+        except OSError:  # the command is gone already: so is its run (reaped unowned)
+            os.kill(pid, signal.SIGKILL)
+            conn.close()
+            return None
+        self.children[pid] = conn
+        self.selector.register(conn, selectors.EVENT_READ)
+        return None
+
+    def _refusal(self, request: dict[str, Any]) -> str | None:
+        if self.stopping:
+            return "the daemon is stopping"
+        if _files_of(PRELOAD + OWN_MODULES) != self.preloaded:
+            self._stop()
+            return "a library the daemon imported has changed on disk since it started"
+        if request.get("identity") != self.identity:
+            return "the run's interpreter, flags or environment differ from the daemon's"
+        return protocol.unreachable(request["process"])
+
+    def _status(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "started": self.started, "served": self.served,
+                "running": len(self.children), "socket": str(self.path),
+                "identity": self.identity}
+
+    def _reap(self) -> None:
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            conn = self.children.pop(pid, None)
+            if conn is None:
+                continue
+            self.selector.unregister(conn)
+            try:
+                protocol.send(conn, {"status": status})
+            except OSError:
+                pass
+            conn.close()
+
+    def _client_gone(self, conn: socket.socket) -> None:
+        """The command that asked for a run went away before the run ended (killed: a
+        command that ends normally waits for the run's status): end the run too."""
+        if conn.fileno() == -1:  # its run ended, and was reported, in this same round
+            return
+        for pid, owner in self.children.items():
+            if owner is conn:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                del self.children[pid]  # reaped, unowned, on its SIGCHLD
+                break
+        self.selector.unregister(conn)
+        conn.close()
+
+    def _stop(self) -> None:
+        if self.stopping:
+            return
+        self.stopping = True
+        if self.listener in (key.fileobj for key in self.selector.get_map().values()):
+            self.selector.unregister(self.listener)
+        self.listener.close()
+        try:
+            self.path.unlink()
+        except OSError:
+            pass
+
+    def _leave(self, keep: socket.socket) -> None:
+        """In a forked process: let go of what is the daemon's."""
+        signal.set_wakeup_fd(-1)
+        for sig in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self.selector.close()
+        self.listener.close()
+        os.close(self.lock)
+        os.close(self.wake_read)
+        os.close(self.wake_write)
+        for conn in self.children.values():
+            if conn is not keep:
+                conn.close()
+
+
+def _peer_uid(conn: socket.socket) -> int:
+    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
+
+
+def _close(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def _files_of(modules: tuple[str, ...]) -> dict[str, tuple[int, int]]:
+    """Each imported package's file, with its time and size: a changed one (an upgrade)
+    means the daemon runs code the install no longer has."""
+    files = {}
+    for name in modules:
+        path = getattr(sys.modules.get(name), "__file__", None)
+        if path:
+            try:
+                info = os.stat(path)
+            except OSError:
+                files[path] = (0, 0)
+                continue
+            files[path] = (info.st_mtime_ns, info.st_size)
+    return files
+
+
+def become(run: Run) -> None:
+    """In the forked process: take the run's streams, folder, environment, arguments and
+    import path, forget genlab's modules the daemon imported, draw fresh random state."""
+    request = run.request
+    fds = list(run.fds)
+    streams = request["streams"]
+    for target, stream in enumerate(streams):
+        if stream is None:
+            try:
+                os.close(target)
+            except OSError:
+                pass
+            continue
+        fd = fds.pop(0)
+        os.dup2(fd, target)
+        os.close(fd)
+    protocol.take_on(request["process"])
+    os.environ.clear()
+    os.environ.update(request["environment"])
+    os.chdir(request["cwd"])
+    sys.argv = list(request["argv"])
+    sys.path[:] = request["path"]
+    for name in list(sys.modules):
+        if name.split(".")[0] in OWN_PACKAGES:
+            del sys.modules[name]
+    sys.stdin, sys.stdout, sys.stderr = (
+        _text_stream(fd, stream, fd == 0) for fd, stream in enumerate(streams))
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    import torch
+
+    torch.seed()
+    random.seed()
+
+
+def _text_stream(fd: int, stream: dict[str, str] | None, reading: bool) -> Any:
+    """A standard stream on `fd` as Python makes one at start (line-buffered on a
+    terminal, stderr always), with the run's encoding and error handler."""
+    if stream is None:
+        return None
+    buffer = open(fd, "rb" if reading else "wb", closefd=False)  # noqa: SIM115
+    return io.TextIOWrapper(buffer, encoding=stream["encoding"], errors=stream["errors"],
+                            newline="\n", line_buffering=fd == 2 or (
+                                fd == 1 and os.isatty(fd)))
+
+
+def end_run(code: object) -> NoReturn:
+    """End the run as the interpreter would (wait for its threads, run the atexit
+    handlers, flush the standard streams) but without tearing down the modules one by
+    one, torch's most of all: 0.2 s that a process of its own spends, and a forked one
+    need not."""
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    if code is None:
+        status = 0
+    elif isinstance(code, int):
+        status = code & 0xFF
+    else:
+        print(code, file=sys.stderr)
+        status = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
+
+
+def main() -> None:
+    import genlib  # noqa: F401  (before torch: keeps triton away from a CPU torch)
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    sys.modules["pydantic.plugin._loader"].get_plugins()  # reads every package's metadata
+    gc.freeze()  # the forked runs' collections leave the daemon's objects' pages shared
+    run = Daemon(protocol.socket_path()).serve()
+    if run is None:
+        return
+    try:
+        become(run)
+        from cli.main import run as run_command
+    except KeyboardInterrupt:  # Ctrl-C before the command began: it ends as it would
+        end_run(130)
+    try:
+        run_command()
+    except SystemExit as exc:
+        end_run(exc.code)
+    end_run(0)
+
+
+if __name__ == "__main__":
+    main()
