@@ -48,6 +48,8 @@ def start() -> None:
     commands of this Python and environment run forked from it."""
     from cli.render import out
 
+    if not protocol.supported():
+        raise fail(f"the start daemon runs on Linux only, not on {sys.platform}", 1)
     running = ask({"status": True})
     if running is not None:
         out.print(f"the genlab daemon is already running (pid {running['pid']})")

@@ -42,8 +42,14 @@ _HEADER = struct.Struct("!I")
 MAX_MESSAGE = 16 << 20
 
 
+def supported() -> bool:
+    """Linux only: the daemon asks the kernel who connects (SO_PEERCRED) and sets the
+    run's CPUs (sched_setaffinity)."""
+    return sys.platform == "linux"
+
+
 def enabled() -> bool:
-    return os.environ.get(SWITCH, "1") != "0"
+    return supported() and os.environ.get(SWITCH, "1") != "0"
 
 
 def folder() -> Path:
