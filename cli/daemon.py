@@ -16,7 +16,9 @@ from typing import Any
 import typer
 
 from cli import daemon_protocol as protocol
+from cli import output
 from cli.errors import fail, user_errors
+from cli.output import Json, OutputFile, opened, sink
 
 app = typer.Typer(help="Keep torch imported in a background process, so that commands "
                        "start in a fraction of a second.", no_args_is_help=True)
@@ -43,17 +45,32 @@ def ask(message: dict[str, Any]) -> dict[str, Any] | None:
 
 @app.command("start")
 @user_errors
-def start() -> None:
+def start(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Start the daemon in the background (about as long as one command's start); later
     commands of this Python and environment run forked from it."""
     from cli.render import out
 
     if not protocol.supported():
         raise fail(f"the start daemon runs on Linux only, not on {sys.platform}", 1)
+    target = sink(as_json, False, output_file)
     running = ask({"status": True})
-    if running is not None:
-        out.print(f"the genlab daemon is already running (pid {running['pid']})")
-        return
+    already = running is not None
+    if running is None:
+        running = _spawn()
+    with opened(target):
+        if target.machine:
+            target.json_document(output.document(
+                "daemon start", None, socket=running["socket"], pid=running["pid"],
+                already_running=already))
+        elif already:
+            out.print(f"the genlab daemon is already running (pid {running['pid']})")
+        else:
+            out.print(f"started the genlab daemon (pid {running['pid']}); `genlab daemon "
+                      "stop` ends it")
+
+
+def _spawn() -> dict[str, Any]:
+    """Start a daemon in a session of its own; its status once it answers."""
     log = _private_folder() / f"daemon-{protocol.interpreter()}.log"
     root = str(Path(__file__).resolve().parents[1])
     code = f"import sys; sys.path.insert(0, {root!r}); from cli.daemon_server import main; main()"
@@ -67,45 +84,66 @@ def start() -> None:
             raise fail(f"the genlab daemon did not start: {_last_line(log)} (its log: "
                        f"{log})", 1)
         time.sleep(0.05)
-    out.print(f"started the genlab daemon (pid {running['pid']}); `genlab daemon stop` "
-              "ends it")
+    return running
 
 
 @app.command("stop")
 @user_errors
-def stop() -> None:
+def stop(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Stop the daemon: it takes no more commands, and ends when those it runs end."""
     from cli.render import out
 
+    target = sink(as_json, False, output_file)
     reply = ask({"stop": True})
-    if reply is None:
-        out.print("no genlab daemon is running")
-        return
-    others = _others(reply["running"], reply["stopping"])
-    still = "" if not others else "; it ends when the command it runs ends" \
-        if others == 1 else f"; it ends when the {others} commands it runs end"
-    out.print(f"stopped the genlab daemon (pid {reply['stopping']}){still}")
+    others = 0 if reply is None else _others(reply["running"], reply["stopping"])
+    with opened(target):
+        if target.machine:
+            target.json_document(output.document(
+                "daemon stop", None, socket=str(protocol.socket_path()),
+                pid=None if reply is None else reply["stopping"], still_running=others))
+        elif reply is None:
+            out.print("no genlab daemon is running")
+        else:
+            still = "" if not others else "; it ends when the command it runs ends" \
+                if others == 1 else f"; it ends when the {others} commands it runs end"
+            out.print(f"stopped the genlab daemon (pid {reply['stopping']}){still}")
 
 
 @app.command("status")
 @user_errors
-def status() -> None:
+def status(as_json: Json = False, output_file: OutputFile = None) -> None:
     """Whether the daemon runs, what it has served, and whether it serves commands run
     from this environment. Exit status 3 when none runs."""
+    target = sink(as_json, False, output_file)
+    reply = ask({"status": True})
+    state = None if reply is None else {
+        "pid": reply["pid"], "uptime_seconds": round(time.time() - reply["started"], 3),
+        "resident_bytes": _resident_bytes(reply["pid"]), "served": reply["served"],
+        "running": _others(reply["running"], reply["pid"]),
+        "differences": _differences(reply["identity"], protocol.identity())}
+    with opened(target):
+        if target.machine:
+            target.json_document(output.document(
+                "daemon status", None, socket=str(protocol.socket_path()), daemon=state))
+        else:
+            _show_status(state)
+    if state is None:
+        raise typer.Exit(NOT_RUNNING)
+
+
+def _show_status(state: dict[str, Any] | None) -> None:
     from cli.cache import size_text
     from cli.render import out
 
-    reply = ask({"status": True})
-    if reply is None:
+    if state is None:
         out.print("no genlab daemon is running (`genlab daemon start` starts one)")
-        raise typer.Exit(NOT_RUNNING)
-    uptime = _duration(time.time() - reply["started"])
-    rss = _resident_bytes(reply["pid"])
+        return
+    rss = state["resident_bytes"]
     memory = f", {size_text(rss)} resident" if rss is not None else ""
-    out.print(f"the genlab daemon is running (pid {reply['pid']}, up {uptime}{memory}); "
-              f"commands served {reply['served']}, running now "
-              f"{_others(reply['running'], reply['pid'])}")
-    differ = _differences(reply["identity"], protocol.identity())
+    out.print(f"the genlab daemon is running (pid {state['pid']}, up "
+              f"{_duration(state['uptime_seconds'])}{memory}); commands served "
+              f"{state['served']}, running now {state['running']}")
+    differ = state["differences"]
     if differ:
         verb = "differs" if len(differ) == 1 else "differ"
         out.print(f"it does not serve commands run from here: {', '.join(differ)} {verb} "

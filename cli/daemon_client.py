@@ -46,6 +46,9 @@ def run_in_daemon() -> int | None:
             reply = None
         if reply is None or not isinstance(reply.get("pid"), int):
             relay.release()
+            if reply is not None and reply.get("stopped"):  # later commands start slowly
+                print(f"the start daemon stopped: {reply.get('refused')}; `genlab daemon "
+                      "start` starts a new one", file=sys.stderr)
             return None
         relay.to(reply["pid"])
         return _wait(sock)

@@ -55,6 +55,7 @@ class Run:
 class Daemon:
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.lock = -1
         self.pid = os.getpid()
         self.identity = protocol.identity()
         self.preloaded = _files_of(PRELOAD + OWN_MODULES)
@@ -162,7 +163,7 @@ class Daemon:
             return None
         refusal = self._refusal(request)
         if refusal is not None:
-            protocol.send(conn, {"refused": refusal})
+            protocol.send(conn, {"refused": refusal, "stopped": self.stopping})
             conn.close()
             return None
         pid = os.fork()
@@ -234,6 +235,9 @@ class Daemon:
         if self.stopping:
             return
         self.stopping = True
+        if self.lock >= 0:
+            os.close(self.lock)  # a new daemon may start while this one's runs end
+            self.lock = -1
         if self.listener in (key.fileobj for key in self.selector.get_map().values()):
             self.selector.unregister(self.listener)
         self.listener.close()
@@ -250,7 +254,8 @@ class Daemon:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         self.selector.close()
         self.listener.close()
-        os.close(self.lock)
+        if self.lock >= 0:
+            os.close(self.lock)
         os.close(self.wake_read)
         os.close(self.wake_write)
         for conn in self.children.values():

@@ -124,6 +124,8 @@ def run() -> None:
         code = app(standalone_mode=False) or 0
     except typer.Abort:
         code = fail("aborted", 1).exit_code
+    except KeyboardInterrupt:  # before a command ran (Typer building the command line)
+        code = fail("interrupted", INTERRUPTED).exit_code
     except SystemExit as exc:
         code = exc.code
     except OSError as exc:  # --help and --version write outside any command's guard

@@ -222,6 +222,29 @@ def test_ctrl_c_outside_a_generation_loop_is_one_line_and_exit_130(monkeypatch):
     assert result.stderr.strip() == "error: interrupted"
 
 
+def test_ctrl_c_while_typer_builds_the_command_line_is_one_line_and_exit_130(
+        monkeypatch, capsys):
+    import signal
+
+    import typer.main
+
+    import cli.main
+
+    def get_command(app):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(typer.main, "get_command", get_command)
+    monkeypatch.setattr(sys, "argv", ["genlab", "generate", "x"])
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        with pytest.raises(SystemExit) as ended:
+            cli.main.run()
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert ended.value.code == 130
+    assert capsys.readouterr().err == "error: interrupted\n"
+
+
 def test_stop_flag_understands_escapes():
     result = invoke("generate", "Once upon a time", *MODEL, "-n", "200", "--stop", "\\n",
                     "--json")

@@ -280,6 +280,24 @@ def test_the_interactive_session_is_the_same_on_a_terminal(daemon, cold):
     assert ours.count("genlab> ") == 2
 
 
+def test_the_daemon_commands_documents_validate_and_say_what_runs(daemon):
+    from tests.test_output import errors
+
+    pid = ask(daemon, {"status": True})["pid"]
+    started = json.loads(genlab(daemon, "daemon", "start", "--json").stdout)
+    assert errors(started) == []
+    assert (started["pid"], started["already_running"]) == (pid, True)
+    result = genlab(daemon, "daemon", "status", "--json")
+    assert result.returncode == 0
+    status = json.loads(result.stdout)
+    assert errors(status) == []
+    assert status["daemon"]["pid"] == pid and status["daemon"]["differences"] == []
+    assert status["daemon"]["running"] == 0 and status["daemon"]["resident_bytes"] > 50e6
+    other = json.loads(genlab({**daemon, "OMP_NUM_THREADS": "1"}, "daemon", "status",
+                              "--json").stdout)
+    assert other["daemon"]["differences"] == ["OMP_NUM_THREADS"]
+
+
 def test_start_twice_says_it_runs_and_status_shows_it(daemon):
     again = genlab(daemon, "daemon", "start")
     assert again.returncode == 0
@@ -290,27 +308,59 @@ def test_start_twice_says_it_runs_and_status_shows_it(daemon):
     assert "it serves commands run from here" in status.stdout
 
 
-def test_stop_lets_running_commands_end_then_nothing_is_served(tmp_path):
+def test_stop_lets_running_commands_end_and_a_new_daemon_start_meanwhile(tmp_path):
+    """An interactive session holds its run until its input ends: the daemon stopped
+    under it lets it finish, and a new daemon starts in the meantime."""
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), protocol.SWITCH: "1"}
     assert genlab(env, "daemon", "start").returncode == 0
-    out = tmp_path / "out.txt"
-    with open(out, "w") as stdout:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG, "--json",
-                                 "def f("], cwd=ROOT, env=env, stdout=stdout,
-                                stderr=subprocess.PIPE, text=True)
-        while ask(env, {"status": True})["running"] == 0 and proc.poll() is None:
+    session = subprocess.Popen([sys.executable, "-m", "cli", "generate", *MODEL, "-i", "-n",
+                                "4"], cwd=ROOT, env=env, stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        while ask(env, {"status": True})["running"] == 0 and session.poll() is None:
             time.sleep(0.01)
-        stopped = genlab(env, "daemon", "stop")
-        _, err = proc.communicate(timeout=120)
+        stopped = genlab(env, "daemon", "stop", "--json")
+        new = genlab(env, "daemon", "start", "--json")
+        assert session.poll() is None  # the old daemon's run still goes on
+        out, err = session.communicate("Once upon a time\n", timeout=120)
+    finally:
+        session.kill()
     assert stopped.returncode == 0
-    assert stopped.stdout.startswith("stopped the genlab daemon (pid ")
-    assert stopped.stdout.endswith("; it ends when the command it runs ends\n")
-    assert proc.returncode == 0, err
-    assert len(json.loads(out.read_text())["outputs"][0]["token_ids"]) == 1000
+    document = json.loads(stopped.stdout)
+    assert document["still_running"] == 1 and document["pid"] > 1
+    assert session.returncode == 0, err
+    alone = genlab({**env, protocol.SWITCH: "0"}, "generate", *MODEL, "-i", "-n", "4",
+                   input="Once upon a time\n")
+    assert out == alone.stdout and ", there" in out
+    assert new.returncode == 0, new.stderr
+    assert json.loads(new.stdout)["already_running"] is False
+    assert json.loads(new.stdout)["pid"] != document["pid"]
+    assert json.loads(genlab(env, "daemon", "stop", "--json").stdout)["still_running"] == 0
     status = genlab(env, "daemon", "status")
     assert status.returncode == 3
     assert status.stdout.startswith("no genlab daemon is running")
     assert genlab(env, "daemon", "stop").stdout == "no genlab daemon is running\n"
+
+
+def test_code_changed_under_the_daemon_stops_it_and_the_command_runs_on_its_own(tmp_path):
+    """The daemon runs cli/daemon_server.py and cli/daemon_protocol.py as they were when
+    it started: a newer file on disk (an upgrade, an edit) stops it at the next command,
+    which runs in a process of its own and says so."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), protocol.SWITCH: "1"}
+    assert genlab(env, "daemon", "start").returncode == 0
+    source = Path(protocol.__file__)
+    before = source.stat()
+    try:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns + 10**9))
+        result = genlab(env, "generate", *MODEL, "-n", "4", "Once")
+    finally:
+        os.utime(source, ns=(before.st_atime_ns, before.st_mtime_ns))
+        genlab(env, "daemon", "stop")
+    assert result.returncode == 0 and result.stdout == " upon a time,\n"
+    assert result.stderr == ("the start daemon stopped: a library the daemon imported has "
+                             "changed on disk since it started; `genlab daemon start` "
+                             "starts a new one\n")
+    assert genlab(env, "daemon", "status").returncode == 3
 
 
 def test_a_socket_folder_others_may_enter_is_refused(tmp_path):

@@ -423,7 +423,8 @@ def test_every_command_takes_json_and_its_document_is_validated_here():
     commands = dict(leaf_commands(typer.main.get_command(app)))
     assert {name for name, opts in commands.items() if "--json" not in opts} == set()
     assert {name for name, opts in commands.items() if "-o" not in opts} == set()
-    validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS) | set(CACHE)
+    validated = {args[0] for args in DOCUMENTS.values()} | set(PRESETS) | set(CACHE) | \
+        set(DAEMON)
     assert set(commands) == validated
 
 
@@ -482,6 +483,20 @@ def test_a_run_stopped_before_any_backend_ran_is_still_a_valid_document(monkeypa
 # --- cache -------------------------------------------------------------------------------
 
 CACHE = {"cache list": ["cache", "list"], "cache clear": ["cache", "clear"]}
+# Validated with a daemon running in tests/test_daemon.py, and without one here.
+DAEMON = {"daemon start": ["daemon", "start"], "daemon stop": ["daemon", "stop"],
+          "daemon status": ["daemon", "status"]}
+
+
+def test_daemon_documents_without_a_daemon_validate(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path))
+    stopped = json.loads(run(*DAEMON["daemon stop"], "--json").stdout)
+    assert errors(stopped) == [] and (stopped["pid"], stopped["still_running"]) == (None, 0)
+    result = CliRunner().invoke(app, [*DAEMON["daemon status"], "--json"])
+    assert result.exit_code == 3
+    status = json.loads(result.stdout)
+    assert errors(status) == [] and status["daemon"] is None
+    assert status["socket"].startswith(str(tmp_path / "genlab" / "daemon-"))
 
 
 def test_cache_documents_validate_and_say_what_the_cache_held(tmp_path, monkeypatch):
