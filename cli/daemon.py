@@ -6,7 +6,6 @@ with GENLAB_DAEMON=0. None of these commands imports torch."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,13 +28,11 @@ START_TIMEOUT_S = 120.0
 
 def ask(message: dict[str, Any]) -> dict[str, Any] | None:
     """The running daemon's answer to `message`; None when none answers."""
-    path = protocol.socket_path()
-    if not path.exists():
+    sock = protocol.connect(protocol.socket_path(), timeout=10)
+    if sock is None:
         return None
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-        sock.settimeout(10)
+    with sock:
         try:
-            sock.connect(str(path))
             protocol.send(sock, message)
             reply, _ = protocol.receive(sock)
         except (OSError, ValueError):
@@ -74,8 +71,9 @@ def _spawn() -> dict[str, Any]:
     log = _private_folder() / f"daemon-{protocol.interpreter()}.log"
     root = str(Path(__file__).resolve().parents[1])
     code = f"import sys; sys.path.insert(0, {root!r}); from cli.daemon_server import main; main()"
-    with open(log, "w", encoding="utf-8") as written:
-        process = subprocess.Popen([sys.executable, "-c", code], cwd="/",
+    flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]
+    with open(log, "a", encoding="utf-8") as written:  # a second start may be racing
+        process = subprocess.Popen([sys.executable, *flags, "-c", code], cwd="/",
                                    stdin=subprocess.DEVNULL, stdout=written,
                                    stderr=written, start_new_session=True)
     deadline = time.monotonic() + START_TIMEOUT_S

@@ -2,10 +2,11 @@
 is, which runs it may serve, and how a message is framed. Standard library only: the
 command reads this before it imports anything else.
 
-A run is one message from the command: its arguments, folder, environment, import path
-and standard streams (their descriptors ride along, SCM_RIGHTS). The daemon answers with
-the pid of the process it forked for the run, then, when that process ends, with its wait
-status; or at once with why it will not serve the run."""
+A run is one message from the command: its arguments, folder, environment, import path,
+process state and standard streams (their descriptors ride along, SCM_RIGHTS). Either
+the daemon answers at once with why it will not serve the run, or the process it forks
+for the run takes the command on and says `ready` (or `failed`, and the command runs on
+its own); when that process ends, the daemon reports its wait status."""
 
 from __future__ import annotations
 
@@ -22,16 +23,18 @@ from pathlib import Path
 from typing import Any
 
 # The messages' version: a command and a daemon of different versions do not talk.
-VERSION = 1
+VERSION = 2
 
 # Off switch: GENLAB_DAEMON=0 runs every command in its own process, as before.
 SWITCH = "GENLAB_DAEMON"
 
 # Variables the libraries the daemon imports read when they are imported (thread pools,
-# allocators, the locale), so a run may differ from the daemon's only where it would have
-# made no difference: a run whose values differ starts on its own.
-_FIXED_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "TORCH",
-                   "PYTORCH_", "CUDA", "LD_", "LC_", "NUMEXPR_")
+# allocators, CPU dispatch, the locale, Typer's look), so a run may differ from the
+# daemon's only where it would have made no difference: a run whose values differ
+# starts on its own.
+_FIXED_PREFIXES = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "GOTO_", "OPENBLAS_", "TORCH",
+                   "PYTORCH_", "ATEN_", "CUDA", "LD_", "LC_", "NUMEXPR_", "NPY_", "NUMPY_",
+                   "MALLOC_", "GLIBC_", "TYPER_", "_TYPER_")
 _FIXED_NAMES = ("LANG", "LANGUAGE")
 
 # The limits a command's shell may set (`ulimit`) that its run must keep.
@@ -39,6 +42,7 @@ _LIMITS = ("RLIMIT_AS", "RLIMIT_CORE", "RLIMIT_CPU", "RLIMIT_DATA", "RLIMIT_FSIZ
            "RLIMIT_MEMLOCK", "RLIMIT_NOFILE", "RLIMIT_NPROC", "RLIMIT_RSS", "RLIMIT_STACK")
 
 _HEADER = struct.Struct("!I")
+_CREDENTIALS = struct.Struct("3i")  # SO_PEERCRED: pid, uid, gid
 MAX_MESSAGE = 16 << 20
 
 
@@ -81,6 +85,34 @@ def socket_path() -> Path:
     return folder() / f"daemon-{interpreter()}.sock"
 
 
+def connect(path: Path, timeout: float | None = None) -> socket.socket | None:
+    """A connection to this user's daemon at `path`; None when there is none, or when
+    the socket, its folder or the process that answers are not this user's alone (a
+    command hands the daemon its environment and its terminal)."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return None
+    if not (stat.S_ISSOCK(info.st_mode) and info.st_uid == os.getuid()
+            and private(path.parent)):
+        return None
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        if peer_uid(sock) != os.getuid():
+            raise ConnectionRefusedError
+    except OSError:
+        sock.close()
+        return None
+    return sock
+
+
+def peer_uid(sock: socket.socket) -> int:
+    credentials = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _CREDENTIALS.size)
+    return _CREDENTIALS.unpack(credentials)[1]
+
+
 def fixed_environment(environ: dict[str, str]) -> dict[str, str]:
     """The part of an environment that a daemon's imports have already read."""
     return {name: value for name, value in environ.items()
@@ -90,30 +122,46 @@ def fixed_environment(environ: dict[str, str]) -> dict[str, str]:
 def identity() -> dict[str, Any]:
     """What a run must share with the daemon to be served by it."""
     return {"version": VERSION, "interpreter": interpreter(), "flags": repr(sys.flags),
+            "options": [list(sys.warnoptions), repr(sorted(sys._xoptions.items()))],
             "environment": fixed_environment(dict(os.environ))}
 
 
 def process_state() -> dict[str, Any]:
     """What a process inherits that its environment does not say: the file mode mask,
-    the CPUs it may run on (`taskset`), its niceness (`nice`) and its limits (`ulimit`)."""
+    the CPUs it may run on (`taskset`), its niceness (`nice`), its limits (`ulimit`),
+    and what it may do as whom (groups, control group)."""
     mask = os.umask(0)
     os.umask(mask)
     return {"umask": mask, "cpus": sorted(os.sched_getaffinity(0)),
             "nice": os.getpriority(os.PRIO_PROCESS, 0),
             "limits": {name: resource.getrlimit(getattr(resource, name))
-                       for name in _LIMITS if hasattr(resource, name)}}
+                       for name in _LIMITS if hasattr(resource, name)},
+            "groups": [os.getgid(), os.getegid(), sorted(os.getgroups())],
+            "cgroup": _cgroup()}
+
+
+def _cgroup() -> str:
+    try:
+        with open("/proc/self/cgroup", encoding="utf-8") as cgroup:
+            return cgroup.read()
+    except OSError:
+        return ""
 
 
 def unreachable(state: dict[str, Any]) -> str | None:
     """Why this process could not take on `state` (a higher priority or a higher hard
-    limit than its own need privileges), or None."""
-    if state["nice"] < os.getpriority(os.PRIO_PROCESS, 0):
+    limit than its own need privileges; groups and control groups it cannot change),
+    or None."""
+    ours = process_state()
+    if state["groups"] != ours["groups"] or state["cgroup"] != ours["cgroup"]:
+        return "other groups or another control group than the daemon's"
+    if state["nice"] < ours["nice"]:
         return "a higher priority than the daemon's"
-    if not set(state["cpus"]) <= os.sched_getaffinity(0):
+    if not set(state["cpus"]) <= set(ours["cpus"]):
         return "CPUs the daemon may not run on"
     for name, (_, hard) in state["limits"].items():
-        ours = resource.getrlimit(getattr(resource, name))[1]
-        if ours != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > ours):
+        mine = ours["limits"][name][1]
+        if mine != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or hard > mine):
             return f"a higher {name} limit than the daemon's"
     return None
 

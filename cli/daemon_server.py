@@ -1,8 +1,8 @@
 """The start daemon: a process that has imported torch and the other libraries a command
 needs (about 1.2 s of every start) and forks a process for each run of `genlab` that asks.
-The forked process takes the run's standard streams, folder, environment and arguments,
-imports genlab's own modules afresh from the run's import path, and runs the command as
-a process of its own would; the daemon reports its wait status back.
+The forked process takes the run's standard streams, folder, environment, arguments and
+process state, imports genlab's own modules afresh from the run's import path, and runs
+the command as a process of its own would; the daemon reports its wait status back.
 
     genlab daemon start      # starts this in the background (cli/daemon.py)
 
@@ -13,6 +13,7 @@ killed too) and a pipe that SIGCHLD writes to."""
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import gc
 import importlib
@@ -22,11 +23,12 @@ import random
 import selectors
 import signal
 import socket
-import struct
 import sys
+import tempfile
 import threading
 import time
 import traceback
+import types
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -42,21 +44,27 @@ PRELOAD = ("torch", "numpy", "safetensors.torch", "tokenizers", "typer", "typer.
 OWN_PACKAGES = ("cli", "genlib")
 # genlab's modules the daemon itself runs: changed on disk, it runs code that is gone.
 OWN_MODULES = ("cli.daemon_server", "cli.daemon_protocol")
+# Signals held from just before a fork until the run has taken its own handlers, so that
+# none reaches the daemon's handlers in the forked process.
+HELD = {signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD}
+CHECK_S = 60.0  # how often an idle daemon checks that its socket is still its own
 
 
 class Run:
     """A request to run one command, as the forked process receives it."""
 
-    def __init__(self, request: dict[str, Any], fds: list[int]) -> None:
+    def __init__(self, request: dict[str, Any], fds: list[int], conn: socket.socket) -> None:
         self.request = request
         self.fds = fds
+        self.conn = conn  # to say `ready` or `failed` on, then close
 
 
 class Daemon:
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.lock = -1
         self.pid = os.getpid()
+        self.lock = -1
+        self.inode = 0
         self.identity = protocol.identity()
         self.preloaded = _files_of(PRELOAD + OWN_MODULES)
         self.started = time.time()
@@ -72,7 +80,10 @@ class Daemon:
         process, returns that process's run."""
         self._listen()
         while not self.stopping or self.children:
-            for key, _ in self.selector.select():
+            events = self.selector.select(CHECK_S)
+            if not events and not self._still_reachable():
+                self._stop()
+            for key, _ in events:
                 try:
                     run = self._on_ready(key.fileobj)
                 except Exception:  # a fault of one command's request: the daemon goes on
@@ -93,6 +104,7 @@ class Daemon:
         if self.path.exists():
             self.path.unlink()  # left by a daemon that was killed: nobody answers on it
         self.listener.bind(str(self.path))
+        self.inode = os.stat(self.path).st_ino
         self.listener.listen(64)
         os.set_blocking(self.wake_read, False)
         os.set_blocking(self.wake_write, False)
@@ -103,6 +115,14 @@ class Daemon:
         signal.signal(signal.SIGHUP, signal.SIG_IGN)
         self.selector.register(self.listener, selectors.EVENT_READ)
         self.selector.register(self.wake_read, selectors.EVENT_READ)
+
+    def _still_reachable(self) -> bool:
+        """Whether the socket on disk is still this daemon's: a cleaner of the runtime
+        or temporary folder may have removed it, and nothing could reach it again."""
+        try:
+            return os.stat(self.path).st_ino == self.inode
+        except OSError:
+            return False
 
     def _on_ready(self, source: Any) -> Run | None:
         if source is self.listener:
@@ -125,8 +145,8 @@ class Daemon:
         except OSError:
             return None
         try:
-            conn.settimeout(10)
-            if _peer_uid(conn) != os.getuid():
+            conn.settimeout(2)  # a command sends its request at once
+            if protocol.peer_uid(conn) != os.getuid():
                 conn.close()
                 return None
             request, fds = protocol.receive(conn, max_fds=3)
@@ -161,28 +181,23 @@ class Daemon:
             protocol.send(conn, self._status())
             conn.close()
             return None
-        refusal = self._refusal(request)
+        refusal = self._refusal(request, fds)
         if refusal is not None:
             protocol.send(conn, {"refused": refusal, "stopped": self.stopping})
             conn.close()
             return None
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
         pid = os.fork()
         if pid == 0:
             self._leave(keep=conn)
-            conn.close()
-            return Run(request, fds)
+            return Run(request, fds, conn)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
         self.served += 1
-        try:
-            protocol.send(conn, {"pid": pid})
-        except OSError:  # the command is gone already: so is its run (reaped unowned)
-            os.kill(pid, signal.SIGKILL)
-            conn.close()
-            return None
         self.children[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ)
         return None
 
-    def _refusal(self, request: dict[str, Any]) -> str | None:
+    def _refusal(self, request: dict[str, Any], fds: list[int]) -> str | None:
         if self.stopping:
             return "the daemon is stopping"
         if _files_of(PRELOAD + OWN_MODULES) != self.preloaded:
@@ -190,6 +205,8 @@ class Daemon:
             return "a library the daemon imported has changed on disk since it started"
         if request.get("identity") != self.identity:
             return "the run's interpreter, flags or environment differ from the daemon's"
+        if len(fds) != sum(stream is not None for stream in request["streams"]):
+            return "the run's standard streams did not all arrive"
         return protocol.unreachable(request["process"])
 
     def _status(self) -> dict[str, Any]:
@@ -232,19 +249,17 @@ class Daemon:
         conn.close()
 
     def _stop(self) -> None:
-        if self.stopping:
+        if self.stopping or os.getpid() != self.pid:
             return
         self.stopping = True
-        if self.lock >= 0:
-            os.close(self.lock)  # a new daemon may start while this one's runs end
-            self.lock = -1
         if self.listener in (key.fileobj for key in self.selector.get_map().values()):
             self.selector.unregister(self.listener)
         self.listener.close()
-        try:
+        if self._still_reachable():
             self.path.unlink()
-        except OSError:
-            pass
+        if self.lock >= 0:
+            os.close(self.lock)  # a new daemon may start while this one's runs end
+            self.lock = -1
 
     def _leave(self, keep: socket.socket) -> None:
         """In a forked process: let go of what is the daemon's."""
@@ -261,11 +276,6 @@ class Daemon:
         for conn in self.children.values():
             if conn is not keep:
                 conn.close()
-
-
-def _peer_uid(conn: socket.socket) -> int:
-    creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    return struct.unpack("3i", creds)[1]
 
 
 def _close(fds: list[int]) -> None:
@@ -290,11 +300,39 @@ def _files_of(modules: tuple[str, ...]) -> dict[str, tuple[int, int]]:
 
 
 def become(run: Run) -> None:
-    """In the forked process: take the run's streams, folder, environment, arguments and
-    import path, forget genlab's modules the daemon imported, draw fresh random state."""
+    """In the forked process: take the run's streams, folder, environment, arguments,
+    import path, process state and ignored signals; forget genlab's modules and the
+    caches the daemon holds; draw fresh random state."""
     request = run.request
-    fds = list(run.fds)
-    streams = request["streams"]
+    _take_streams(request["streams"], list(run.fds))
+    protocol.take_on(request["process"])
+    os.environ.clear()
+    os.environ.update(request["environment"])
+    os.chdir(request["cwd"])
+    time.tzset()
+    tempfile.tempdir = None
+    sys.argv = list(request["argv"])
+    sys.orig_argv = list(request["orig_argv"])
+    sys.path[:] = request["path"]
+    for name in list(sys.modules):
+        if name.split(".")[0] in OWN_PACKAGES:
+            del sys.modules[name]
+    importlib.invalidate_caches()
+    main = types.ModuleType("__main__")
+    main.__package__ = request["main_package"]  # `python -m cli` names itself so
+    sys.modules["__main__"] = main
+    for number in request["ignored_signals"]:
+        signal.signal(number, signal.SIG_IGN)
+    import torch
+
+    if len(request["process"]["cpus"]) != len(DAEMON_CPUS) and \
+            "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(len(request["process"]["cpus"]))  # as OpenMP counts at start
+    torch.seed()
+    random.seed()
+
+
+def _take_streams(streams: list[dict[str, str] | None], fds: list[int]) -> None:
     for target, stream in enumerate(streams):
         if stream is None:
             try:
@@ -305,43 +343,28 @@ def become(run: Run) -> None:
         fd = fds.pop(0)
         os.dup2(fd, target)
         os.close(fd)
-    protocol.take_on(request["process"])
-    os.environ.clear()
-    os.environ.update(request["environment"])
-    os.chdir(request["cwd"])
-    sys.argv = list(request["argv"])
-    sys.path[:] = request["path"]
-    for name in list(sys.modules):
-        if name.split(".")[0] in OWN_PACKAGES:
-            del sys.modules[name]
     sys.stdin, sys.stdout, sys.stderr = (
-        _text_stream(fd, stream, fd == 0) for fd, stream in enumerate(streams))
+        _text_stream(fd, stream) for fd, stream in enumerate(streams))
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
-    import torch
-
-    torch.seed()
-    random.seed()
 
 
-def _text_stream(fd: int, stream: dict[str, str] | None, reading: bool) -> Any:
-    """A standard stream on `fd` as Python makes one at start (line-buffered on a
-    terminal, stderr always), with the run's encoding and error handler."""
+def _text_stream(fd: int, stream: dict[str, Any] | None) -> Any:
+    """A standard stream on `fd` as the command's Python made it: its encoding, error
+    handler and buffering (line by line on a terminal, written through under -u)."""
     if stream is None:
         return None
-    buffer = open(fd, "rb" if reading else "wb", closefd=False)  # noqa: SIM115
+    buffer = open(fd, "rb" if fd == 0 else "wb", closefd=False)  # noqa: SIM115
     return io.TextIOWrapper(buffer, encoding=stream["encoding"], errors=stream["errors"],
-                            newline="\n", line_buffering=fd == 2 or (
-                                fd == 1 and os.isatty(fd)))
+                            newline="\n", line_buffering=stream["line_buffering"],
+                            write_through=stream["write_through"])
 
 
 def end_run(code: object) -> NoReturn:
     """End the run as the interpreter would (wait for its threads, run the atexit
-    handlers, flush the standard streams) but without tearing down the modules one by
+    handlers, flush the streams, C's too) but without tearing down the modules one by
     one, torch's most of all: 0.2 s that a process of its own spends, and a forked one
     need not."""
-    for thread in threading.enumerate():
-        if thread is not threading.current_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # type: ignore[attr-defined]  # the interpreter's own wait
     atexit._run_exitfuncs()
     if code is None:
         status = 0
@@ -356,7 +379,30 @@ def end_run(code: object) -> NoReturn:
                 stream.flush()
         except (OSError, ValueError):
             pass
+    ctypes.CDLL(None).fflush(None)
     os._exit(status)
+
+
+def _start(run: Run) -> Any:
+    """In the forked process: take the command on and say so to it, then take signals
+    again; genlab's `run`. A run that cannot take it on says why and ends: the command
+    then runs on its own."""
+    try:
+        become(run)
+    except Exception as exc:  # noqa: BLE001  (whatever it is, the command runs alone)
+        protocol.send(run.conn, {"failed": f"{type(exc).__name__}: {exc}"})
+        os._exit(1)
+    protocol.send(run.conn, {"ready": os.getpid()})
+    run.conn.close()
+    try:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
+        from cli.main import run as run_command
+    except KeyboardInterrupt:  # Ctrl-C before the command began: it ends as it would
+        end_run(130)
+    return run_command
+
+
+DAEMON_CPUS: set[int] = set()
 
 
 def main() -> None:
@@ -365,15 +411,13 @@ def main() -> None:
     for name in PRELOAD:
         importlib.import_module(name)
     sys.modules["pydantic.plugin._loader"].get_plugins()  # reads every package's metadata
+    DAEMON_CPUS.update(os.sched_getaffinity(0))
+    sys.stdout.flush()
     gc.freeze()  # the forked runs' collections leave the daemon's objects' pages shared
     run = Daemon(protocol.socket_path()).serve()
     if run is None:
         return
-    try:
-        become(run)
-        from cli.main import run as run_command
-    except KeyboardInterrupt:  # Ctrl-C before the command began: it ends as it would
-        end_run(130)
+    run_command = _start(run)
     try:
         run_command()
     except SystemExit as exc:

@@ -86,27 +86,40 @@ def test_a_served_command_prints_and_exits_as_its_own_process_would(daemon, cold
 
 def test_a_served_usage_error_is_the_same_line_and_status(daemon, cold):
     args = ("generate", *MODEL, "--temperature", "-3", "x")
+    before = served(daemon)
     by_daemon, alone = genlab(daemon, *args), genlab(cold, *args)
+    assert served(daemon) == before + 1
     assert by_daemon.returncode == alone.returncode == 2
     assert by_daemon.stderr == alone.stderr
     assert by_daemon.stderr.startswith("error: ") and by_daemon.stderr.count("\n") == 1
 
 
-def test_a_closed_stdout_is_closed_for_the_run_too(daemon, cold):
-    code = ("import os, runpy, sys; os.close(1); sys.argv = ['genlab', *sys.argv[1:]]; "
+@pytest.mark.parametrize(("closed", "status", "says"), [
+    (1, 2, "standard output is closed"), (0, 0, ""), (2, 0, None)])
+def test_a_closed_standard_stream_is_closed_for_the_run_too(daemon, cold, closed, status,
+                                                             says):
+    """`>&-`, `<&-`, `2>&-`: the run sees the stream closed, as the command would; with
+    stdin closed the prompt is the argument, with stderr closed nothing is said."""
+    code = (f"import os, runpy, sys; os.close({closed}); sys.argv = ['genlab', *sys.argv[1:]]; "
             "runpy.run_module('cli', run_name='__main__')")
     args = [sys.executable, "-c", code, "generate", *MODEL, "-n", "4", "Once"]
+    before = served(daemon)
     results = [subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=300) for env in (daemon, cold)]
-    assert results[0].returncode == results[1].returncode == 2
-    assert results[0].stderr == results[1].stderr
-    assert "standard output is closed" in results[0].stderr
+    assert served(daemon) == before + 1
+    assert results[0].returncode == results[1].returncode == status
+    assert (results[0].stdout, results[0].stderr) == (results[1].stdout, results[1].stderr)
+    if says is not None:
+        assert says in results[0].stderr
+    if closed != 1:
+        assert results[0].stdout == " upon a time,\n"
 
 
 @pytest.mark.parametrize(("signum", "status"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_signal_to_the_command_stops_the_run_as_it_would_stop_the_command(
         daemon, tmp_path, signum, status):
     out = tmp_path / "out.txt"
+    before = served(daemon)
     with open(out, "w") as stdout:
         proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG, "def f("],
                                 cwd=ROOT, env=daemon, stdout=stdout,
@@ -114,9 +127,105 @@ def test_a_signal_to_the_command_stops_the_run_as_it_would_stop_the_command(
         wait_for_bytes(out, 40, proc)
         proc.send_signal(signum)
         _, err = proc.communicate(timeout=60)
+    assert served(daemon) == before + 1
+    assert ask(daemon, {"status": True})["running"] == 0
     assert proc.returncode == status, err
     assert "Traceback" not in err
     assert out.stat().st_size >= 40  # what it printed stays
+
+
+def test_a_run_the_system_kills_ends_its_command_as_killed(daemon, tmp_path):
+    """The run killed outright (the out-of-memory killer): the command ends by SIGKILL
+    too, as it would have, without a traceback of its own."""
+    parent = ask(daemon, {"status": True})["pid"]
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG, "def f("],
+                                cwd=ROOT, env=daemon, stdout=stdout,
+                                stderr=subprocess.PIPE, text=True)
+        wait_for_bytes(out, 40, proc)
+        os.kill(_child_of(parent, proc), signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert err == ""
+
+
+def test_a_command_that_ignores_hangups_keeps_its_run_through_one(daemon, tmp_path):
+    """`nohup genlab ...`: SIGHUP is ignored by the command, so by its run too."""
+    proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "-m", str(CODE_TARGET),
+                             "-n", "300", "--ignore-eos", "def f("], cwd=ROOT, env=daemon,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    while ask(daemon, {"status": True})["running"] == 0 and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGHUP)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    alone = genlab({**daemon, protocol.SWITCH: "0"}, "generate", "-m", str(CODE_TARGET),
+                   "-n", "300", "--ignore-eos", "def f(")
+    assert out == alone.stdout
+
+
+def test_the_daemon_killed_mid_run_leaves_the_command_waiting_for_its_run(tmp_path):
+    """Its daemon gone, a command cannot learn its run's status: it waits for the run
+    (which still writes its output), then fails in one line."""
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), protocol.SWITCH: "1"}
+    assert genlab(env, "daemon", "start").returncode == 0
+    pid = ask(env, {"status": True})["pid"]
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG, "--json",
+                                 "def f("], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        while ask(env, {"status": True})["running"] == 0 and proc.poll() is None:
+            time.sleep(0.01)
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 1
+    assert err == ("error: the genlab daemon ended during the run, so its exit status is "
+                   "unknown (`genlab daemon start` starts it again)\n")
+    assert len(json.loads(out)["outputs"][0]["token_ids"]) == 1000  # the run had ended
+
+
+def test_an_argument_naming_a_descriptor_runs_on_its_own(daemon, tmp_path):
+    """`-o >(gzip > out.gz)` names /dev/fd/N, which in a forked run would be another
+    descriptor: the command runs in its own process, and writes where it was told."""
+    read, write = os.pipe()
+    before = served(daemon)
+    result = subprocess.run([sys.executable, "-m", "cli", "generate", *MODEL, "-n", "4",
+                             "-o", f"/dev/fd/{write}", "Once"], cwd=ROOT, env=daemon,
+                            pass_fds=(write,), capture_output=True, text=True, timeout=300)
+    os.close(write)
+    with os.fdopen(read) as written:
+        assert written.read() == " upon a time,\n"
+    assert result.returncode == 0 and result.stdout == ""
+    assert served(daemon) == before
+
+
+def test_python_dash_m_cli_names_itself_as_alone(daemon, cold):
+    by_daemon, alone = genlab(daemon, "generate", "--nope"), genlab(cold, "generate", "--nope")
+    assert by_daemon.returncode == alone.returncode == 2
+    assert by_daemon.stderr == alone.stderr
+    assert "see 'python -m cli generate -h'" in by_daemon.stderr
+
+
+def test_a_run_that_cannot_take_the_command_on_says_so_and_is_not_run(daemon):
+    """A folder gone between the command's look and the run's: the run says `failed`
+    before it runs anything, and the command would run on its own."""
+    from cli import daemon_client
+
+    request, _ = daemon_client._request()
+    request["cwd"] = "/nonexistent/genlab-test"
+    request["streams"] = [None, None, None]
+    sock = protocol.connect(Path(daemon["XDG_RUNTIME_DIR"]) / "genlab" /
+                            protocol.socket_path().name)
+    with sock:
+        protocol.send(sock, request)
+        first, _ = protocol.receive(sock)
+        second, _ = protocol.receive(sock)
+    assert first == {"failed": "FileNotFoundError: [Errno 2] No such file or directory: "
+                               "'/nonexistent/genlab-test'"}
+    assert os.waitstatus_to_exitcode(second["status"]) == 1
 
 
 def test_ctrl_c_as_the_run_starts_ends_it_as_it_would_end_the_command(daemon):
@@ -273,7 +382,9 @@ def test_the_interactive_session_is_the_same_on_a_terminal(daemon, cold):
     def steady(text: str) -> str:  # the timings differ
         return "\n".join(line for line in text.splitlines() if "tok/s" not in line)
 
+    before = served(daemon)
     (ours, our_code), (theirs, their_code) = session(daemon), session(cold)
+    assert served(daemon) == before + 1
     assert our_code == their_code == 0
     assert "\x1b[" in ours  # a terminal: styled, as for the command alone
     assert steady(ours) == steady(theirs)
@@ -388,7 +499,12 @@ def test_a_library_changed_on_disk_stops_the_daemon(tmp_path):
     from cli.daemon_server import Daemon
 
     daemon = Daemon(tmp_path / "d.sock")
-    daemon.preloaded = {str(tmp_path / "gone.py"): (1, 1)}
-    refusal = daemon._refusal({"identity": daemon.identity})
-    assert refusal == "a library the daemon imported has changed on disk since it started"
-    assert daemon.stopping
+    try:
+        daemon.preloaded = {str(tmp_path / "gone.py"): (1, 1)}
+        refusal = daemon._refusal({"identity": daemon.identity}, [])
+        assert refusal == "a library the daemon imported has changed on disk since it started"
+        assert daemon.stopping
+    finally:
+        daemon.selector.close()
+        os.close(daemon.wake_read)
+        os.close(daemon.wake_write)
