@@ -118,7 +118,7 @@ def status(as_json: Json = False, output_file: OutputFile = None) -> None:
         "pid": reply["pid"], "uptime_seconds": round(time.time() - reply["started"], 3),
         "resident_bytes": _resident_bytes(reply["pid"]), "served": reply["served"],
         "running": _others(reply["running"], reply["pid"]),
-        "differences": _differences(reply["identity"], protocol.identity())}
+        "differences": _differences(reply)}
     with opened(target):
         if target.machine:
             target.json_document(output.document(
@@ -168,10 +168,19 @@ def _others(running: int, pid: int) -> int:
     return running - 1 if os.getppid() == pid else running
 
 
-def _differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
+def _differences(status: dict[str, Any]) -> list[str]:
+    """Why the daemon that answered with `status` would not serve a command run from
+    here: the variables, flags or interpreter that differ, or the process state it
+    cannot take on."""
+    names = _identity_differences(status["identity"], protocol.identity())
+    refusal = protocol.unreachable(protocol.process_state(), status["process"])
+    return names + ([f"this process's state ({refusal})"] if refusal else [])
+
+
+def _identity_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[str]:
     names = sorted(name for name in set(theirs["environment"]) | set(ours["environment"])
                    if theirs["environment"].get(name) != ours["environment"].get(name))
-    if theirs["flags"] != ours["flags"]:
+    if theirs["flags"] != ours["flags"] or theirs["options"] != ours["options"]:
         names.insert(0, "the interpreter's flags")
     if theirs["interpreter"] != ours["interpreter"]:
         names.insert(0, "the Python interpreter")

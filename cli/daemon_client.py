@@ -44,13 +44,13 @@ def run_in_daemon() -> int | None:
         except (OSError, ValueError):
             reply = None
         if reply is None or not isinstance(reply.get("ready"), int):
-            relay.release()
             if reply is not None and reply.get("stopped"):  # later commands start slowly
                 _say(f"the start daemon stopped: {reply.get('refused')}; `genlab daemon "
                      "start` starts a new one")
             elif reply is not None and "failed" in reply:  # a fault of genlab's: say it
                 _say(f"the start daemon could not take this command on ({reply['failed']}); "
                      "it runs on its own")
+            relay.release()
             return None
         relay.to(reply["ready"])
         return _wait(sock, relay)

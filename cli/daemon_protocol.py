@@ -148,11 +148,11 @@ def _cgroup() -> str:
         return ""
 
 
-def unreachable(state: dict[str, Any]) -> str | None:
-    """Why this process could not take on `state` (a higher priority or a higher hard
-    limit than its own need privileges; groups and control groups it cannot change),
-    or None."""
-    ours = process_state()
+def unreachable(state: dict[str, Any], ours: dict[str, Any] | None = None) -> str | None:
+    """Why this process (or one in state `ours`) could not take on `state` (a higher
+    priority or a higher hard limit than its own need privileges; groups and control
+    groups it cannot change), or None."""
+    ours = ours or process_state()
     if state["groups"] != ours["groups"] or state["cgroup"] != ours["cgroup"]:
         return "other groups or another control group than the daemon's"
     if state["nice"] < ours["nice"]:

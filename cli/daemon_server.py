@@ -79,10 +79,13 @@ class Daemon:
         """Answer until stopped (then None, once every run has ended). In a forked
         process, returns that process's run."""
         self._listen()
+        checked = time.monotonic()
         while not self.stopping or self.children:
             events = self.selector.select(CHECK_S)
-            if not events and not self._still_reachable():
-                self._stop()
+            if time.monotonic() - checked >= CHECK_S:
+                checked = time.monotonic()
+                if not self._still_reachable():
+                    self._stop()
             for key, _ in events:
                 try:
                     run = self._on_ready(key.fileobj)
@@ -187,11 +190,14 @@ class Daemon:
             conn.close()
             return None
         before = signal.pthread_sigmask(signal.SIG_BLOCK, HELD)
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        finally:
+            if os.getpid() == self.pid:
+                signal.pthread_sigmask(signal.SIG_SETMASK, before)
         if pid == 0:
             self._leave(keep=conn)
             return Run(request, fds, conn)
-        signal.pthread_sigmask(signal.SIG_SETMASK, before)
         self.served += 1
         self.children[pid] = conn
         self.selector.register(conn, selectors.EVENT_READ)
@@ -212,7 +218,7 @@ class Daemon:
     def _status(self) -> dict[str, Any]:
         return {"pid": os.getpid(), "started": self.started, "served": self.served,
                 "running": len(self.children), "socket": str(self.path),
-                "identity": self.identity}
+                "identity": self.identity, "process": protocol.process_state()}
 
     def _reap(self) -> None:
         while True:
@@ -353,7 +359,9 @@ def _text_stream(fd: int, stream: dict[str, Any] | None) -> Any:
     handler and buffering (line by line on a terminal, written through under -u)."""
     if stream is None:
         return None
-    buffer = open(fd, "rb" if fd == 0 else "wb", closefd=False)  # noqa: SIM115
+    unbuffered = stream["write_through"] and fd != 0  # -u: straight to the descriptor
+    buffer = open(fd, "rb" if fd == 0 else "wb", buffering=0 if unbuffered else -1,  # noqa: SIM115
+                  closefd=False)
     return io.TextIOWrapper(buffer, encoding=stream["encoding"], errors=stream["errors"],
                             newline="\n", line_buffering=stream["line_buffering"],
                             write_through=stream["write_through"])
@@ -390,9 +398,9 @@ def _start(run: Run) -> Any:
     try:
         become(run)
     except Exception as exc:  # noqa: BLE001  (whatever it is, the command runs alone)
-        protocol.send(run.conn, {"failed": f"{type(exc).__name__}: {exc}"})
+        _tell(run.conn, {"failed": f"{type(exc).__name__}: {exc}"})
         os._exit(1)
-    protocol.send(run.conn, {"ready": os.getpid()})
+    _tell(run.conn, {"ready": os.getpid()})
     run.conn.close()
     try:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, HELD)
@@ -400,6 +408,14 @@ def _start(run: Run) -> Any:
     except KeyboardInterrupt:  # Ctrl-C before the command began: it ends as it would
         end_run(130)
     return run_command
+
+
+def _tell(conn: socket.socket, message: dict[str, Any]) -> None:
+    """Say `message` to the command; a command gone already ends the run quietly."""
+    try:
+        protocol.send(conn, message)
+    except OSError:
+        os._exit(1)
 
 
 DAEMON_CPUS: set[int] = set()
@@ -422,6 +438,8 @@ def main() -> None:
         run_command()
     except SystemExit as exc:
         end_run(exc.code)
+    except KeyboardInterrupt:  # before genlab's own handling began
+        end_run(130)
     end_run(0)
 
 

@@ -9,7 +9,12 @@ import sys
 def main() -> None:
     from cli.daemon_client import run_in_daemon
 
-    code = run_in_daemon()
+    try:
+        code = run_in_daemon()
+    except KeyboardInterrupt:  # Ctrl-C before a run or this process took the command on
+        if sys.stderr is not None:
+            print("error: interrupted", file=sys.stderr)
+        sys.exit(130)
     if code is not None:
         sys.exit(code)
     from cli.main import run

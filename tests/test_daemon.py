@@ -152,18 +152,24 @@ def test_a_run_the_system_kills_ends_its_command_as_killed(daemon, tmp_path):
 
 def test_a_command_that_ignores_hangups_keeps_its_run_through_one(daemon, tmp_path):
     """`nohup genlab ...`: SIGHUP is ignored by the command, so by its run too."""
-    proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "-m", str(CODE_TARGET),
-                             "-n", "300", "--ignore-eos", "def f("], cwd=ROOT, env=daemon,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
-    while ask(daemon, {"status": True})["running"] == 0 and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGHUP)
-    out, err = proc.communicate(timeout=120)
+    out = tmp_path / "out.txt"
+    with open(out, "w") as stdout:
+        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", "-m",
+                                 str(CODE_TARGET), "-n", "300", "--ignore-eos", "def f("],
+                                cwd=ROOT, env=daemon, stdout=stdout, stderr=subprocess.PIPE,
+                                text=True, preexec_fn=lambda: signal.signal(signal.SIGHUP,
+                                                                            signal.SIG_IGN))
+        wait_for_bytes(out, 20, proc)  # the run has taken the command on
+        run = _child_of(ask(daemon, {"status": True})["pid"], proc)
+        ignored = int(next(line for line in Path(f"/proc/{run}/status").read_text()
+                           .splitlines() if line.startswith("SigIgn:")).split()[1], 16)
+        proc.send_signal(signal.SIGHUP)
+        _, err = proc.communicate(timeout=120)
+    assert ignored & (1 << (signal.SIGHUP - 1))  # the run ignores it too
     assert proc.returncode == 0, err
     alone = genlab({**daemon, protocol.SWITCH: "0"}, "generate", "-m", str(CODE_TARGET),
                    "-n", "300", "--ignore-eos", "def f(")
-    assert out == alone.stdout
+    assert out.read_text() == alone.stdout
 
 
 def test_the_daemon_killed_mid_run_leaves_the_command_waiting_for_its_run(tmp_path):
@@ -172,19 +178,22 @@ def test_the_daemon_killed_mid_run_leaves_the_command_waiting_for_its_run(tmp_pa
     env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), protocol.SWITCH: "1"}
     assert genlab(env, "daemon", "start").returncode == 0
     pid = ask(env, {"status": True})["pid"]
+    out, errors = tmp_path / "out.json", tmp_path / "err.txt"
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG, "--json",
-                                 "def f("], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        while ask(env, {"status": True})["running"] == 0 and proc.poll() is None:
-            time.sleep(0.01)
+        with open(out, "w") as stdout, open(errors, "w") as stderr:
+            proc = subprocess.Popen([sys.executable, "-m", "cli", "generate", *LONG,
+                                     "--json", "def f("], cwd=ROOT, env=env, stdout=stdout,
+                                    stderr=stderr)
+        run = _child_of(pid, proc)
     finally:
         os.kill(pid, signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    proc.wait(timeout=120)  # files, not pipes: this returns when the command ends
+    assert _ended(run)  # and it ended after its run
+    err = errors.read_text()
     assert proc.returncode == 1
     assert err == ("error: the genlab daemon ended during the run, so its exit status is "
                    "unknown (`genlab daemon start` starts it again)\n")
-    assert len(json.loads(out)["outputs"][0]["token_ids"]) == 1000  # the run had ended
+    assert len(json.loads(out.read_text())["outputs"][0]["token_ids"]) == 1000
 
 
 def test_an_argument_naming_a_descriptor_runs_on_its_own(daemon, tmp_path):
@@ -215,6 +224,7 @@ def test_a_run_that_cannot_take_the_command_on_says_so_and_is_not_run(daemon):
     from cli import daemon_client
 
     request, _ = daemon_client._request()
+    request["identity"] = ask(daemon, {"status": True})["identity"]  # as a command's
     request["cwd"] = "/nonexistent/genlab-test"
     request["streams"] = [None, None, None]
     sock = protocol.connect(Path(daemon["XDG_RUNTIME_DIR"]) / "genlab" /
@@ -291,6 +301,16 @@ def test_the_run_keeps_the_commands_niceness_cpus_limits_and_file_mask(daemon, t
     assert "Umask:\t0027\n" in status
     assert [line.split()[3:5] for line in limits.splitlines()
             if line.startswith("Max open files")] == [["300", "400"]]
+
+
+def _ended(pid: int) -> bool:
+    """Whether process `pid` has ended (gone, or a zombie its new parent has yet to
+    reap: its daemon, its parent, was killed)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state in ("Z", "X")
 
 
 def _child_of(parent: int, proc: subprocess.Popen) -> int:
@@ -508,3 +528,44 @@ def test_a_library_changed_on_disk_stops_the_daemon(tmp_path):
         daemon.selector.close()
         os.close(daemon.wake_read)
         os.close(daemon.wake_write)
+
+
+def test_signals_before_the_run_is_ready_wait_for_it_then_reach_it():
+    """A Ctrl-C between handing the command over and the run's `ready` is kept, and
+    sent to the run once its pid is known; the handlers are the command's again after."""
+    from cli.daemon_client import Relay
+
+    before = signal.getsignal(signal.SIGTERM)
+    target = subprocess.Popen(["sleep", "30"])
+    relay = Relay()
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)  # to this process: kept for the run
+        assert relay.pending == [signal.SIGTERM] and target.poll() is None
+        relay.to(target.pid)
+        assert target.wait(timeout=30) == -signal.SIGTERM
+    finally:
+        target.kill()
+        relay.pending = []
+        relay.release()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_daemon_on_fewer_cpus_does_not_serve_and_status_says_why(tmp_path):
+    env = {**os.environ, "XDG_RUNTIME_DIR": str(tmp_path), protocol.SWITCH: "1"}
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no smaller set to start the daemon on")
+    cpu = str(min(os.sched_getaffinity(0)))
+    started = subprocess.run(["taskset", "-c", cpu, sys.executable, "-m", "cli", "daemon",
+                              "start"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=300)
+    try:
+        assert started.returncode == 0, started.stderr
+        before = served(env)
+        result = genlab(env, "generate", *MODEL, "-n", "4", "Once")
+        assert result.returncode == 0 and result.stdout == " upon a time,\n"
+        assert served(env) == before
+        status = json.loads(genlab(env, "daemon", "status", "--json").stdout)
+        assert status["daemon"]["differences"] == [
+            "this process's state (CPUs the daemon may not run on)"]
+    finally:
+        genlab(env, "daemon", "stop")
