@@ -68,7 +68,7 @@ def start(as_json: Json = False, output_file: OutputFile = None) -> None:
 
 def _spawn() -> dict[str, Any]:
     """Start a daemon in a session of its own; its status once it answers."""
-    log = _private_folder() / f"daemon-{protocol.interpreter()}.log"
+    log = _private_folder() / protocol.socket_path().with_suffix(".log").name
     root = str(Path(__file__).resolve().parents[1])
     code = f"import sys; sys.path.insert(0, {root!r}); from cli.daemon_server import main; main()"
     flags = subprocess._args_from_interpreter_flags()  # type: ignore[attr-defined]

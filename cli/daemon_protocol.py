@@ -82,7 +82,10 @@ def interpreter() -> str:
 
 
 def socket_path() -> Path:
-    return folder() / f"daemon-{interpreter()}.sock"
+    """One daemon per interpreter and control group (a login's, a container's, a
+    terminal tab's on some desktops): it can serve only commands of its own group."""
+    scope = hashlib.sha256(_cgroup().encode()).hexdigest()[:8]
+    return folder() / f"daemon-{interpreter()}-{scope}.sock"
 
 
 def connect(path: Path, timeout: float | None = None) -> socket.socket | None:
