@@ -381,12 +381,9 @@ def end_run(code: object) -> NoReturn:
     else:
         print(code, file=sys.stderr)
         status = 1
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
+    from cli.errors import flush_standard_streams  # the run's own genlab
+
+    flush_standard_streams()
     ctypes.CDLL(None).fflush(None)
     os._exit(status)
 

@@ -130,6 +130,17 @@ def write_failure(exc: OSError) -> typer.Exit | None:
     return None
 
 
+def flush_standard_streams() -> None:
+    """Flush stdout and stderr before the process ends past the interpreter's own exit
+    (`os._exit`); one that cannot be written any more is left as it is."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            if stream is not None:
+                stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
 def reader_gone(stream: IO[str]) -> None:
     """The reader of `stream` went away, so the command stops quietly, as shell tools
     do, with the status SIGPIPE would give (BROKEN_PIPE): later writes to the stream (the

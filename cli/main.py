@@ -154,15 +154,12 @@ def _exit_past_a_running_compile(code: object) -> None:
     SIGTERM, --grammar-timeout) still runs on its worker thread: that C++ call cannot be
     stopped, and returning into an interpreter that has shut down aborts the process.
     The command's own files are closed by now; the standard streams are flushed here."""
+    from cli.errors import flush_standard_streams
+
     bounded = sys.modules.get("genlib.sampling.bounded")
     if bounded is None or not bounded.running():
         return
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            if stream is not None:
-                stream.flush()
-        except (OSError, ValueError):
-            pass
+    flush_standard_streams()
     os._exit(code if isinstance(code, int) else 1)
 
 if __name__ == "__main__":
