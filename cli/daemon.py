@@ -184,6 +184,8 @@ def _identity_differences(theirs: dict[str, Any], ours: dict[str, Any]) -> list[
         names.insert(0, "the interpreter's flags")
     if theirs["interpreter"] != ours["interpreter"]:
         names.insert(0, "the Python interpreter")
+    if theirs.get("version") != ours["version"]:
+        names.insert(0, "genlab's daemon protocol")
     return names
 
 
