@@ -26,15 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench_start_memory import LLAMA_START  # llama.cpp's load and first token, alone
 
-LLAMA_START = """
-import sys
-from llama_cpp import Llama
-llm = Llama(model_path=sys.argv[1], n_ctx=512, n_threads=int(sys.argv[2]),
-            n_threads_batch=int(sys.argv[2]), verbose=False)
-llm.eval([1, 2])
-"""
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def wall(command: list[str], env: dict[str, str]) -> float:

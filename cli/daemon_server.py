@@ -311,6 +311,7 @@ def become(run: Run) -> None:
     caches the daemon holds; draw fresh random state."""
     request = run.request
     _take_streams(request["streams"], list(run.fds))
+    daemon_cpus = len(os.sched_getaffinity(0))
     protocol.take_on(request["process"])
     os.environ.clear()
     os.environ.update(request["environment"])
@@ -331,8 +332,7 @@ def become(run: Run) -> None:
         signal.signal(number, signal.SIG_IGN)
     import torch
 
-    if len(request["process"]["cpus"]) != len(DAEMON_CPUS) and \
-            "OMP_NUM_THREADS" not in os.environ:
+    if len(request["process"]["cpus"]) != daemon_cpus and "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(len(request["process"]["cpus"]))  # as OpenMP counts at start
     torch.seed()
     random.seed()
@@ -415,16 +415,12 @@ def _tell(conn: socket.socket, message: dict[str, Any]) -> None:
         os._exit(1)
 
 
-DAEMON_CPUS: set[int] = set()
-
-
 def main() -> None:
     import genlib  # noqa: F401  (before torch: keeps triton away from a CPU torch)
 
     for name in PRELOAD:
         importlib.import_module(name)
     sys.modules["pydantic.plugin._loader"].get_plugins()  # reads every package's metadata
-    DAEMON_CPUS.update(os.sched_getaffinity(0))
     sys.stdout.flush()
     gc.freeze()  # the forked runs' collections leave the daemon's objects' pages shared
     run = Daemon(protocol.socket_path()).serve()
