@@ -2,9 +2,12 @@
 transformers' generate() on the same GPU and dtype, and the backend `auto` picks there.
 This is what docs/performance.md reports as run on a GPU; the test suite runs on CPUs.
 `--device cpu` runs the same check on the CPU (in bfloat16 too, which the suite does not
-cover for every backend).
+cover for every backend). `--quantize none,8bit,4bit` adds bitsandbytes' 8-bit and NF4
+weights on the GPU (their own compute dtype), each against generate() on the same
+quantized model.
 
-    python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64] [--device cpu]
+    python benchmarks/gpu_parity.py MODEL_DIR [MODEL_DIR ...] [--new-tokens 64] \
+        [--device cpu] [--quantize none,8bit,4bit]
 
 Prints one line per (model, dtype, prompt, backend or beam): same tokens or where they
 part.
@@ -45,13 +48,19 @@ def parted(ours: list[int], theirs: list[int]) -> str:
             f"{len(theirs)})")
 
 
-def check(path: str, device: str, dtype: str, n: int) -> bool:
+def check(path: str, device: str, dtype: str, n: int, quantize: str = "none") -> bool:
     from genlib.backends.choose import Request, choose_backend
+    from genlib.errors import ModelLoadError
     from genlib.models.loading import ModelSpec, load_model
 
-    lm = load_model(ModelSpec(path, device=device, dtype=dtype))
+    try:
+        lm = load_model(ModelSpec(path, device=device, dtype=dtype, quantize=quantize))
+    except ModelLoadError as error:  # a checkpoint stored quantized: no --quantize
+        print(f"{Path(path).name} --quantize {quantize}: does not load: {error}")
+        return True
     auto = choose_backend(lm, Request())
-    print(f"{Path(path).name} {dtype}: auto picks {auto.name} ({auto.reason})")
+    weights = dtype if quantize == "none" else f"--quantize {quantize} ({lm.dtype})"
+    print(f"{Path(path).name} {weights}: auto picks {auto.name} ({auto.reason})")
     prompts = PROMPTS["code" if "code" in Path(path).name else "story"]
     return all([check_prompt(lm, prompt, n) for prompt in prompts])
 
@@ -95,6 +104,8 @@ def main() -> None:
     parser.add_argument("models", nargs="+")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    parser.add_argument("--quantize", default="none",
+                        help="comma-separated: none (float32 and bfloat16), 8bit, 4bit")
     args = parser.parse_args()
 
     import torch
@@ -104,8 +115,10 @@ def main() -> None:
                          "(--device cpu runs the same check on the CPU)")
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
     print(f"{name} · torch {torch.__version__}")
-    results = [check(path, args.device, dtype, args.new_tokens)
-               for path in args.models for dtype in ("float32", "bfloat16")]
+    runs = [(dtype, quantize) for quantize in args.quantize.split(",")
+            for dtype in (("float32", "bfloat16") if quantize == "none" else ("auto",))]
+    results = [check(path, args.device, dtype, args.new_tokens, quantize)
+               for path in args.models for dtype, quantize in runs]
     sys.exit(0 if all(results) else 1)
 
 
