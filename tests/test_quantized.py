@@ -36,14 +36,29 @@ def numpy_quantize(w: np.ndarray, name: str) -> tuple[np.ndarray, np.ndarray]:
                 d = np.float32(np.abs(x).max() / np.float32(127))
                 q = np.round(x / d) if d else np.zeros_like(x)
             elif name == "nf4":
-                d = np.abs(x).max()
-                q = np.abs((x / d)[:, None] - NF4).argmin(axis=1) if d else np.full(len(x), 7)
+                q, d = numpy_nf4(x)
             else:
                 d = np.float32(x[np.abs(x).argmax()] / np.float32(-8))
                 q = np.minimum(15, np.trunc(x * (np.float32(1) / d) + np.float32(8.5))) \
                     if d else np.full(len(x), 8)
             codes[r, start:start + block], scales[r, b] = q, d
     return codes, scales
+
+
+def numpy_nf4(x: np.ndarray, shares=quant.NF4_SEARCH) -> tuple[np.ndarray, np.float32]:
+    """A block's NF4 codes and scale: of the candidate scales (shares of its absmax),
+    the nearest levels' least-squares scale of least squared error, the first on a tie."""
+    best = None
+    for share in shares:
+        d = np.float32(np.abs(x).max() * np.float32(share))
+        q = np.abs((x * (np.float32(1) / d))[:, None] - NF4).argmin(axis=1) if d \
+            else np.full(len(x), 7)
+        level = NF4[q].astype(np.float64)
+        fit, size = (x.astype(np.float64) * level).sum(), (level * level).sum()
+        scale = fit / size if size else 0.0
+        if best is None or fit * scale > best[0]:
+            best = (fit * scale, q, np.float32(scale))
+    return best[1], best[2]
 
 
 def numpy_dequantize(codes: np.ndarray, scales: np.ndarray, name: str) -> np.ndarray:
@@ -71,11 +86,50 @@ def test_each_block_quantizes_and_dequantizes_as_the_numpy_reference(name):
     back = quant.dequantize(codes, scales, name).numpy()
     np.testing.assert_array_equal(back, numpy_dequantize(codes.numpy().astype(np.int64),
                                                         scales.numpy(), name))
+    if name == "nf4":  # each block no further from its weights than absmax's codes
+        absmax = numpy_dequantize(*numpy_quantize_absmax_nf4(w.numpy()), "nf4")
+        ours, theirs = block_errors(back, w.numpy()), block_errors(absmax, w.numpy())
+        assert (ours <= theirs).all()
+        plain = [0, 3, 4]  # rows without the outlier (row 2) or zeros (row 1)
+        assert ours[plain].sum() < 0.9 * theirs[plain].sum()
+        return
     # within half a step of the weight, the format's bound (q4_0: one step, for weights
     # of the sign opposite its largest, which clip at +7 where that one is -8)
-    step = {"q8_0": 1.0, "nf4": np.diff(NF4).max(), "q4_0": 2.0}[name]
+    step = {"q8_0": 1.0, "q4_0": 2.0}[name]
     bound = np.repeat(np.abs(scales.numpy()), quant.FORMATS[name].block, axis=1)[:, :70]
     assert (np.abs(back - w.numpy()) <= step / 2 * bound + 1e-6).all()
+
+
+def numpy_quantize_absmax_nf4(w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bitsandbytes' NF4: each block's absmax its scale, each weight the nearest level."""
+    blocks = [w[:, i:i + 64] for i in range(0, w.shape[1], 64)]
+    scales = np.stack([np.abs(b).max(axis=1) for b in blocks], axis=1)
+    codes = np.concatenate([np.abs((b / np.where(d, d, 1)[:, None])[..., None] - NF4)
+                            .argmin(axis=-1) for b, d in zip(blocks, scales.T)], axis=1)
+    return codes, scales.astype(np.float32)
+
+
+def block_errors(back: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Each nf4 block's squared error (rows, blocks)."""
+    square = (back.astype(np.float64) - w) ** 2
+    return np.stack([square[:, i:i + 64].sum(axis=1) for i in range(0, w.shape[1], 64)], 1)
+
+
+def test_the_kernels_nf4_encoder_gives_the_same_codes_and_scales():
+    """genlab_nf4_quantize (what a load packs with) against quant.quantize, bit for bit:
+    whole and short blocks, zero rows, an outlier, weights of every magnitude."""
+    built = kernel.build_for("nf4")
+    if built.library is None:
+        pytest.skip(built.reason)
+    torch.manual_seed(3)
+    w = torch.randn(67, 300) * torch.logspace(-4, 2, 300)
+    w[5] = 0
+    w[9, 17] = 1e4
+    codes, scales = kernel.quantize(w, "nf4")
+    want_codes, want_scales = quant.quantize(w, "nf4")
+    assert (codes.shape, scales.shape) == ((67, 300), (67, 5))
+    assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
+    assert torch.equal(kernel.quantize(w, "q4_0")[1], quant.quantize(w, "q4_0")[1])
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -361,3 +415,28 @@ def test_fidelity_compares_each_format_with_float32_position_by_position():
     assert exact.perplexity == pytest.approx(float(np.exp(nll / 18)), rel=1e-4)
     four = report["q4_0"]
     assert four.mean_kl > 1e-4 and four.perplexity != pytest.approx(exact.perplexity, rel=1e-4)
+
+
+def test_a_paired_difference_takes_the_windows_as_its_units():
+    """The mean NLL gap a position is the log of the perplexities' ratio; its standard
+    error is the ratio estimator's over windows, computed here by hand from the windows'
+    sums (window 1: 3 positions, 2: 2, 3: 1)."""
+    from genlib.lab.fidelity import Tally
+
+    a, b = Tally(), Tally()
+    uniform = torch.log_softmax(torch.zeros(3, 4, dtype=torch.float64), -1)
+    sharp = torch.log_softmax(torch.tensor([[2.0, 0, 0, 0]] * 3, dtype=torch.float64), -1)
+    for target in ([0, 1, 2], [0, 0], [3]):
+        n, t = len(target), torch.tensor(target)
+        a.add(uniform[:n], sharp[:n], t)
+        b.add(uniform[:n], uniform[:n], t)
+    assert b.difference(b) == (0.0, 0.0)
+    gaps = [a.window_nll[i] - b.window_nll[i] for i in range(3)]
+    sizes = [3, 2, 1]
+    mean = sum(gaps) / 6
+    assert np.exp(mean) == pytest.approx(a.figures("a").perplexity / b.figures("b").perplexity)
+    se = (sum((g - mean * n) ** 2 for g, n in zip(gaps, sizes)) * 3 / 2) ** 0.5 / 6
+    assert a.difference(b) == pytest.approx((mean, se))
+    assert se > 0 and b.difference(a) == pytest.approx((-mean, se))
+    with pytest.raises(ValueError, match="same two or more windows"):
+        a.difference(Tally())

@@ -178,6 +178,22 @@ def test_mapped_weights_give_the_tokens_of_a_fresh_pack_and_are_not_packed_again
     assert len(set(want)) > 8  # varied tokens: the weights did their work
 
 
+def test_a_pack_by_another_quantizer_is_packed_again(cache_home, monkeypatch):
+    """The key holds quant.ENCODER: nf4 codes chosen another way are not mapped."""
+    from genlib.backends import quant
+
+    calls = []
+    pack_weights = kernel.pack_weights
+    monkeypatch.setattr(kernel, "pack_weights", lambda *a, **k: calls.append(1) or
+                        pack_weights(*a, **k))
+    kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
+    kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
+    assert len(calls) == 1
+    monkeypatch.setattr(quant, "ENCODER", quant.ENCODER + 1)
+    kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
+    assert len(calls) == 2 and len(list(cache_home.glob("*.weights"))) == 1
+
+
 def _lean_of_transformers():
     from genlib.backends.lean import lean_model_of
 

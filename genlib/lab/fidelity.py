@@ -14,13 +14,17 @@ and the mean KL divergence KL(p_float32 || p_format) in nats.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 
 from genlib.backends.kernel import NativeStep
+
+# A window's token ids -> the log-probabilities (len - 1, vocab) of each next token.
+Scorer = Callable[[list[int]], torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -54,28 +58,78 @@ def window_logprobs(step: NativeStep, lean: Any, tokens: list[int]) -> torch.Ten
     return torch.log_softmax(logits.double(), dim=-1)
 
 
+@dataclass
+class Tally:
+    """One format's running sums over the windows, against float32's log-probabilities;
+    `window_nll` keeps each window's summed negative log-likelihood (for a paired error
+    between two formats, window by window)."""
+
+    nll: float = 0.0
+    kl: float = 0.0
+    agree: int = 0
+    positions: int = 0
+    window_nll: list[float] = field(default_factory=list)
+    window_sizes: list[int] = field(default_factory=list)
+
+    def add(self, reference: torch.Tensor, logprobs: torch.Tensor, target: torch.Tensor
+            ) -> None:
+        """One window: `reference` and `logprobs` (positions, vocab), `target` the next
+        token at each position."""
+        nll = -float(logprobs.gather(1, target[:, None]).sum())
+        self.nll += nll
+        self.window_nll.append(nll)
+        self.window_sizes.append(len(target))
+        self.kl += float((reference.exp() * (reference - logprobs)).sum())
+        self.agree += int((logprobs.argmax(-1) == reference.argmax(-1)).sum())
+        self.positions += len(target)
+
+    def difference(self, other: Tally) -> tuple[float, float]:
+        """The mean negative log-likelihood a position here, less `other`'s over the same
+        windows (the log of the perplexities' ratio), and its standard error with the
+        windows as the sampled units (positions within a window are not independent)."""
+        if len(self.window_nll) != len(other.window_nll) or len(self.window_nll) < 2:
+            raise ValueError("a paired difference needs the same two or more windows")
+        sizes = torch.tensor(self.window_sizes, dtype=torch.float64)
+        gaps = torch.tensor(self.window_nll, dtype=torch.float64) - \
+            torch.tensor(other.window_nll, dtype=torch.float64)
+        mean = float(gaps.sum() / sizes.sum())
+        count = len(sizes)
+        spread = float(((gaps - mean * sizes) ** 2).sum()) * count / (count - 1)
+        return mean, spread ** 0.5 / float(sizes.sum())
+
+    def figures(self, name: str) -> Fidelity:
+        if not self.positions:
+            raise ValueError("the text has fewer than two tokens: nothing to predict")
+        return Fidelity(name, self.positions,
+                        float(torch.tensor(self.nll / self.positions).exp()),
+                        self.agree / self.positions, self.kl / self.positions)
+
+
+def tally(pieces: Sequence[list[int]], scorers: dict[str, Scorer]) -> dict[str, Tally]:
+    """Each scorer's tally over `pieces`, against the first scorer's (the reference)."""
+    tallies = {name: Tally() for name in scorers}
+    for piece in pieces:
+        target = torch.tensor(piece[1:])
+        reference = None
+        for name, score in scorers.items():
+            logprobs = score(piece)
+            reference = logprobs if reference is None else reference
+            tallies[name].add(reference, logprobs, target)
+    return tallies
+
+
+def native_scorers(lean: Any, formats: Sequence[str], threads: int | None = None
+                   ) -> dict[str, Scorer]:
+    """float32's scorer, then each of `formats`', on the native kernel."""
+    threads = threads or torch.get_num_threads()
+    names = ["float32", *[f for f in formats if f != "float32"]]
+    steps = {name: NativeStep(lean, threads, weights=name) for name in names}
+    return {name: partial(window_logprobs, step, lean) for name, step in steps.items()}
+
+
 def fidelity(lean: Any, tokens: Sequence[int], formats: Sequence[str], window: int = 256,
              threads: int | None = None) -> dict[str, Fidelity]:
     """float32's and each of `formats`' figures (the module doc), by name; float32's
     agreement is 1 and its divergence 0."""
-    threads = threads or torch.get_num_threads()
-    names = ["float32", *[f for f in formats if f != "float32"]]
-    steps = {name: NativeStep(lean, threads, weights=name) for name in names}
-    nll = dict.fromkeys(names, 0.0)
-    kl, agree = dict.fromkeys(names, 0.0), dict.fromkeys(names, 0)
-    positions = 0
-    for piece in windows(tokens, window):
-        target = torch.tensor(piece[1:])
-        reference = window_logprobs(steps["float32"], lean, piece)
-        best = reference.argmax(-1)
-        for name in names:
-            logprobs = reference if name == "float32" else \
-                window_logprobs(steps[name], lean, piece)
-            nll[name] -= float(logprobs.gather(1, target[:, None]).sum())
-            kl[name] += float((reference.exp() * (reference - logprobs)).sum())
-            agree[name] += int((logprobs.argmax(-1) == best).sum())
-        positions += len(piece) - 1
-    if not positions:
-        raise ValueError("the text has fewer than two tokens: nothing to predict")
-    return {name: Fidelity(name, positions, float(torch.tensor(nll[name] / positions).exp()),
-                           agree[name] / positions, kl[name] / positions) for name in names}
+    tallies = tally(windows(tokens, window), native_scorers(lean, formats, threads))
+    return {name: t.figures(name) for name, t in tallies.items()}

@@ -131,12 +131,12 @@ def _matrix(name: str, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, to
     """One matrix's codes as stored (4-bit: two a byte) and float16 scales."""
     import torch
 
-    from genlib.backends import quant
+    from genlib.backends import kernel, quant
 
     if quant.FORMATS[fmt].bits == 4 and weight.shape[1] % 2:
         raise QuantizeError(f"{name} has {weight.shape[1]} columns; {fmt} stores two codes "
                             f"a byte and needs an even number (use q8_0)")
-    codes, scales = quant.quantize(weight.to(torch.float32), fmt)
+    codes, scales = kernel.quantize(weight.to(torch.float32), fmt)  # nf4's the fast way
     half = scales.to(torch.float16)
     if not torch.isfinite(half).all():
         raise QuantizeError(f"{name} has weights beyond float16's range for its scales; "

@@ -997,3 +997,55 @@ int genlab_draft_greedy(const Model *m, int n, const long *tokens, long position
     }
     return draws;
 }
+
+/* NF4 codes (rows, cols), one a byte, and scales (rows, blocks of 64) of a float32
+ * matrix (rows, cols): genlib/backends/quant.py's `_nf4`, whose numbers these are, at
+ * the speed of a load. For each of n_shares candidate scales (absmax times a share, in
+ * float32) each weight takes the nearest of the 16 levels (its code: how many of the 15
+ * middles between levels lie below w / scale), and the scale that fits those codes
+ * best is sum(w * level) / sum(level^2), summed in double; the block keeps the
+ * candidate of largest sum(w * level)^2 / sum(level^2) (least squared error), the first
+ * on a tie. A product of two floats is exact in double, so the sums differ from
+ * PyTorch's only in their last bits, below a float's rounding. Rows split across
+ * threads. */
+void genlab_nf4_quantize(const float *w, long rows, long cols, const float *levels,
+                         const float *middles, const float *shares, int n_shares,
+                         unsigned char *codes, float *scales) {
+    long blocks = (cols + 63) / 64;
+#pragma omp parallel for schedule(static)
+    for (long r = 0; r < rows; r++) {
+        for (long b = 0; b < blocks; b++) {
+            const float *x = w + r * cols + b * 64;
+            int n = cols - b * 64 < 64 ? (int)(cols - b * 64) : 64;
+            float absmax = 0.0f, y[64];
+            unsigned char code[64], best[64];
+            double best_gain = 0.0;
+            float best_scale = 0.0f;
+            for (int i = 0; i < n; i++) absmax = fmaxf(absmax, fabsf(x[i]));
+            for (int s = 0; s < n_shares; s++) {
+                float scale = absmax * shares[s];
+                float inverse = scale > 0.0f ? 1.0f / scale : 0.0f;
+                for (int i = 0; i < n; i++) {
+                    y[i] = x[i] * inverse;
+                    code[i] = 0;
+                }
+                for (int j = 0; j < 15; j++)
+                    for (int i = 0; i < n; i++) code[i] += y[i] > middles[j];
+                double fit = 0.0, size = 0.0;
+                for (int i = 0; i < n; i++) {
+                    double level = levels[code[i]];
+                    fit += (double)x[i] * level;
+                    size += level * level;
+                }
+                double fitted = size > 0.0 ? fit / size : 0.0, gain = fit * fitted;
+                if (s == 0 || gain > best_gain) {
+                    best_gain = gain;
+                    best_scale = (float)fitted;
+                    memcpy(best, code, (size_t)n);
+                }
+            }
+            memcpy(codes + r * cols + b * 64, best, (size_t)n);
+            scales[r * blocks + b] = best_scale;
+        }
+    }
+}
