@@ -49,6 +49,7 @@ HELP_COMMANDS = (
     ("/chat on|off", "conversation mode: keep the turns, apply the chat template"),
     ("/reset", "forget the conversation's turns"),
     ("/save FILE", "write this session's prompts, outputs and settings as JSONL"),
+    ("/save! FILE", "the same where FILE exists: replace it"),
     ("/quit", "leave (also /exit)"))
 
 
@@ -91,6 +92,7 @@ class Session:
     scorer: LoadedModel | None = None  # the model --rerank MODEL scores with
     combined: dict[str, Any] = field(default_factory=dict)  # what --ensemble/--amateur imply
     backend: str = "auto"  # --backend
+    saved: set[Path] = field(default_factory=set)  # files /save wrote: it may replace them
 
 
 def run(flags: dict[str, Any], preset_ref: str | None, model_flags: ModelFlags, chat: bool,
@@ -359,7 +361,8 @@ def command(session: Session, text: str) -> bool:
                 "/seed": lambda: set_seed(session, args),
                 "/chat": lambda: set_chat(session, args),
                 "/reset": lambda: reset(session),
-                "/save": lambda: save(session, args)}
+                "/save": lambda: save(session, args),
+                "/save!": lambda: save(session, args, replace=True)}
     if name in ("/quit", "/exit"):
         return False
     handler = handlers.get(name)
@@ -526,22 +529,29 @@ def branch(session: Session, args: str) -> None:
     render_explain.show_branch(record["original"], record["branch"])
 
 
-def save(session: Session, args: str) -> None:
+def save(session: Session, args: str, replace: bool = False) -> None:
+    """/save FILE: the turns to FILE, which must not exist unless this session wrote it
+    (or `replace`, /save!); written whole or not at all."""
     if not args:
         raise CommandError("/save needs a file name, e.g. /save session.jsonl")
     path = Path(args).expanduser()
+    if path.is_file() and not replace and path.resolve() not in session.saved:
+        raise CommandError(f"{path} exists; /save! {args} replaces it, or /save another name")
     try:
         write_turns(path, session.turns)
     except OSError as exc:
         raise CommandError(f"cannot write {path} ({exc})") from None
+    session.saved.add(path.resolve())
     render.info(f"saved {len(session.turns)} turns to {path}")
 
 
 def write_turns(path: Path, turns: list[dict[str, Any]]) -> None:
-    """The turns as JSON Lines (genlib.jsonl: one line each, whatever the text holds)."""
+    """The turns as JSON Lines (genlib.jsonl: one line each, whatever the text holds),
+    renamed into place once whole: a failed write leaves what was there."""
     from genlib import jsonl
+    from genlib.cachedirs import written_whole
 
-    with path.open("wb") as fh:
+    with written_whole(path) as fh:
         for record in turns:
             fh.write(jsonl.dumps(record))
 

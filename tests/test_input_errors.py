@@ -339,6 +339,40 @@ def test_repl_survives_bad_lines_and_faults_and_keeps_every_answer(
     assert turns[1]["settings"]["seed"] == 2**64 - 1
 
 
+def test_save_replaces_only_its_own_file_unless_told(monkeypatch, session, capsys, tmp_path):
+    """A file the session did not write stays, with one line naming /save!; the session
+    rewrites its own; /save! replaces; a failed write leaves the old file whole."""
+    from genlib import jsonl
+
+    notes, mine = tmp_path / "notes.jsonl", tmp_path / "s.jsonl"
+    notes.write_text("mine\n")
+    drive(monkeypatch, session, ["Once upon a time", f"/save {notes}", f"/save {mine}",
+                                 "The cat", f"/save {mine}", f"/save {tmp_path}"])
+    err = capsys.readouterr().err
+    assert f"{notes} exists; /save! {notes} replaces it, or /save another name" in err
+    assert notes.read_text() == "mine\n"
+    assert [json.loads(line)["prompt"] for line in mine.read_text().splitlines()] == \
+        ["Once upon a time", "The cat"]
+    assert f"cannot write {tmp_path} (" in err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "s.jsonl"]
+
+    real, calls = jsonl.dumps, []
+
+    def full_after_one_line(record):
+        calls.append(record)
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real(record)
+
+    monkeypatch.setattr(jsonl, "dumps", full_after_one_line)
+    drive(monkeypatch, session, [f"/save! {notes}"])
+    assert "cannot write" in capsys.readouterr().err and notes.read_text() == "mine\n"
+    monkeypatch.setattr(jsonl, "dumps", real)
+    drive(monkeypatch, session, [f"/save! {notes}"])
+    assert "saved 2 turns" in capsys.readouterr().err
+    assert len(notes.read_text().splitlines()) == 2
+
+
 def test_repl_refuses_a_bias_outside_the_vocabulary_and_clears_a_setting(
         monkeypatch, session, capsys):
     drive(monkeypatch, session, ["/set logit_bias=9999=1", "/set logit_bias=400=2",
