@@ -71,7 +71,7 @@ def main() -> None:
         scorers[f"llama.cpp {Path(gguf).name}"] = llama_cpp_scorer(
             gguf, max(len(p) for p in pieces), args.threads)
     tallies = tally(pieces, scorers)
-    rows = [t.figures(name).to_dict() for name, t in tallies.items()]
+    rows = [t.figures(name, tallies["float32"]).to_dict() for name, t in tallies.items()]
     now = datetime.datetime.now(datetime.timezone.utc)
     print(f"{now:%Y-%m-%d %H:%M} UTC, {platform.processor() or platform.machine()}, "
           f"{args.model}, {args.text}: {len(tokens)} tokens, windows of {args.window}")
@@ -79,10 +79,11 @@ def main() -> None:
     print("| weights | perplexity | vs float32 (standard error) | top-1 agreement "
           "| mean KL (nats) |")
     print("| --- | --- | --- | --- | --- |")
-    for r, (name, t) in zip(rows, tallies.items()):
-        gap, error = t.difference(tallies["float32"])
-        print(f"| {name} | {r['perplexity']:.3f} | {math.expm1(gap):+.3%} ({error:.3%}) "
-              f"| {r['top1_agreement']:.2%} | {r['mean_kl']:.5f} |")
+    base = rows[0]["perplexity"]
+    for r in rows:
+        print(f"| {r['weights']} | {r['perplexity']:.3f} | {r['perplexity'] / base - 1:+.3%} "
+              f"({r['perplexity_error']:.3%}) | {r['top1_agreement']:.2%} "
+              f"| {r['mean_kl']:.5f} |")
     ggufs = [name for name in tallies if name.startswith("llama.cpp")]
     ours = [name for name in tallies if name != "float32" and name not in ggufs]
     if ggufs:

@@ -382,12 +382,14 @@ def print_fidelity(rows: list[dict[str, Any]]) -> None:
         table.add_column(column, justify="left" if column == "weights" else "right")
     base = rows[0]["perplexity"]
     for r in rows:
+        error = "" if r is rows[0] or r["perplexity_error"] is None else \
+            f" ± {r['perplexity_error']:.2%}"
         table.add_row(r["weights"], f"{r['perplexity']:.3f}",
-                      f"{r['perplexity'] / base - 1:+.2%}", f"{r['top1_agreement']:.2%}",
+                      f"{r['perplexity'] / base - 1:+.2%}{error}", f"{r['top1_agreement']:.2%}",
                       f"{r['mean_kl']:.5f}")
     out.print(table)
-    out.print(f"{rows[0]['positions']:,} positions; KL divergence in nats, from float32's "
-              f"next-token distributions")
+    out.print(f"{rows[0]['positions']:,} positions; ± one standard error over the windows of "
+              f"text;\nKL divergence in nats, from float32's next-token distributions")
 
 
 def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],

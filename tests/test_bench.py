@@ -401,10 +401,23 @@ def test_fidelity_compares_each_format_with_float32(tmp_path):
     assert {r["positions"] for r in rows.values()} == {doc["tokens"] - windows}
     base = rows["float32"]
     assert base["top1_agreement"] == 1.0 and base["mean_kl"] == 0.0
+    assert windows >= 2 and base["perplexity_error"] == 0.0
+    assert all(0 < rows[f]["perplexity_error"] < 0.1 for f in ("q8_0", "nf4", "q4_0"))
     assert abs(rows["q8_0"]["perplexity"] / base["perplexity"] - 1) < 0.01
     assert rows["q8_0"]["top1_agreement"] > 0.95
     for four_bit in ("nf4", "q4_0"):
         assert rows[four_bit]["mean_kl"] > rows["q8_0"]["mean_kl"] > 0
+
+
+def test_fidelity_table_gives_each_change_its_error_within_80_columns(tmp_path):
+    result = fidelity_run(tmp_path, "--quantize", "q8_0")
+    assert result.exit_code == 0, result.output
+    lines = result.stdout.splitlines()
+    base, row = (next(line for line in lines if line.lstrip().startswith(name))
+                 for name in ("float32", "q8_0"))
+    assert re.search(r"[+-]\d+\.\d\d% ± \d+\.\d\d%", row) and "±" not in base
+    assert "± one standard error over the windows" in result.stdout
+    assert max(len(line) for line in lines) <= 80
 
 
 def test_fidelity_takes_the_formats_quantize_names(tmp_path):

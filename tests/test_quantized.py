@@ -415,6 +415,9 @@ def test_fidelity_compares_each_format_with_float32_position_by_position():
     assert exact.perplexity == pytest.approx(float(np.exp(nll / 18)), rel=1e-4)
     four = report["q4_0"]
     assert four.mean_kl > 1e-4 and four.perplexity != pytest.approx(exact.perplexity, rel=1e-4)
+    assert exact.perplexity_error == 0.0 and four.perplexity_error > 0
+    one_window = fidelity(lean, tokens, ["q4_0"], window=32, threads=1)
+    assert one_window["q4_0"].perplexity_error is None  # no spread from a single window
 
 
 def test_a_paired_difference_takes_the_windows_as_its_units():

@@ -9,11 +9,14 @@ The text runs in windows of `window` tokens (a model trained on 256-token window
 degrades past them), each from an empty cache; every position but a window's last
 predicts the next token. Per format: perplexity (exp of the mean negative log-likelihood
 of the next tokens), top-1 agreement (the share of positions whose argmax is float32's)
-and the mean KL divergence KL(p_float32 || p_format) in nats.
+and the mean KL divergence KL(p_float32 || p_format) in nats; and the standard error of
+the perplexity's ratio to float32's, with the windows as the sampled units (positions
+within a window are not independent): a difference within two of it is noise.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -36,11 +39,14 @@ class Fidelity:
     perplexity: float
     top1_agreement: float
     mean_kl: float
+    # The standard error of the perplexity's ratio to float32's, the windows as the
+    # sampled units (`Tally.difference`); None with a single window.
+    perplexity_error: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {"weights": self.weights, "positions": self.positions,
                 "perplexity": self.perplexity, "top1_agreement": self.top1_agreement,
-                "mean_kl": self.mean_kl}
+                "mean_kl": self.mean_kl, "perplexity_error": self.perplexity_error}
 
 
 def windows(tokens: Sequence[int], window: int) -> list[list[int]]:
@@ -97,12 +103,17 @@ class Tally:
         spread = float(((gaps - mean * sizes) ** 2).sum()) * count / (count - 1)
         return mean, spread ** 0.5 / float(sizes.sum())
 
-    def figures(self, name: str) -> Fidelity:
+    def figures(self, name: str, reference: Tally | None = None) -> Fidelity:
+        """The figures over the windows so far; with `reference` (float32's tally), the
+        perplexity's standard error against it too."""
         if not self.positions:
             raise ValueError("the text has fewer than two tokens: nothing to predict")
-        return Fidelity(name, self.positions,
-                        float(torch.tensor(self.nll / self.positions).exp()),
-                        self.agree / self.positions, self.kl / self.positions)
+        error = None
+        if reference is not None and len(self.window_nll) > 1:
+            gap, spread = self.difference(reference)
+            error = math.exp(gap) * spread  # of exp(gap), to first order
+        return Fidelity(name, self.positions, math.exp(self.nll / self.positions),
+                        self.agree / self.positions, self.kl / self.positions, error)
 
 
 def tally(pieces: Sequence[list[int]], scorers: dict[str, Scorer]) -> dict[str, Tally]:
@@ -132,4 +143,4 @@ def fidelity(lean: Any, tokens: Sequence[int], formats: Sequence[str], window: i
     """float32's and each of `formats`' figures (the module doc), by name; float32's
     agreement is 1 and its divergence 0."""
     tallies = tally(windows(tokens, window), native_scorers(lean, formats, threads))
-    return {name: t.figures(name) for name, t in tallies.items()}
+    return {name: t.figures(name, tallies["float32"]) for name, t in tallies.items()}
