@@ -9,6 +9,7 @@ import typer
 
 from cli import options as opt
 from cli.context import (
+    chat_messages,
     combination_defaults,
     encode_prompt,
     load,
@@ -212,6 +213,7 @@ def beam(
     text = read_prompt(prompt)
     lm = load(model_flags, loaded_preset)
     ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
+    target.messages = chat_messages(text, opt.prompt_flags(given))
     prepare_grammar(lm, settings)
     with opened(target) as target:
         code = run_beam(lm, ids, text, settings, sink=target, tree=tree,

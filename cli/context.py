@@ -240,6 +240,15 @@ def text_of(text: str, what: str) -> str:
     return text
 
 
+def chat_messages(prompt: str, flags: PromptFlags) -> list[dict[str, str]] | None:
+    """The messages --chat applies the chat template to, a --system message first (the
+    documents' `messages`); None without --chat."""
+    if not flags.chat:
+        return None
+    return ([{"role": "system", "content": flags.system}] if flags.system else []) + \
+        [{"role": "user", "content": prompt}]
+
+
 def encode_prompt(lm: LoadedModel, prompt: str, flags: PromptFlags,
                   max_new_tokens: int) -> list[int]:
     """The prompt's token ids: through the chat template with --chat, cut to its last
@@ -248,9 +257,7 @@ def encode_prompt(lm: LoadedModel, prompt: str, flags: PromptFlags,
     if chat:
         if system:
             text_of(system, "--system")
-        messages = ([{"role": "system", "content": system}] if system else []) + \
-            [{"role": "user", "content": prompt}]
-        ids = lm.encode_chat(messages)
+        ids = lm.encode_chat(chat_messages(prompt, flags) or [])
     else:
         if system:
             raise fail("--system needs --chat")

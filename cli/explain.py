@@ -163,6 +163,7 @@ def explain(
     text = context.read_prompt(prompt)
     lm = context.load(model_flags, loaded_preset)
     ids = context.encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
+    target.messages = context.chat_messages(text, opt.prompt_flags(given))
     context.prepare_grammar(lm, settings)
     forced = parse_branch(lm, branch, settings.max_new_tokens) if branch else None
     record = explain_record(lm, ids, text, settings, top, forced, model_flags.backend)

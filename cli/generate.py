@@ -11,6 +11,7 @@ import typer
 from cli import options as opt
 from cli import render_tokens
 from cli.context import (
+    chat_messages,
     combination_defaults,
     encode_prompt,
     load,
@@ -273,6 +274,7 @@ def generate(
     ids = encode_prompt(lm, text, opt.prompt_flags(given), settings.max_new_tokens)
     prepare_grammar(lm, settings)
     with opened(sink(as_json, as_jsonl, output)) as target:
+        target.messages = chat_messages(text, opt.prompt_flags(given))
         code = run_generation(lm, ids, text, settings, target, show_stats, logprobs, color_by,
                               scorer, model_flags.backend)
     if code:

@@ -116,6 +116,9 @@ class Sink:
     mode: str = "text"
     path: str | None = None
     _handle: IO[str] | None = None
+    # With --chat, the messages the chat template made the prompt of: each document and
+    # line with a `prompt` carries them beside it, as `messages` (`with_messages`).
+    messages: list[dict[str, str]] | None = None
 
     @property
     def machine(self) -> bool:
@@ -146,11 +149,21 @@ class Sink:
 
     def json_document(self, doc: dict[str, Any]) -> None:
         if self.mode == "json":
-            self.write(json.dumps(doc, ensure_ascii=self._ascii(), indent=2) + "\n")
+            self.write(json.dumps(self.with_messages(doc), ensure_ascii=self._ascii(),
+                                  indent=2) + "\n")
 
     def json_line(self, obj: dict[str, Any]) -> None:
         if self.mode == "jsonl":
-            self.write(json.dumps(obj, ensure_ascii=self._ascii()) + "\n")
+            self.write(json.dumps(self.with_messages(obj), ensure_ascii=self._ascii()) + "\n")
+
+    def with_messages(self, doc: dict[str, Any]) -> dict[str, Any]:
+        """`doc` with `messages` after its `prompt` where --chat made the prompt."""
+        if self.messages is None or "prompt" not in doc:
+            return doc
+        keys = list(doc)
+        at = keys.index("prompt") + 1
+        return {key: doc[key] for key in keys[:at]} | {"messages": self.messages} | \
+            {key: doc[key] for key in keys[at:]}
 
     def _ascii(self) -> bool:
         """\\u escapes (the same JSON) where stdout's encoding could not hold every

@@ -13,6 +13,7 @@ import typer
 from cli import options as opt
 from cli import render_tokens
 from cli.context import (
+    chat_messages,
     encode_prompt,
     keep_last_tokens,
     load,
@@ -326,6 +327,7 @@ def speculate(
     draft = load(opt.model_flags(given, draft_ref),
                  weights=kernels) if draft_ref is not None else None
     ids = encode_prompt(target, text, opt.prompt_flags(given), settings.max_new_tokens)
+    target_sink.messages = chat_messages(text, opt.prompt_flags(given))
     prepare_grammar(target, settings)
     if given["truncate_prompt"] and draft is not None and draft.max_positions is not None:
         # the draft reads the prompt too: cut it to fit the shorter context of the two

@@ -81,6 +81,27 @@ def test_every_jsonl_line_validates_and_matches_the_document(documents, name):
         assert [x["text"] for x in lines] == texts
 
 
+CHAT = ["-m", "builtin:code-small", "--chat", "--system", "Answer in code.", "-n", "3"]
+
+
+@pytest.mark.parametrize("command", ["generate", "beam", "speculate", "explain"])
+def test_a_chat_prompt_names_its_messages_in_each_document_and_line(command):
+    """--chat's documents and lines say what the chat template was applied to, in the
+    order the template took them; without --chat there are none."""
+    extra = ["--prompt-lookup", "2"] if command == "speculate" else []
+    want = [{"role": "system", "content": "Answer in code."},
+            {"role": "user", "content": "def add(a, b):"}]
+    doc = json.loads(run(command, "def add(a, b):", *CHAT, *extra, "--json").stdout)
+    assert errors(doc) == [] and doc["messages"] == want
+    assert list(doc).index("messages") == list(doc).index("prompt") + 1
+    lines = [json.loads(line) for line in
+             run(command, "def add(a, b):", *CHAT, *extra, "--jsonl").stdout.splitlines()]
+    assert lines and all(errors(line) == [] and line["messages"] == want for line in lines)
+    plain = json.loads(run(command, "def add(a, b):", "-m", "builtin:code-small", "-n", "3",
+                           *extra, "--json").stdout)
+    assert "messages" not in plain and plain["prompt_tokens"] < doc["prompt_tokens"]
+
+
 def outputs_of(doc):
     if doc["command"] == "compare":
         groups = doc.get("strategies") or doc.get("runs")
