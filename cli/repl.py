@@ -569,8 +569,8 @@ def turn(session: Session, text: str) -> None:
         raise CommandError("the interactive session shows one answer per prompt; "
                            "/set num_return_sequences=1")
     messages = [*session.messages, {"role": "user", "content": text}]
+    system = [{"role": "system", "content": session.system}] if session.system else []
     if session.chat:
-        system = [{"role": "system", "content": session.system}] if session.system else []
         ids = lm.encode_chat([*system, *messages])
     else:
         lm.check_prompt_chars(text, settings.max_new_tokens)
@@ -591,7 +591,9 @@ def turn(session: Session, text: str) -> None:
         "turn": len(session.turns) + 1, "prompt": text, "output": finish.text,
         "finish_reason": finish.reason, "prompt_tokens": finish.prompt_tokens,
         "new_tokens": finish.new_tokens, "chat": session.chat, "model": lm.ref,
-        "settings": settings.to_dict()})
+        "settings": settings.to_dict(),
+        # in chat mode, what the chat template was applied to (the JSON's `messages`)
+        **({"messages": [*system, *messages]} if session.chat else {})})
 
 
 def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,

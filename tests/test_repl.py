@@ -217,6 +217,12 @@ def test_a_conversation_past_the_context_points_to_reset(tmp_path: Path):
                           "/reset to forget the conversation's earlier turns"), error
     turns = [json.loads(line) for line in saved.read_text().splitlines()]
     assert [t["prompt"] for t in turns] == ["Once upon a time", "Tell me more", "And more"]
+    system = {"role": "system", "content": "You are a storyteller"}
+    assert turns[1]["messages"] == [  # each turn: the conversation its answer followed
+        system, {"role": "user", "content": "Once upon a time"},
+        {"role": "assistant", "content": turns[0]["output"]},
+        {"role": "user", "content": "Tell me more"}]
+    assert turns[2]["messages"] == [system, {"role": "user", "content": "And more"}]
 
 
 @pytest.mark.slow
