@@ -503,17 +503,20 @@ BEAM_NOTE = ("--logprobs: beam search records no per-token detail, so beam outpu
              "logprobs (their --json still lists the raw model's token_logprobs)")
 
 
-def logprobs_tables(tables: list[tuple[str, dict[str, Any]]], console: Console) -> None:
-    """One --logprobs table per (title, logprobs object), under the comparison."""
-    from cli.render_tokens import LOGPROBS_TITLE, logprobs_view
+def logprobs_tables(tables: list[tuple[str, dict[str, Any], GenerationSettings]],
+                    console: Console) -> None:
+    """One --logprobs table per (title, logprobs object, the settings that made it),
+    under the comparison."""
+    from cli.render_tokens import logprobs_title, logprobs_view
 
-    for title, logprobs in tables:
-        console.print(logprobs_view(logprobs, f"{title} · {LOGPROBS_TITLE}"))
+    for title, logprobs, settings in tables:
+        console.print(logprobs_view(logprobs, f"{title} · {logprobs_title(settings)}"))
 
 
-def strategy_tables(results: list[StrategyResult]) -> list[tuple[str, dict[str, Any]]]:
-    """(title, logprobs object) of every output that has one: the strategy's label, and
-    the sample's number where the strategy drew several."""
+def strategy_tables(results: list[StrategyResult]
+                    ) -> list[tuple[str, dict[str, Any], GenerationSettings]]:
+    """(title, logprobs object, settings) of every output that has one: the strategy's
+    label, and the sample's number where the strategy drew several."""
     tables = []
     for result in results:
         several = len(result.samples) > 1
@@ -521,7 +524,7 @@ def strategy_tables(results: list[StrategyResult]) -> list[tuple[str, dict[str, 
             if sample.logprobs_object is not None:
                 title = f"{result.strategy.label} · sample {n}" if several \
                     else result.strategy.label
-                tables.append((title, sample.logprobs_object))
+                tables.append((title, sample.logprobs_object, result.strategy.settings))
     return tables
 
 
@@ -605,8 +608,9 @@ def run_models(prompt: str, strategies: list[Strategy], model_refs: list[str],
     try:
         console.print(models_table(comparison))
         if not target.machine:
-            logprobs_tables([(run.label, run.logprobs_object) for run in comparison.runs
-                             if run.logprobs_object is not None], console)
+            logprobs_tables([(run.label, run.logprobs_object, strategies[0].settings)
+                             for run in comparison.runs if run.logprobs_object is not None],
+                            console)
     finally:  # a reader of the table that went away (| head) costs no export
         emit(models_json(comparison), "runs", target, models_markdown(comparison),
              markdown_path)

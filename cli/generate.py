@@ -153,7 +153,7 @@ def run_generation(lm: LoadedModel, ids: list[int], prompt: str,
             if not live:
                 render.stream_text(text_block(finish.row, finish.text))
             if logprobs:  # --json and --jsonl hold them
-                render_tokens.logprobs_table(lm, tokens.get(finish.row, ()))
+                render_tokens.logprobs_table(lm, tokens.get(finish.row, ()), settings)
         if show_stats:  # on stderr, whatever stdout holds
             render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason,
                          backend_note(prefill), architecture(lm) if prefill else "",

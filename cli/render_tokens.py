@@ -18,6 +18,7 @@ from genlib.errors import not_one_of
 if TYPE_CHECKING:
     from genlib.events import Token
     from genlib.models.loading import LoadedModel
+    from genlib.settings.config import GenerationSettings
 
 COLOR_BY = ("prob", "entropy", "rank")
 # Five bins, from "the model was sure of it" to "the model hardly expected it".
@@ -70,18 +71,31 @@ def stream_token(event: Token, mode: str | None) -> None:
     stream_text(event.text, f"black on {style_for(mode, event.detail)}")
 
 
-LOGPROBS_TITLE = "logprobs (raw model / processed)"
+def logprobs_title(settings: GenerationSettings) -> str:
+    """The --logprobs table's title: what its `logprob` is under (docs/strategies.md,
+    docs/combining.md: the scores DoLa or a combination of models made, where one
+    did, else the raw model's distribution), then the processed distribution."""
+    if settings.dola_layers is not None:
+        scores = "DoLa's scores"
+    elif settings.cd_beta is not None:
+        scores = "contrastive decoding's scores"
+    elif settings.ensemble_mode is not None:
+        scores = "the ensemble"
+    else:
+        scores = "raw model"
+    return f"logprobs ({scores} / processed)"
 
 
-def logprobs_table(lm: LoadedModel, tokens: Sequence[Token]) -> None:
+def logprobs_table(lm: LoadedModel, tokens: Sequence[Token],
+                   settings: GenerationSettings) -> None:
     """--logprobs in text mode: one line per token on stderr (raw and processed
     logprob, then the alternatives)."""
     from genlib.lab.explain import logprobs_content
 
-    err.print(logprobs_view(logprobs_content(lm, tokens)))
+    err.print(logprobs_view(logprobs_content(lm, tokens), logprobs_title(settings)))
 
 
-def logprobs_view(logprobs: Mapping[str, Any], title: str = LOGPROBS_TITLE) -> Table:
+def logprobs_view(logprobs: Mapping[str, Any], title: str) -> Table:
     """An OpenAI/vLLM `logprobs` object (`genlib.lab.explain.logprobs_content`) as a table:
     one line per token, its raw and processed logprob, then the raw top alternatives."""
     table = Table(show_edge=False, title=title, title_justify="left")
@@ -89,7 +103,7 @@ def logprobs_view(logprobs: Mapping[str, Any], title: str = LOGPROBS_TITLE) -> T
     table.add_column("token")
     table.add_column("logprob", justify="right")
     table.add_column("processed", justify="right")
-    table.add_column("top alternatives (raw logprob)")
+    table.add_column("top alternatives (logprob)")
     for index, entry in enumerate(logprobs["content"]):
         alts = "  ".join(f"{c['token']!r} {_logprob(c['logprob'], 2)}"
                          for c in entry["top_logprobs"])

@@ -633,7 +633,7 @@ def stream_answer(lm: LoadedModel, ids: list[int], settings: GenerationSettings,
                    backend=backend), handle)
     render.end_line()
     if logprobs and tokens and tokens[0].detail is not None:
-        render_tokens.logprobs_table(lm, tokens)
+        render_tokens.logprobs_table(lm, tokens, settings)
     if finish is not None:
         render.stats(finish.new_tokens, finish.ttft, finish.tokens_per_second, finish.reason)
         render.warn_incomplete([finish.reason], settings.max_new_tokens)

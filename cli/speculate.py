@@ -401,7 +401,7 @@ def report(target: LoadedModel, drafting: Drafting, ids: list[int], text: str,
     sink.json_line(output.line(doc, doc["outputs"][0], speedup=doc["speedup"]))
     if not sink.machine:
         if logprobs:
-            render_tokens.logprobs_table(target, tokens)
+            render_tokens.logprobs_table(target, tokens, settings)
         shown = drafter + (" (bfloat16 weights)" if weights == "bfloat16" else "")
         render_report(summary, shown, plain[1] if plain else None,
                       identical_line(finish, plain[0]) if plain else None,

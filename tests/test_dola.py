@@ -176,3 +176,25 @@ def test_beam_search_is_refused():
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 2
     assert "dola_layers (DoLa) runs greedy or sampling, not beam search" in done.stderr
+
+
+def test_the_logprobs_table_names_the_scores_it_shows():
+    """Under DoLa or combined models `logprob` is under the scores they made, and the
+    --logprobs table's title says so rather than "raw model"."""
+    from cli.render_tokens import logprobs_title
+
+    assert logprobs_title(resolve_settings({})) == "logprobs (raw model / processed)"
+    assert logprobs_title(resolve_settings({"dola_layers": "high"})) == \
+        "logprobs (DoLa's scores / processed)"
+    assert logprobs_title(resolve_settings({"ensemble_mode": "mean"})) == \
+        "logprobs (the ensemble / processed)"
+    assert logprobs_title(resolve_settings({"cd_beta": 0.5})) == \
+        "logprobs (contrastive decoding's scores / processed)"
+
+
+@pytest.mark.slow
+def test_dolas_logprobs_table_says_whose_they_are():
+    done = run_cli("-p", "dola", "--logprobs", "1")
+    assert done.returncode == 0, done.stderr
+    assert "logprobs (DoLa's scores / processed)" in done.stderr
+    assert "raw model" not in done.stderr
