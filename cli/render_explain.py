@@ -12,7 +12,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
-from cli.render import out
+from cli.render import counted, out
 
 CHOSEN_STYLE = "bold green"
 REMOVED_STYLE = "dim red"
@@ -124,7 +124,12 @@ def show_branch(original: dict[str, Any], branch: dict[str, Any]) -> None:
     table.add_row(_marked(original["steps"], at), _marked(branch["steps"], at))
     out.print(table)
     step, outcome = branch["step"], branch_outcome(branch)
-    if outcome == "ended":
+    stopped = [name for name, run in (("original", original), ("branch", branch))
+               if run["finish_reason"] == "interrupted"]
+    if outcome == "ended" and "branch" in stopped:
+        note = (f"interrupted (Ctrl-C) after {counted(len(branch['steps']), 'step')}, "
+                f"before step {step}: nothing was forced")
+    elif outcome == "ended":
         note = (f"no divergence: the run ended after {len(branch['steps'])} steps, before "
                 f"step {step}, so nothing was forced and the two runs are the same")
     elif outcome == "same":
@@ -132,6 +137,8 @@ def show_branch(original: dict[str, Any], branch: dict[str, Any]) -> None:
                 f"chose there, so the two runs are the same")
     else:
         note = f"they diverge at step {at} (marked); steps after it used the same random draws"
+    if stopped and not note.startswith("interrupted"):
+        note += f"; the {' and the '.join(stopped)} stopped early (Ctrl-C, finish: interrupted)"
     out.print(Text(note, style="dim"))
 
 

@@ -517,6 +517,10 @@ def branch(session: Session, args: str) -> None:
         raise CommandError("/branch needs an answer first: type a prompt")
     step, _, token = args.partition(" ")
     ids, settings = session.last
+    if settings.strategy == "beam":
+        raise CommandError("/branch replays a greedy or sampled answer, and this one came "
+                           "from beam search; /set strategy=greedy (or sample), answer, then "
+                           "/branch")
     if settings.samples is not None:
         raise CommandError("/branch replays one drawn answer, and this one was kept from "
                            "samples drawn apart; /set samples= rerank= to draw one")

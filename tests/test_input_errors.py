@@ -510,3 +510,33 @@ def test_an_empty_prompt_on_a_model_without_bos_says_what_to_give(command):
     assert_clear(invoke(command, "", "-m", str(CODE_TARGET), "-n", "3", *extra), 2,
                  "error: every prompt needs at least one token, and this model's tokenizer "
                  "adds none (no BOS) to an empty prompt: give some text")
+
+
+def test_branch_after_a_beam_answer_says_what_to_set(monkeypatch, session, capsys):
+    drive(monkeypatch, session, ["/set strategy=beam num_beams=2", "Once upon a time",
+                                 "/branch 1 #370"])
+    err = capsys.readouterr().err
+    assert ("/branch replays a greedy or sampled answer, and this one came from beam "
+            "search; /set strategy=greedy (or sample), answer, then /branch") in err
+    assert "--logprobs" not in err and "--crn" not in err
+
+
+def test_a_branch_cut_short_says_it_was_interrupted(capsys):
+    """A Ctrl-C during /branch ends a run "interrupted": the note says so, not that the
+    run ended on its own."""
+    from cli.render_explain import show_branch
+
+    def run(tokens, reason, **extra):
+        return {"steps": [{"step": i, "token": t} for i, t in enumerate(tokens)],
+                "finish_reason": reason, **extra}
+
+    original = run(["a", "b", "c", "d"], "length")
+    show_branch(original, run(["a"], "interrupted", step=2, diverges_at=None))
+    assert "interrupted (Ctrl-C) after 1 step, before step 2: nothing was forced" in \
+        capsys.readouterr().out
+    show_branch(original, run(["a", "x"], "interrupted", step=1, diverges_at=1))
+    said = capsys.readouterr().out
+    assert "they diverge at step 1" in said
+    assert "the branch stopped early (Ctrl-C, finish: interrupted)" in said
+    show_branch(original, run(["a", "x", "y", "z"], "length", step=1, diverges_at=1))
+    assert "interrupted" not in capsys.readouterr().out
