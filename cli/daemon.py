@@ -116,7 +116,8 @@ def status(as_json: Json = False, output_file: OutputFile = None) -> None:
     reply = ask({"status": True})
     state = None if reply is None else {
         "pid": reply["pid"], "uptime_seconds": round(time.time() - reply["started"], 3),
-        "resident_bytes": _resident_bytes(reply["pid"]), "served": reply["served"],
+        "resident_bytes": _resident_bytes(reply["pid"]),
+        "served": _others(reply["served"], reply["pid"]),
         "running": _others(reply["running"], reply["pid"]),
         "differences": _differences(reply)}
     with opened(target):

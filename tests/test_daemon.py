@@ -441,6 +441,10 @@ def test_start_twice_says_it_runs_and_status_shows_it(daemon):
     assert status.returncode == 0
     assert status.stdout.startswith("the genlab daemon is running (pid ")
     assert "it serves commands run from here" in status.stdout
+    before = served(daemon)
+    document = json.loads(genlab(daemon, "daemon", "status", "--json").stdout)
+    assert served(daemon) == before + 1  # the daemon served the status command too...
+    assert document["daemon"]["served"] == before  # ...which counts the others alone
 
 
 def test_stop_lets_running_commands_end_and_a_new_daemon_start_meanwhile(tmp_path):
