@@ -81,9 +81,9 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- |")
     base = rows[0]["perplexity"]
     for r in rows:
+        error = "-" if r["perplexity_error"] is None else f"{r['perplexity_error']:.3%}"
         print(f"| {r['weights']} | {r['perplexity']:.3f} | {r['perplexity'] / base - 1:+.3%} "
-              f"({r['perplexity_error']:.3%}) | {r['top1_agreement']:.2%} "
-              f"| {r['mean_kl']:.5f} |")
+              f"({error}) | {r['top1_agreement']:.2%} | {r['mean_kl']:.5f} |")
     ggufs = [name for name in tallies if name.startswith("llama.cpp")]
     ours = [name for name in tallies if name != "float32" and name not in ggufs]
     if ggufs:
@@ -92,6 +92,8 @@ def main() -> None:
         print("| --- | --- | --- | --- |")
     for theirs in ggufs:
         for name in ours:
+            if len(pieces) < 2:
+                continue  # no spread from one window
             gap, error = tallies[name].difference(tallies[theirs])
             print(f"| {name} | {theirs.split(' ', 1)[1]} | {math.expm1(gap):+.3%} "
                   f"| {error:.3%} |")

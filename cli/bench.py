@@ -388,8 +388,10 @@ def print_fidelity(rows: list[dict[str, Any]]) -> None:
                       f"{r['perplexity'] / base - 1:+.2%}{error}", f"{r['top1_agreement']:.2%}",
                       f"{r['mean_kl']:.5f}")
     out.print(table)
-    out.print(f"{rows[0]['positions']:,} positions; ± one standard error over the windows of "
-              f"text;\nKL divergence in nats, from float32's next-token distributions")
+    spread = "; ± one standard error over the windows of text" \
+        if any(r["perplexity_error"] for r in rows) else ""
+    out.print(f"{rows[0]['positions']:,} positions{spread};\nKL divergence in nats, from "
+              f"float32's next-token distributions")
 
 
 def run_sweep(model: str | None, device: str, trust_remote_code: bool, dtypes: list[str],

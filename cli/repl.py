@@ -541,6 +541,8 @@ def save(session: Session, args: str, replace: bool = False) -> None:
     path = Path(args).expanduser()
     if path.is_file() and not replace and path.resolve() not in session.saved:
         raise CommandError(f"{path} exists; /save! {args} replaces it, or /save another name")
+    if not path.parent.is_dir():
+        raise CommandError(f"cannot write {path}: there is no folder {path.parent}")
     try:
         write_turns(path, session.turns)
     except OSError as exc:
@@ -551,11 +553,23 @@ def save(session: Session, args: str, replace: bool = False) -> None:
 
 def write_turns(path: Path, turns: list[dict[str, Any]]) -> None:
     """The turns as JSON Lines (genlib.jsonl: one line each, whatever the text holds),
-    renamed into place once whole: a failed write leaves what was there."""
+    renamed into place once whole: a failed write leaves what was there. A file replaced
+    keeps its permissions, a new one gets open()'s (0o666 less the umask); a symbolic
+    link keeps naming its file, which is the one replaced."""
+    import os
+    import stat
+
     from genlib import jsonl
     from genlib.cachedirs import written_whole
 
-    with written_whole(path) as fh:
+    path = path.resolve() if path.is_symlink() else path
+    if path.exists():
+        mode = stat.S_IMODE(path.stat().st_mode)
+    else:
+        umask = os.umask(0)
+        os.umask(umask)
+        mode = 0o666 & ~umask
+    with written_whole(path, mode) as fh:
         for record in turns:
             fh.write(jsonl.dumps(record))
 

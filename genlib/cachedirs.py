@@ -38,15 +38,18 @@ def files(folder: Path) -> list[Path]:
 
 
 @contextmanager
-def written_whole(path: Path) -> Iterator[BinaryIO]:
+def written_whole(path: Path, mode: int | None = None) -> Iterator[BinaryIO]:
     """A file for `path`'s new contents, written under a temporary name beside it
     (`.NAME.*.tmp`) and renamed into place when the block ends without an error: a reader
     never sees half a file, and two writers at once each leave a whole one. The temporary
-    file is gone either way. OSError where the folder cannot be made or written."""
+    file is gone either way. Its permissions: `mode`, or the owner's alone (a cache's).
+    OSError where the folder cannot be made or written."""
     path.parent.mkdir(parents=True, exist_ok=True)
     handle, temporary = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.",
                                          suffix=".tmp")
     try:
+        if mode is not None:
+            os.fchmod(handle, mode)
         with os.fdopen(handle, "wb") as file:
             yield file
         os.replace(temporary, path)

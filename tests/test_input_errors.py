@@ -346,6 +346,8 @@ def test_save_replaces_only_its_own_file_unless_told(monkeypatch, session, capsy
 
     notes, mine = tmp_path / "notes.jsonl", tmp_path / "s.jsonl"
     notes.write_text("mine\n")
+    notes.chmod(0o640)
+    (tmp_path / "link.jsonl").symlink_to(notes)
     drive(monkeypatch, session, ["Once upon a time", f"/save {notes}", f"/save {mine}",
                                  "The cat", f"/save {mine}", f"/save {tmp_path}"])
     err = capsys.readouterr().err
@@ -354,7 +356,8 @@ def test_save_replaces_only_its_own_file_unless_told(monkeypatch, session, capsy
     assert [json.loads(line)["prompt"] for line in mine.read_text().splitlines()] == \
         ["Once upon a time", "The cat"]
     assert f"cannot write {tmp_path} (" in err
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.jsonl", "s.jsonl"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.jsonl", "notes.jsonl",
+                                                          "s.jsonl"]
 
     real, calls = jsonl.dumps, []
 
@@ -368,9 +371,17 @@ def test_save_replaces_only_its_own_file_unless_told(monkeypatch, session, capsy
     drive(monkeypatch, session, [f"/save! {notes}"])
     assert "cannot write" in capsys.readouterr().err and notes.read_text() == "mine\n"
     monkeypatch.setattr(jsonl, "dumps", real)
-    drive(monkeypatch, session, [f"/save! {notes}"])
+    drive(monkeypatch, session, [f"/save! {tmp_path / 'link.jsonl'}"])
     assert "saved 2 turns" in capsys.readouterr().err
-    assert len(notes.read_text().splitlines()) == 2
+    assert len(notes.read_text().splitlines()) == 2 and (tmp_path / "link.jsonl").is_symlink()
+    assert notes.stat().st_mode & 0o777 == 0o640  # a file replaced keeps its permissions
+    umask = os.umask(0)
+    os.umask(umask)
+    assert mine.stat().st_mode & 0o777 == 0o666 & ~umask  # a new one: open()'s
+    drive(monkeypatch, session, [f"/save {tmp_path / 'no' / 'such' / 's.jsonl'}"])
+    assert f"cannot write {tmp_path / 'no' / 'such' / 's.jsonl'}: there is no folder" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "no").exists()
 
 
 def test_repl_refuses_a_bias_outside_the_vocabulary_and_clears_a_setting(

@@ -122,14 +122,27 @@ def test_the_kernels_nf4_encoder_gives_the_same_codes_and_scales():
     if built.library is None:
         pytest.skip(built.reason)
     torch.manual_seed(3)
-    w = torch.randn(67, 300) * torch.logspace(-4, 2, 300)
+    rows = quant.NF4_ROWS + 30  # PyTorch's slices of rows, a short one last
+    w = torch.randn(rows, 300) * torch.logspace(-4, 2, 300)
     w[5] = 0
     w[9, 17] = 1e4
+    w[11] = w[11].to(torch.bfloat16).float()  # many equal weights: ties between candidates
     codes, scales = kernel.quantize(w, "nf4")
     want_codes, want_scales = quant.quantize(w, "nf4")
-    assert (codes.shape, scales.shape) == ((67, 300), (67, 5))
+    assert (codes.shape, scales.shape) == ((rows, 300), (rows, 5))
     assert torch.equal(codes, want_codes) and torch.equal(scales, want_scales)
     assert torch.equal(kernel.quantize(w, "q4_0")[1], quant.quantize(w, "q4_0")[1])
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("name", FORMATS)
+def test_a_weight_no_scale_stands_for_is_refused(name, bad):
+    w = torch.randn(4, 64)
+    w[2, 7] = bad
+    for encode in (quant.quantize, kernel.quantize):
+        with pytest.raises(quant.NonFiniteWeights, match=f"NaN or infinite weights, which "
+                                                         f"{name} cannot quantize"):
+            encode(w, name)
 
 
 @pytest.mark.parametrize("name", FORMATS)
@@ -443,3 +456,40 @@ def test_a_paired_difference_takes_the_windows_as_its_units():
     assert se > 0 and b.difference(a) == pytest.approx((-mean, se))
     with pytest.raises(ValueError, match="same two or more windows"):
         a.difference(Tally())
+
+
+def test_a_model_with_a_nan_weight_is_one_line_under_quantize(tmp_path):
+    """Packing a damaged matrix into a quantized format fails at load, in one line that
+    names the matrix; the float model still runs (its NaN is the user's to find)."""
+    from safetensors.torch import load_file, save_file
+    from typer.testing import CliRunner
+
+    from cli.main import app
+    from tests.conftest import STORIES
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    for item in STORIES.iterdir():
+        if item.name != "model.safetensors":
+            (folder / item.name).symlink_to(item)
+    tensors = load_file(STORIES / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"][3, 5] = float("nan")
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    done = CliRunner().invoke(app, ["generate", "x", "-m", str(folder), "--quantize", "4bit",
+                                    "-n", "2"])
+    assert done.exit_code == 2, done.output
+    assert "Traceback" not in done.output
+    assert done.output.strip().splitlines()[-1] == (
+        "error: model.layers.1.mlp.up_proj.weight: it holds NaN or infinite weights, which "
+        "nf4 cannot quantize; the model's weights are damaged, or run it without --quantize")
+
+
+def test_the_checkpoint_tool_names_a_matrix_it_cannot_quantize():
+    from genlib.models.qwrite import QuantizeError, _matrix
+
+    w = torch.randn(8, 64)
+    w[1, 1] = float("-inf")
+    with pytest.raises(QuantizeError, match=r"^lm_head.weight: it holds NaN or infinite "
+                                            r"weights, which q8_0 cannot quantize; the "
+                                            r"source model's weights are damaged$"):
+        _matrix("lm_head.weight", w, "q8_0")

@@ -179,7 +179,8 @@ def test_mapped_weights_give_the_tokens_of_a_fresh_pack_and_are_not_packed_again
 
 
 def test_a_pack_by_another_quantizer_is_packed_again(cache_home, monkeypatch):
-    """The key holds quant.ENCODER: nf4 codes chosen another way are not mapped."""
+    """The key holds quant.ENCODERS' version: nf4 codes chosen another way are not
+    mapped."""
     from genlib.backends import quant
 
     calls = []
@@ -189,7 +190,7 @@ def test_a_pack_by_another_quantizer_is_packed_again(cache_home, monkeypatch):
     kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
     kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
     assert len(calls) == 1
-    monkeypatch.setattr(quant, "ENCODER", quant.ENCODER + 1)
+    monkeypatch.setitem(quant.ENCODERS, "nf4", quant.ENCODERS["nf4"] + 1)
     kernel.NativeStep(quick_code_target().lean, 2, weights="nf4")
     assert len(calls) == 2 and len(list(cache_home.glob("*.weights"))) == 1
 

@@ -56,6 +56,7 @@ import torch
 
 from genlib.backends import quant
 from genlib.backends.sizes import tensor_bytes
+from genlib.errors import ModelLoadError
 
 SOURCE = Path(__file__).parent / "csrc" / "lean_step.c"
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-shared", "-fPIC")
@@ -332,6 +333,7 @@ def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tenso
     library = build_for("nf4").library if name == "nf4" else None
     if library is None:
         return quant.quantize(weight, name)
+    quant.check_finite(weight, name)
     weight = weight.detach().to(torch.float32).contiguous()
     rows, columns = weight.shape
     codes = torch.empty(rows, columns, dtype=torch.uint8)
@@ -374,7 +376,13 @@ def pack_weights(tensor: Callable[[str], Any], layers: int, head: str, panel: in
         if isinstance(rows[0], tuple):  # stored codes and scales: rows stack as they are
             codes, scales = (torch.cat(parts) for parts in zip(*rows))
             return quant.pack_codes(codes, scales, panel, stored_as)
-        return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel, stored_as)
+        try:
+            return pack_matrix(torch.cat(rows) if len(rows) > 1 else rows[0], panel,
+                               stored_as)
+        except quant.NonFiniteWeights as error:
+            bad = next(n for n, row in zip(names, rows) if not torch.isfinite(row).all())
+            raise ModelLoadError(f"{bad}: {error}; the model's weights are damaged, or run "
+                                 f"it without --quantize") from None
 
     packed = {"lm_head": matrix(head, stored_as=head_weights or weights)}
     for i in range(layers):
@@ -471,7 +479,8 @@ def cache_key(file: Path, weights: str, panel: int, dtype: torch.dtype
     entry = f"{real.parent.name}-{where}-{weights}-p{panel}"
     return entry, {"file": str(real), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns,
                    "weights": weights, "panel": panel, "layout": LAYOUT,
-                   "encoder": quant.ENCODER,
+                   **({"encoder": quant.ENCODERS[weights]} if weights in quant.ENCODERS
+                      else {}),
                    "dtype": str(dtype).removeprefix("torch.")}
 
 

@@ -3,10 +3,12 @@ dimension, each block one float32 scale and a small integer code per weight.
 
 - q8_0 (llama.cpp's Q8_0): blocks of 32, int8 codes; a weight is code * scale,
   scale = absmax / 127, code = round(w / scale).
-- nf4 (bitsandbytes' NF4): blocks of 64, 4-bit codes; a weight is NF4[code] * scale,
-  code the nearest of the 16 NF4 levels to w / scale. bitsandbytes' scale is the block's
-  absmax; here it is the one of least squared error among a few (`_nf4`), absmax's
-  included, which a reader of NF4 dequantizes the same way.
+- nf4 (bitsandbytes' NF4): blocks of 64, 4-bit codes; a weight is NF4[code] * scale.
+  bitsandbytes takes the block's absmax for the scale and each code the nearest of the
+  16 NF4 levels to w / absmax; here a few candidate scales each give their nearest
+  codes, each set of codes its least-squares scale, and the block keeps the pair of
+  least squared error, absmax's among them (`_nf4`). A reader of NF4 dequantizes it
+  the same way.
 - q4_0 (llama.cpp's Q4_0): blocks of 32, 4-bit codes; a weight is (code - 8) * scale,
   scale = max / -8 where max is the block's weight of largest magnitude (its sign too).
 
@@ -60,9 +62,9 @@ FORMATS = {f.name: f for f in (Format("q8_0", 32, 8), Format("nf4", 64, 4),
 NF4_SEARCH = (1.0, 0.9, 0.8, 0.7)
 NF4_ROWS = 1024
 
-# How `quantize` chooses codes and scales: part of the weight cache's key, so a change
-# here rebuilds what was packed before it.
-ENCODER = 2
+# How `quantize` chooses a format's codes and scales, where it changed since the format
+# came: part of the weight cache's key, so a change rebuilds what was packed before it.
+ENCODERS = {"nf4": 2}
 
 # The output matrix's format (the lm_head, or the embeddings where it is tied to them)
 # where the others' is 4-bit, as llama.cpp's Q4_0 files keep it at 6 or 8 bits (Q6_K,
@@ -96,12 +98,13 @@ def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tenso
     """`weight` (out, in), as float32, in format `name`: its codes (out, in) (int8 for
     q8_0, uint8 0-15 for nf4 and q4_0) and scales (out, blocks) float32."""
     fmt = format_of(name)
+    check_finite(weight, name)
     blocks, columns = _blocks(weight.detach().to(torch.float32), fmt.block)
     if name == "q8_0":
         scales = blocks.abs().amax(dim=2) / 127
         inverse = torch.where(scales > 0, 1 / scales, torch.zeros_like(scales))
         codes = torch.round(blocks * inverse[..., None]).clamp(-127, 127).to(torch.int8)
-    elif name == "nf4":  # in slices of rows: its float64 sums double the memory
+    elif name == "nf4":  # in slices of rows: bucketize's codes take 8 bytes a weight
         parts = [_nf4(part) for part in blocks.split(NF4_ROWS)]
         codes, scales = (torch.cat(halves) for halves in zip(*parts))
     else:  # q4_0, as llama.cpp's quantize_row_q4_0_ref
@@ -111,6 +114,16 @@ def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tenso
         codes = (blocks * inverse[..., None] + 8.5).to(torch.int8).clamp(max=15)
         codes = codes.to(torch.uint8)
     return codes.reshape(codes.shape[0], -1)[:, :columns].contiguous(), scales.contiguous()
+
+
+class NonFiniteWeights(ValueError):
+    """A matrix to quantize holds NaN or infinite weights: no scale stands for them."""
+
+
+def check_finite(weight: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(weight).all()):
+        raise NonFiniteWeights(f"it holds NaN or infinite weights, which {name} cannot "
+                               f"quantize")
 
 
 def _nf4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -127,8 +140,13 @@ def _nf4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scale = absmax * share
         inverse = torch.where(scale > 0, 1 / scale, torch.zeros_like(scale))
         codes = torch.bucketize(blocks * inverse[..., None], middles)
-        values = levels[codes].double()
-        fit, size = (blocks.double() * values).sum(dim=2), (values * values).sum(dim=2)
+        values = levels[codes]
+        fit = torch.zeros(blocks.shape[:2], dtype=torch.float64)
+        size = torch.zeros_like(fit)
+        for column in range(blocks.shape[2]):  # in the kernel's order: the same bits
+            level = values[..., column].double()
+            fit += blocks[..., column].double() * level  # a product of floats is exact
+            size += level * level
         fitted = torch.where(size > 0, fit / torch.where(size > 0, size, 1), 0)
         gain = fit * fitted  # the squared error is the block's sum of squares less this
         if best is None:

@@ -136,7 +136,11 @@ def _matrix(name: str, weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, to
     if quant.FORMATS[fmt].bits == 4 and weight.shape[1] % 2:
         raise QuantizeError(f"{name} has {weight.shape[1]} columns; {fmt} stores two codes "
                             f"a byte and needs an even number (use q8_0)")
-    codes, scales = kernel.quantize(weight.to(torch.float32), fmt)  # nf4's the fast way
+    try:
+        codes, scales = kernel.quantize(weight.to(torch.float32), fmt)  # nf4's the fast way
+    except quant.NonFiniteWeights as error:
+        raise QuantizeError(f"{name}: {error}; the source model's weights are damaged"
+                            ) from None
     half = scales.to(torch.float16)
     if not torch.isfinite(half).all():
         raise QuantizeError(f"{name} has weights beyond float16's range for its scales; "
