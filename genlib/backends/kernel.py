@@ -344,7 +344,8 @@ def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tenso
     library.genlab_nf4_quantize(
         _pointer(weight), ctypes.c_long(rows), ctypes.c_long(columns), _pointer(levels),
         _pointer(middles), _pointer(shares), ctypes.c_int(len(shares)),
-        ctypes.c_void_p(codes.data_ptr()), _pointer(scales))
+        ctypes.c_void_p(codes.data_ptr()), _pointer(scales),
+        ctypes.c_int(torch.get_num_threads()))  # --threads, as PyTorch's ops take it
     return codes, scales
 
 

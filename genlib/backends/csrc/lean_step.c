@@ -1005,14 +1005,13 @@ int genlab_draft_greedy(const Model *m, int n, const long *tokens, long position
  * middles between levels lie below w / scale), and the scale that fits those codes
  * best is sum(w * level) / sum(level^2), summed in double; the block keeps the
  * candidate of largest sum(w * level)^2 / sum(level^2) (least squared error), the first
- * on a tie. A product of two floats is exact in double, so the sums differ from
- * PyTorch's only in their last bits, below a float's rounding. Rows split across
- * threads. */
+ * on a tie. A product of two floats is exact in double, and `_nf4` sums in this
+ * order too, so the two give the same bits. Rows split across `threads` threads. */
 void genlab_nf4_quantize(const float *w, long rows, long cols, const float *levels,
                          const float *middles, const float *shares, int n_shares,
-                         unsigned char *codes, float *scales) {
+                         unsigned char *codes, float *scales, int threads) {
     long blocks = (cols + 63) / 64;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) num_threads(threads)
     for (long r = 0; r < rows; r++) {
         for (long b = 0; b < blocks; b++) {
             const float *x = w + r * cols + b * 64;
