@@ -512,3 +512,28 @@ def test_a_workers_genlab_warnings_are_the_clis_warning_lines(capsys, monkeypatc
         warnings.warn(GenlabWarning("regex: xgrammar warns: '$' is ignored"), stacklevel=1)
         warnings.warn("not genlab's", UserWarning, stacklevel=1)  # Python's to show
     assert capsys.readouterr().err == "warning: regex: xgrammar warns: '$' is ignored\n"
+
+
+def test_a_run_stopped_midway_waits_a_moment_for_the_threads_it_started():
+    """Before ray.shutdown() a stopped run lets the threads Ray Data started finish (one
+    left in a ray.get after the shutdown ends the process with status 1), for at most
+    the grace given, whatever they do."""
+    import threading
+    import time
+
+    from genlib.batch.ray_engine import let_threads_end
+
+    before = set(threading.enumerate())
+    stop = threading.Event()
+    brief = threading.Thread(target=time.sleep, args=(0.3,), daemon=True)
+    stuck = threading.Thread(target=stop.wait, daemon=True)
+    brief.start()
+    start = time.monotonic()
+    let_threads_end(before, grace=5.0)
+    assert not brief.is_alive() and time.monotonic() - start < 4.0
+    stuck.start()
+    start = time.monotonic()
+    let_threads_end(before, grace=0.5)
+    waited = time.monotonic() - start
+    assert stuck.is_alive() and 0.4 < waited < 2.0
+    stop.set()

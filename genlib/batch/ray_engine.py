@@ -27,6 +27,8 @@ import json
 import logging
 import math
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -177,12 +179,33 @@ def run_on_ray(jobs: Sequence[Job], lines: Sequence[str], plan: WorkerPlan,
     if not jobs:
         return
     started = connect(address)
+    before = set(threading.enumerate())
+    ended = False
     try:
         size = pool_size(require_ray(), worker_needs(plan), workers, note)
         yield from _stream(jobs, lines, plan, size, worker)
+        ended = True
     finally:
         if started:
+            if not ended:  # stopped midway: Ctrl-C, SIGTERM, an error
+                let_threads_end(before, DATA_THREADS_GRACE)
             require_ray().shutdown()
+
+
+# Seconds a run stopped midway gives the threads Ray Data started before ray.shutdown().
+DATA_THREADS_GRACE = 2.0
+
+
+def let_threads_end(before: set[threading.Thread], grace: float) -> None:
+    """Wait up to `grace` seconds in all for the threads started since `before` to end.
+    Ray Data's prefetching threads, told to stop when its iterator closes, may still be
+    inside a ray.get (Ray does not join them, its own comment says); ray.shutdown() under
+    one of them ends the whole process with status 1 ("the core worker has already been
+    shutdown"), taking a SIGTERM'd run's summary and exit status with it."""
+    deadline = time.monotonic() + grace
+    for thread in set(threading.enumerate()) - before:
+        if thread is not threading.current_thread():
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def worker_needs(plan: WorkerPlan) -> dict[str, float]:
