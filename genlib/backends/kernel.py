@@ -338,8 +338,7 @@ def quantize(weight: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tenso
     rows, columns = weight.shape
     codes = torch.empty(rows, columns, dtype=torch.uint8)
     scales = torch.empty(rows, -(-columns // quant.FORMATS[name].block), dtype=torch.float32)
-    levels = torch.tensor(quant.NF4, dtype=torch.float32)
-    middles = (levels[1:] + levels[:-1]) / 2
+    levels, middles = quant.nf4_tables()
     shares = torch.tensor(quant.NF4_SEARCH, dtype=torch.float32)
     library.genlab_nf4_quantize(
         _pointer(weight), ctypes.c_long(rows), ctypes.c_long(columns), _pointer(levels),

@@ -126,14 +126,21 @@ def check_finite(weight: torch.Tensor, name: str) -> None:
                                f"quantize")
 
 
+def nf4_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """NF4's 16 levels and the 15 middles between them (a weight's code is how many
+    middles lie below it), float32: what `_nf4` and the kernel's encoder both compare
+    with, so that they choose the same codes."""
+    levels = torch.tensor(NF4, dtype=torch.float32)
+    return levels, (levels[1:] + levels[:-1]) / 2
+
+
 def _nf4(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """NF4 codes and scales of `blocks` (out, blocks, 64): for each candidate scale
     (`NF4_SEARCH` times the block's absmax, float32) the nearest levels, then the scale
     that fits those codes best (least squares, summed in float64); the block keeps the
     pair of least squared error, the first on a tie, so never worse than absmax's. The
     kernel's `genlab_nf4_quantize` computes the same numbers (`kernel.quantize`)."""
-    levels = torch.tensor(NF4, dtype=torch.float32)
-    middles = (levels[1:] + levels[:-1]) / 2  # the nearest level: between which middles
+    levels, middles = nf4_tables()
     absmax = blocks.abs().amax(dim=2)
     best = None
     for share in torch.tensor(NF4_SEARCH, dtype=torch.float32):
